@@ -1,0 +1,58 @@
+"""Command line: `bumblebee list`, `bumblebee pair --model M --slot S --a X --b Y [--json PATH]`."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _swaps(items: list[str]) -> dict[str, str]:
+    out = {}
+    for item in items:
+        if "=" not in item:
+            raise SystemExit(f"--swap expects slot=impl, got {item!r}")
+        slot, name = item.split("=", 1)
+        out[slot] = name
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="bumblebee", description=__doc__)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("list", help="every slot, its implementations and SKILL.md")
+    p = sub.add_parser("pair", help="train one model with two implementations of a slot and compare")
+    p.add_argument("--model", default="qwen3-tiny")
+    p.add_argument("--slot", default="attention")
+    p.add_argument("--a", default="sdpa")
+    p.add_argument("--b", default="eager")
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batch-size", type=int, default=2)
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--device", default=None)
+    p.add_argument("--swap", action="append", default=[], metavar="SLOT=IMPL",
+                   help="other slots to set on both sides")
+    p.add_argument("--json", default=None, metavar="PATH")
+    args = parser.parse_args(argv)
+
+    from bumblebee import registry
+    if args.cmd == "list":
+        print(registry.describe())
+        return 0
+    from bumblebee.pairing import format_report, pair, write_json
+    try:
+        report = pair(args.model, args.slot, args.a, args.b, steps=args.steps, seed=args.seed,
+                      batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr, device=args.device,
+                      impl=_swaps(args.swap))
+    except ValueError as e:
+        print(f"bumblebee pair: {e}", file=sys.stderr)
+        return 2
+    print(format_report(report))
+    if args.json:
+        write_json(report, args.json)
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,62 @@
+"""Autograd-aware collectives for vocabulary/tensor parallelism (Megatron's region pattern).
+
+A loss that is *replicated* on every rank after its all-reduces must not have its gradient summed
+again in the backward: `reduce_from_group` all-reduces forward and passes the gradient through,
+`copy_to_group` is the identity forward and all-reduces the gradient of a replicated input.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+class _ReduceFromGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        x = x.clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _CopyToGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def reduce_from_group(x: torch.Tensor, group) -> torch.Tensor:
+    return x if group is None else _ReduceFromGroup.apply(x, group)
+
+
+def copy_to_group(x: torch.Tensor, group) -> torch.Tensor:
+    return x if group is None else _CopyToGroup.apply(x, group)
+
+
+def all_reduce_max(x: torch.Tensor, group) -> torch.Tensor:
+    """Max over ranks, without gradient (used only for numerical stability)."""
+    x = x.detach().clone()
+    if group is not None:
+        dist.all_reduce(x, op=dist.ReduceOp.MAX, group=group)
+    return x
+
+
+def vocab_range(local_vocab: int, group, device) -> tuple[int, int]:
+    """(offset of this rank's shard, total vocabulary) for a V-sharded weight; shards may differ."""
+    if group is None:
+        return 0, local_vocab
+    sizes = torch.zeros(dist.get_world_size(group), dtype=torch.int64, device=device)
+    sizes[dist.get_rank(group)] = local_vocab
+    dist.all_reduce(sizes, group=group)
+    rank = dist.get_rank(group)
+    return int(sizes[:rank].sum()), int(sizes.sum())

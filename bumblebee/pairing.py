@@ -1,0 +1,92 @@
+"""The pairing harness: one model, one slot, two implementations, identical weights and batches.
+
+Each side runs alone (the other is not resident), so peak memory and step time are its own.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+
+import torch
+from tqdm import tqdm
+
+from bumblebee import registry
+from bumblebee.probes import peak_memory, wall_ms
+
+
+def _batches(vocab: int, steps: int, batch: int, seq: int, seed: int):
+    g = torch.Generator().manual_seed(seed + 1)
+    return [torch.randint(0, vocab, (batch, seq), generator=g) for _ in range(steps)]
+
+
+def _run(model, batches, device, lr, desc):
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    records = []
+    for ids in tqdm(batches, desc=desc, delay=3, leave=False):
+        ids = ids.to(device)
+        with peak_memory(device, model, opt) as mem, wall_ms(device) as t:
+            loss = model(ids, labels=ids).loss
+            loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        records.append({"loss": loss.item(), "grad_norm": grad_norm.item(), "ms": t["ms"],
+                        "peak": mem["peak_bytes"]})
+    return records
+
+
+def pair(model: str = "qwen3-tiny", slot: str = "attention", a: str = "sdpa", b: str = "eager", *,
+         steps: int = 5, seed: int = 0, batch_size: int = 2, seq_len: int = 64, lr: float = 1e-3,
+         warmup: int = 1, device=None, dtype=None, impl: dict | None = None) -> dict:
+    """Train `model` with slot=a and slot=b from the same weights on the same batches; compare."""
+    from bumblebee import models
+
+    registry.get(slot, a), registry.get(slot, b)  # ValueError listing what is accepted
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    base = dict(impl or {})
+    model_a = models.build(model, {**base, slot: a}, seed=seed, dtype=dtype, device="cpu")
+    weights = {k: v.clone() for k, v in model_a.state_dict().items()}
+    batches = _batches(model_a.config.vocab_size, steps, batch_size, seq_len, seed)
+    torch.manual_seed(seed)
+    rec_a = _run(model_a.to(device), batches, device, lr, f"{slot}={a}")
+    del model_a
+    model_b = models.build(model, {**base, slot: b}, seed=seed + 1, dtype=dtype, device="cpu")
+    model_b.load_state_dict(weights)
+    torch.manual_seed(seed)
+    rec_b = _run(model_b.to(device), batches, device, lr, f"{slot}={b}")
+    timed = slice(min(warmup, steps - 1), None)
+    return {
+        "model": model, "slot": slot, "a": a, "b": b, "device": _device_name(device), "seed": seed,
+        "batch_size": batch_size, "seq_len": seq_len,
+        "steps": [{"step": i, "loss_a": ra["loss"], "loss_b": rb["loss"],
+                   "loss_abs_diff": abs(ra["loss"] - rb["loss"]),
+                   "grad_norm_a": ra["grad_norm"], "grad_norm_b": rb["grad_norm"],
+                   "grad_norm_rel_diff": abs(ra["grad_norm"] - rb["grad_norm"]) / max(abs(rb["grad_norm"]), 1e-30)}
+                  for i, (ra, rb) in enumerate(zip(rec_a, rec_b))],
+        "peak_memory_bytes": {"a": max(r["peak"] for r in rec_a), "b": max(r["peak"] for r in rec_b)},
+        "step_time_ms": {"a": statistics.median(r["ms"] for r in rec_a[timed]),
+                         "b": statistics.median(r["ms"] for r in rec_b[timed])},
+    }
+
+
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def format_report(r: dict) -> str:
+    lines = [f"pair {r['model']}  slot={r['slot']}  a={r['a']}  b={r['b']}  device={r['device']}",
+             f"{'step':>4} {'loss_a':>12} {'loss_b':>12} {'|diff|':>10} {'gnorm_a':>11} {'gnorm_b':>11} {'rel diff':>10}"]
+    for s in r["steps"]:
+        lines.append(f"{s['step']:>4} {s['loss_a']:>12.6f} {s['loss_b']:>12.6f} {s['loss_abs_diff']:>10.2e} "
+                     f"{s['grad_norm_a']:>11.5f} {s['grad_norm_b']:>11.5f} {s['grad_norm_rel_diff']:>10.2e}")
+    mem, ms = r["peak_memory_bytes"], r["step_time_ms"]
+    lines.append(f"peak memory MiB   a {mem['a'] / 2**20:10.2f}   b {mem['b'] / 2**20:10.2f}")
+    lines.append(f"step time ms      a {ms['a']:10.2f}   b {ms['b']:10.2f}   (median after warm-up)")
+    return "\n".join(lines)
+
+
+def write_json(r: dict, path) -> None:
+    with open(path, "w") as f:
+        json.dump(r, f, indent=2)

@@ -1,0 +1,105 @@
+"""Slot registry: every swappable capability is a slot with named implementations.
+
+A primitive and its baseline twin register under the same slot; a model picks one by name, so a
+swap is one string in the model config (or `--swap slot=impl` on the CLI), never an edit of the
+model file.
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class Impl:
+    slot: str
+    name: str
+    obj: Any  # a function or an nn.Module class
+    kind: str  # "primitive" or "baseline"
+    twin: str | None  # the other implementation this one is checked against
+    skill: str  # path of the SKILL.md, relative to the repository root
+    summary: str = ""
+
+
+_SLOTS: dict[str, dict[str, Impl]] = {}
+_DEFAULTS: dict[str, str] = {}
+_loaded = False
+
+
+def register(slot: str, name: str, *, kind: str, twin: str | None = None, default: bool = False) -> Callable:
+    """Decorator: `@register("attention", "sdpa", kind="primitive", twin="eager")`."""
+    if kind not in ("primitive", "baseline"):
+        raise ValueError(f"kind must be 'primitive' or 'baseline', got {kind!r}")
+
+    def deco(obj):
+        impls = _SLOTS.setdefault(slot, {})
+        if name in impls and impls[name].obj is not obj:
+            raise ValueError(f"implementation {name!r} of slot {slot!r} is registered twice")
+        doc = (obj.__doc__ or "").strip().splitlines()
+        skill = f"skills/{slot.replace('_', '-')}/SKILL.md"
+        impls[name] = Impl(slot, name, obj, kind, twin, skill, doc[0] if doc else "")
+        if default or slot not in _DEFAULTS:
+            _DEFAULTS[slot] = name
+        return obj
+
+    return deco
+
+
+def _load_all() -> None:
+    # Implementations register themselves on import; import them lazily to avoid cycles.
+    global _loaded
+    if not _loaded:
+        _loaded = True
+        importlib.import_module("bumblebee.baselines")
+        importlib.import_module("bumblebee.primitives")
+
+
+def slots() -> dict[str, dict[str, Impl]]:
+    _load_all()
+    return {s: dict(v) for s, v in sorted(_SLOTS.items())}
+
+
+def get(slot: str, name: str | None = None) -> Impl:
+    """The implementation `name` of `slot` (its default when name is None)."""
+    _load_all()
+    if slot not in _SLOTS:
+        raise ValueError(f"unknown slot {slot!r}; accepted: {sorted(_SLOTS)}")
+    name = _DEFAULTS[slot] if name is None else name
+    if name not in _SLOTS[slot]:
+        raise ValueError(f"unknown implementation {name!r} for slot {slot!r}; accepted: {sorted(_SLOTS[slot])}")
+    return _SLOTS[slot][name]
+
+
+def resolve(slot: str, name: str | None = None) -> Any:
+    """The registered object itself (a function for functional slots, a class for module slots)."""
+    return get(slot, name).obj
+
+
+def build(slot: str, name: str | None = None, *args, **kwargs) -> Any:
+    """Instantiate a module slot's implementation (or return a functional slot's function)."""
+    obj = resolve(slot, name)
+    return obj(*args, **kwargs) if isinstance(obj, type) else obj
+
+
+def check_impl(impl: dict[str, str] | None) -> dict[str, str]:
+    """Validate a {slot: implementation} mapping; raises ValueError naming what is accepted."""
+    impl = dict(impl or {})
+    for slot, name in impl.items():
+        get(slot, name)
+    return impl
+
+
+def describe() -> str:
+    """Human-readable table of every slot, its implementations and SKILL.md."""
+    lines = []
+    for slot, impls in slots().items():
+        lines.append(f"{slot}  (default: {_DEFAULTS[slot]})")
+        for impl in impls.values():
+            twin = f", twin of {impl.twin}" if impl.twin else ""
+            lines.append(f"  {impl.name:<18} {impl.kind}{twin}: {impl.summary}")
+        lines.append(f"  skill: {next(iter(impls.values())).skill}")
+    return "\n".join(lines)

@@ -1,0 +1,75 @@
+"""Thin model files and their Hugging Face checkpoint mapping.
+
+    model = bb.models.from_pretrained(hf_dir, impl={"cross_entropy": "linear_ce"})
+    model = bb.models.build("qwen3-tiny", impl={"attention": "eager"}, seed=0)
+    model.save_pretrained(out_dir)
+"""
+from __future__ import annotations
+
+import copy
+import torch
+
+from bumblebee.models import hf_io
+from bumblebee.models.configs import NAMED
+from bumblebee.models.qwen3 import Qwen3ForCausalLM
+
+MODEL_TYPES = {"qwen3": Qwen3ForCausalLM}
+
+
+def _model_class(hf: dict):
+    kind = hf.get("model_type")
+    if kind not in MODEL_TYPES:
+        raise ValueError(f"unknown model_type {kind!r}; accepted: {sorted(MODEL_TYPES)}")
+    return MODEL_TYPES[kind]
+
+
+def _hf_config(name_or_config) -> dict:
+    if isinstance(name_or_config, dict):
+        return copy.deepcopy(name_or_config)
+    if name_or_config not in NAMED:
+        raise ValueError(f"unknown model {name_or_config!r}; accepted: {sorted(NAMED)}")
+    return copy.deepcopy(NAMED[name_or_config])
+
+
+def init_weights(model: torch.nn.Module, seed: int = 0) -> None:
+    """Normal(0, initializer_range) for matrices, ones for norms (transformers' init)."""
+    g = torch.Generator().manual_seed(seed)
+    std = model.config.initializer_range
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.fill_(1.0) if name.endswith("norm.weight") else p.zero_()
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) * std)
+
+
+def build(name_or_config, impl: dict | None = None, *, seed: int = 0, dtype=None, device="cpu"):
+    """A freshly initialized model from a named config (`qwen3-tiny`, ...) or an HF config dict."""
+    hf = _hf_config(name_or_config)
+    cls = _model_class(hf)
+    config = cls.config_class.from_hf(hf)
+    with torch.device("meta"):
+        model = cls(config, impl)
+    model.to_empty(device="cpu")
+    model.tie_weights()
+    init_weights(model, seed)
+    return model.to(device=device, dtype=dtype or config.dtype)
+
+
+def from_pretrained(path, impl: dict | None = None, *, dtype=None, device="cpu"):
+    """Load config.json and *.safetensors written by transformers (or by `save_pretrained`)."""
+    hf = hf_io.read_config(path)
+    cls = _model_class(hf)
+    config = cls.config_class.from_hf(hf)
+    dtype = dtype or config.dtype
+    with torch.device("meta"):
+        model = cls(config, impl)
+    model.to_empty(device=device)
+    model.tie_weights()
+    model.to(dtype)
+    optional = ("lm_head.weight",) if config.tie_word_embeddings else ()
+    hf_io.load_weights(model, path, optional=optional)
+    return model
+
+
+__all__ = ["build", "from_pretrained", "init_weights", "NAMED", "MODEL_TYPES"]

@@ -1,0 +1,20 @@
+"""Embedded named configs (Hugging Face config.json contents) for `bb.models.build(name)`."""
+
+_QWEN3 = {"model_type": "qwen3", "hidden_act": "silu", "rms_norm_eps": 1e-6, "attention_bias": False,
+          "rope_parameters": {"rope_theta": 1000000.0, "rope_type": "default"}, "vocab_size": 151936,
+          "max_position_embeddings": 40960, "head_dim": 128, "dtype": "bfloat16"}
+
+NAMED = {
+    # Runs on a CPU in seconds: the default of the pairing demo and of the tests.
+    "qwen3-tiny": {**_QWEN3, "vocab_size": 1024, "hidden_size": 64, "intermediate_size": 160,
+                   "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+                   "tie_word_embeddings": False, "dtype": "float32", "max_position_embeddings": 4096},
+    "qwen3-0.6b": {**_QWEN3, "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
+                   "num_attention_heads": 16, "num_key_value_heads": 8, "tie_word_embeddings": True},
+    "qwen3-1.7b": {**_QWEN3, "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 28,
+                   "num_attention_heads": 16, "num_key_value_heads": 8, "tie_word_embeddings": True},
+    "qwen3-4b": {**_QWEN3, "hidden_size": 2560, "intermediate_size": 9728, "num_hidden_layers": 36,
+                 "num_attention_heads": 32, "num_key_value_heads": 8, "tie_word_embeddings": True},
+    "qwen3-8b": {**_QWEN3, "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
+                 "num_attention_heads": 32, "num_key_value_heads": 8, "tie_word_embeddings": False},
+}

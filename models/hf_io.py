@@ -1,0 +1,127 @@
+"""Hugging Face checkpoint I/O with our own code: config.json + *.safetensors (single or sharded).
+
+Saving writes into a sibling temporary folder and renames it into place, so a crash mid-save leaves
+the previous checkpoint intact.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+INDEX = "model.safetensors.index.json"
+
+
+def read_config(path) -> dict:
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path} has no config.json")
+    with open(path / "config.json") as f:
+        return json.load(f)
+
+
+def _weight_files(path: Path) -> dict[str, Path]:
+    """tensor name -> file holding it."""
+    if (path / INDEX).is_file():
+        with open(path / INDEX) as f:
+            weight_map = json.load(f)["weight_map"]
+        files = {name: path / file for name, file in weight_map.items()}
+        for file in set(files.values()):
+            if not file.is_file():
+                raise FileNotFoundError(f"{INDEX} in {path} names {file.name}, which does not exist")
+        return files
+    single = path / "model.safetensors"
+    if not single.is_file():
+        raise FileNotFoundError(f"{path} has neither model.safetensors nor {INDEX}")
+    with safe_open(single, "pt") as f:
+        return {name: single for name in f.keys()}
+
+
+def load_weights(model: torch.nn.Module, path, *, optional: tuple[str, ...] = (),
+                 ignore_prefixes: tuple[str, ...] = ()) -> None:
+    """Copy every parameter of `model` from the safetensors files in `path`, checking names/shapes.
+
+    A tensor the model lacks is an error too (a silent partial load hides a wrong config), unless
+    its name starts with one of `ignore_prefixes`.
+    """
+    path = Path(path)
+    files = _weight_files(path)
+    params = dict(model.named_parameters(remove_duplicate=True))
+    missing = [n for n in params if n not in files and n not in optional]
+    if missing:
+        raise KeyError(f"checkpoint {path} lacks {len(missing)} tensors, e.g. {missing[:3]}")
+    known = set(dict(model.named_parameters(remove_duplicate=False)))
+    extra = [n for n in files if n not in known and not n.startswith(ignore_prefixes)]
+    if extra:
+        raise KeyError(f"checkpoint {path} holds {len(extra)} tensors the model does not have, e.g. {extra[:3]}")
+    by_file: dict[Path, list[str]] = {}
+    for name in params:
+        if name in files:
+            by_file.setdefault(files[name], []).append(name)
+    with torch.no_grad():
+        for file, names in by_file.items():
+            with safe_open(file, "pt") as f:
+                for name in names:
+                    t = f.get_tensor(name)
+                    if t.shape != params[name].shape:
+                        raise ValueError(f"{file.name}: tensor {name} has shape {tuple(t.shape)}, "
+                                         f"expected {tuple(params[name].shape)}")
+                    params[name].copy_(t)
+
+
+def save_weights(state: dict[str, torch.Tensor], config: dict, path, *, max_shard_bytes: int = 5 * 2**30) -> None:
+    """Write config.json and safetensors shards (with an index when more than one) atomically."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    try:
+        shards, size = [[]], 0
+        for name, t in state.items():
+            nbytes = t.numel() * t.element_size()
+            if shards[-1] and size + nbytes > max_shard_bytes:
+                shards.append([])
+                size = 0
+            shards[-1].append(name)
+            size += nbytes
+        weight_map = {}
+        for i, names in enumerate(shards):
+            file = "model.safetensors" if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            save_file({n: state[n].detach().cpu().contiguous() for n in names}, tmp / file, metadata={"format": "pt"})
+            weight_map.update({n: file for n in names})
+        if len(shards) > 1:
+            total = sum(t.numel() * t.element_size() for t in state.values())
+            with open(tmp / INDEX, "w") as f:
+                json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+        with open(tmp / "config.json", "w") as f:
+            json.dump(config, f, indent=2)
+        _replace_dir(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _replace_dir(new: Path, path: Path) -> None:
+    if not path.exists():
+        os.rename(new, path)
+        return
+    old = Path(tempfile.mkdtemp(prefix=f".{path.name}.old-", dir=path.parent))
+    os.rmdir(old)
+    os.rename(path, old)  # until the next rename completes, the previous checkpoint sits at `old`
+    os.rename(new, path)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+class HFCheckpointMixin:
+    """`model.save_pretrained(dir)`: config.json + safetensors that transformers loads back."""
+
+    def save_pretrained(self, path, *, max_shard_bytes: int = 5 * 2**30) -> None:
+        state = dict(self.state_dict())
+        if self.config.tie_word_embeddings:
+            state.pop("lm_head.weight", None)  # transformers stores a tied head once
+        save_weights(state, self.config.to_hf(), Path(path), max_shard_bytes=max_shard_bytes)
