@@ -37,3 +37,14 @@ def check_token_ids(input_ids: torch.Tensor, vocab_size: int, name: str = "input
     if input_ids.numel() and bool(((input_ids < 0) | (input_ids >= vocab_size)).any()):
         bad = input_ids[(input_ids < 0) | (input_ids >= vocab_size)][0]
         raise ValueError(f"{name} holds {int(bad)}, outside the vocabulary [0, {vocab_size})")
+
+
+def check_attention_inputs(q, k, v):
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"q, k, v must be [B, heads, T, D], got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if k.shape != v.shape[:3] + (k.shape[3],) or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
+        raise ValueError(f"k/v must be [B={q.shape[0]}, Hkv, T={q.shape[2]}, D], got {tuple(k.shape)}, {tuple(v.shape)}")
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})")
+    if q.shape[3] != k.shape[3]:
+        raise ValueError(f"q and k head dims differ: {q.shape[3]} vs {k.shape[3]}")

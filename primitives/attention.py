@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from bumblebee.baselines.attention import check_attention_inputs
+from bumblebee.checks import check_attention_inputs
 from bumblebee.registry import register
 
 _CUDA_ORDER = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,

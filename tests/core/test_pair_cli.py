@@ -1,0 +1,61 @@
+"""The pairing harness through its CLI: table on stdout, JSON with the documented keys."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from bumblebee.cli import main
+
+STEP_KEYS = {"step", "loss_a", "loss_b", "loss_abs_diff", "grad_norm_a", "grad_norm_b", "grad_norm_rel_diff"}
+
+
+def test_pair_cli_writes_table_and_json(tmp_path, capsys):
+    out = tmp_path / "r.json"
+    assert main(["pair", "--model", "qwen3-tiny", "--slot", "attention", "--a", "sdpa", "--b", "eager",
+                 "--steps", "3", "--seed", "4", "--json", str(out)]) == 0
+    table = capsys.readouterr().out
+    assert "loss_a" in table and "peak memory" in table
+    r = json.loads(out.read_text())
+    assert {"model", "slot", "a", "b", "device", "steps", "peak_memory_bytes", "step_time_ms"} <= set(r)
+    assert (r["model"], r["slot"], r["a"], r["b"], r["device"]) == ("qwen3-tiny", "attention", "sdpa", "eager", "cpu")
+    assert len(r["steps"]) == 3 and all(set(s) == STEP_KEYS for s in r["steps"])
+    for s in r["steps"]:
+        assert s["loss_abs_diff"] < 1e-4 and s["grad_norm_rel_diff"] < 1e-4
+        assert 0 < s["loss_a"] < 20 and s["grad_norm_a"] > 0
+    # training moves the loss; both sides see the same batches so they move together
+    assert r["steps"][0]["loss_a"] != r["steps"][-1]["loss_a"]
+    # the tracker counts at least the fp32 parameters, gradients and two Adam moments
+    from bumblebee import models
+    n_params = sum(p.numel() for p in models.build("qwen3-tiny").parameters())
+    for side in "ab":
+        assert r["peak_memory_bytes"][side] >= 4 * 4 * n_params
+        assert r["step_time_ms"][side] > 0
+
+
+def test_pair_detects_a_different_function(monkeypatch):
+    """A twin that computes another function must show up in the report (the check can fail)."""
+    from bumblebee import registry
+    from bumblebee.baselines.attention import eager_attention
+    from bumblebee.pairing import pair
+
+    def doubled_scale(q, k, v, *, scale=None):
+        return eager_attention(q, k, v, scale=2 * scale)
+
+    impl = registry.Impl("attention", "doubled", doubled_scale, "baseline", "sdpa", "skills/attention/SKILL.md")
+    monkeypatch.setitem(registry._SLOTS["attention"], "doubled", impl)
+    r = pair("qwen3-tiny", "attention", "sdpa", "doubled", steps=2, seq_len=16)
+    assert max(s["grad_norm_rel_diff"] for s in r["steps"]) > 1e-3
+
+
+def test_unknown_names_list_what_is_accepted(capsys):
+    assert main(["pair", "--slot", "nope"]) == 2
+    assert "attention" in capsys.readouterr().err
+    assert main(["pair", "--slot", "attention", "--a", "flash9"]) == 2
+    err = capsys.readouterr().err
+    assert "flash9" in err and "sdpa" in err and "eager" in err
+
+
+def test_list_and_console_entry_point():
+    res = subprocess.run([sys.executable, "-m", "bumblebee.cli", "list"], capture_output=True, text=True, check=True)
+    assert "attention" in res.stdout and "materialized_ce" in res.stdout and "skills/" in res.stdout

@@ -1,0 +1,94 @@
+"""Bad input gives clear Python exceptions naming the file/key/argument and what is accepted."""
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import bumblebee as bb
+
+
+@pytest.fixture
+def saved(tmp_path):
+    model = bb.models.build("qwen3-tiny", seed=1)
+    model.save_pretrained(tmp_path / "ckpt")
+    return model, tmp_path / "ckpt"
+
+
+def test_folder_without_config(tmp_path):
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        bb.models.from_pretrained(tmp_path)
+
+
+def test_unknown_model_type(saved):
+    _, path = saved
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["model_type"] = "gpt99"
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"gpt99.*qwen3"):
+        bb.models.from_pretrained(path)
+
+
+def test_missing_tensor(saved):
+    _, path = saved
+    state = load_file(path / "model.safetensors")
+    del state["model.layers.1.mlp.up_proj.weight"]
+    save_file(state, path / "model.safetensors")
+    with pytest.raises(KeyError, match="model.layers.1.mlp.up_proj.weight"):
+        bb.models.from_pretrained(path)
+
+
+def test_misshaped_tensor(saved):
+    _, path = saved
+    state = load_file(path / "model.safetensors")
+    state["model.norm.weight"] = torch.ones(7)
+    save_file(state, path / "model.safetensors")
+    with pytest.raises(ValueError, match=r"model.norm.weight.*\(7,\).*\(64,\)"):
+        bb.models.from_pretrained(path)
+
+
+def test_unexpected_tensor(saved):
+    _, path = saved
+    state = load_file(path / "model.safetensors")
+    state["model.layers.5.mlp.up_proj.weight"] = torch.ones(3)
+    save_file(state, path / "model.safetensors")
+    with pytest.raises(KeyError, match="model.layers.5"):
+        bb.models.from_pretrained(path)
+
+
+def test_save_over_existing_checkpoint_is_atomic(saved, monkeypatch):
+    model, path = saved
+    before = (path / "model.safetensors").read_bytes()
+    import bumblebee.models.hf_io as hf_io
+
+    def crash(*a, **k):
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(hf_io, "save_file", crash)
+    with pytest.raises(RuntimeError, match="disk full"):
+        model.save_pretrained(path)
+    assert (path / "model.safetensors").read_bytes() == before
+    assert sorted(p.name for p in path.parent.iterdir()) == ["ckpt"]  # no temporary left behind
+
+
+def test_token_ids_outside_vocab():
+    model = bb.models.build("qwen3-tiny")
+    with pytest.raises(ValueError, match=r"1024.*\[0, 1024\)"):
+        model(torch.tensor([[1, 2, 1024]]))
+    with pytest.raises(ValueError, match="-1"):
+        model(torch.tensor([[1, -1]]))
+
+
+def test_labels_wrong_shape():
+    model = bb.models.build("qwen3-tiny")
+    with pytest.raises(ValueError, match="labels"):
+        model(torch.zeros(2, 5, dtype=torch.long), labels=torch.zeros(2, 4, dtype=torch.long))
+
+
+def test_unknown_slot_or_implementation():
+    with pytest.raises(ValueError, match=r"unknown slot 'atention'.*attention"):
+        bb.models.build("qwen3-tiny", impl={"atention": "sdpa"})
+    with pytest.raises(ValueError, match=r"'flash9'.*\['eager', 'sdpa'\]"):
+        bb.models.build("qwen3-tiny", impl={"attention": "flash9"})
+    with pytest.raises(ValueError, match=r"unknown model 'qwen9'.*qwen3-tiny"):
+        bb.models.build("qwen9")
