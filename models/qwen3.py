@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
 
 from bumblebee.checks import check_token_ids
 from bumblebee.models.components import (CausalLMOutput, GQAttention, RMSNorm, RotaryEmbedding, SwiGLU,
@@ -38,12 +39,16 @@ class Qwen3Model(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(c, impl) for _ in range(c.num_hidden_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(c.head_dim, c.rope)
+        self.recompute = False  # full activation recompute: keep only each layer's input
 
     def forward(self, input_ids, position_ids):
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary_emb(position_ids, x.dtype)
         for layer in self.layers:
-            x = layer(x, cos, sin)
+            if self.recompute and torch.is_grad_enabled():
+                x = checkpoint(layer, x, cos, sin, use_reentrant=False)
+            else:
+                x = layer(x, cos, sin)
         return self.norm(x)
 
 
@@ -57,6 +62,11 @@ class Qwen3ForCausalLM(HFCheckpointMixin, nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.loss_fn = resolve("cross_entropy", self.impl.get("cross_entropy"))
         self.tie_weights()
+
+    def set_recompute(self, enabled: bool = True):
+        """Full activation recompute: every decoder layer reruns its forward in the backward."""
+        self.model.recompute = enabled
+        return self
 
     def tie_weights(self):
         if self.config.tie_word_embeddings:

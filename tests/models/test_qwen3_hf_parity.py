@@ -100,3 +100,14 @@ def test_old_rope_config_layout(tmp_path):
     ids = torch.randint(0, ref.config.vocab_size, (1, 19))
     with torch.no_grad():
         assert rel_err(ours(ids).logits, ref(ids).logits) < 1e-5
+
+
+def test_full_recompute_gives_the_same_gradients():
+    model = bb.models.build("qwen3-tiny", seed=2)
+    ids = torch.randint(0, model.config.vocab_size, (2, 17))
+    model(ids, labels=ids).loss.backward()
+    plain = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    model.set_recompute(True)(ids, labels=ids).loss.backward()
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, plain[n], rtol=1e-6, atol=1e-7)
