@@ -21,7 +21,8 @@ def materialized_cross_entropy(hidden, weight, labels, *, ignore_index=-100, red
                                label_smoothing=label_smoothing, temperature=temperature,
                                vocab_offset=offset, vocab_total=vocab)
     hidden = copy_to_group(hidden, process_group)
-    logits = (hidden @ weight.t()).float() / temperature  # [N, V_local]
+    logits = hidden @ weight.t()  # [N, V_local], fp32 (float64 stays float64: the reference)
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
     valid = labels != ignore_index
     # log-sum-exp over the (possibly sharded) vocabulary
     m = all_reduce_max(logits.max(dim=-1).values, process_group)

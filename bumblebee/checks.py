@@ -48,3 +48,37 @@ def check_attention_inputs(q, k, v):
         raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})")
     if q.shape[3] != k.shape[3]:
         raise ValueError(f"q and k head dims differ: {q.shape[3]} vs {k.shape[3]}")
+
+
+def check_router_inputs(logits, top_k, *, bias=None, n_group=1, topk_group=1, routed_experts=None):
+    """ValueError (naming the offending values) for every input the routers cannot route."""
+    if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
+        raise ValueError(f"logits must be a [T, E] tensor, got shape {tuple(getattr(logits, 'shape', ()))}")
+    if not logits.is_floating_point():
+        raise ValueError(f"logits must be floating point, got {logits.dtype}")
+    E = logits.shape[1]
+    if not 1 <= top_k <= E:
+        raise ValueError(f"top_k must be in [1, E={E}], got top_k={top_k}")
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != E):
+        raise ValueError(f"bias must be [E={E}], got shape {tuple(bias.shape)}")
+    if n_group < 1 or E % n_group:
+        raise ValueError(f"the number of experts E={E} must be a multiple of n_group={n_group}")
+    if not 1 <= topk_group <= n_group:
+        raise ValueError(f"topk_group must be in [1, n_group={n_group}], got topk_group={topk_group}")
+    if n_group > 1 and E // n_group < 2:
+        raise ValueError(f"group-limited routing needs >= 2 experts per group, got E={E}, n_group={n_group}")
+    if top_k > topk_group * (E // n_group):
+        raise ValueError(f"top_k={top_k} exceeds the experts of the kept groups "
+                         f"(topk_group={topk_group} x {E // n_group} experts per group)")
+    if routed_experts is not None:
+        check_routed_experts(routed_experts, logits.shape[0], top_k, E)
+
+
+def check_routed_experts(routed_experts, T, top_k, E):
+    if routed_experts.shape != (T, top_k):
+        raise ValueError(f"routed_experts must be [T={T}, k={top_k}], got shape {tuple(routed_experts.shape)}")
+    if routed_experts.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"routed_experts must be int64 or int32, got {routed_experts.dtype}")
+    bad = (routed_experts < 0) | (routed_experts >= E)
+    if routed_experts.numel() and bool(bad.any()):
+        raise ValueError(f"routed_experts hold {int(routed_experts[bad][0])}, outside the experts [0, {E})")

@@ -12,8 +12,9 @@ import torch
 from bumblebee.models import hf_io
 from bumblebee.models.configs import NAMED
 from bumblebee.models.qwen3 import Qwen3ForCausalLM
+from bumblebee.models.qwen3_moe import Qwen3MoeForCausalLM
 
-MODEL_TYPES = {"qwen3": Qwen3ForCausalLM}
+MODEL_TYPES = {"qwen3": Qwen3ForCausalLM, "qwen3_moe": Qwen3MoeForCausalLM}
 
 
 def _model_class(hf: dict):
@@ -43,6 +44,13 @@ def init_weights(model: torch.nn.Module, seed: int = 0) -> None:
                 p.copy_(torch.randn(p.shape, generator=g) * std)
 
 
+def init_buffers(model: torch.nn.Module) -> None:
+    """Initial buffer values after `to_empty` (meta-device construction leaves them unset)."""
+    for module in model.modules():
+        if hasattr(module, "init_buffers"):
+            module.init_buffers()
+
+
 def build(name_or_config, impl: dict | None = None, *, seed: int = 0, dtype=None, device="cpu"):
     """A freshly initialized model from a named config (`qwen3-tiny`, ...) or an HF config dict."""
     hf = _hf_config(name_or_config)
@@ -52,6 +60,7 @@ def build(name_or_config, impl: dict | None = None, *, seed: int = 0, dtype=None
         model = cls(config, impl)
     model.to_empty(device="cpu")
     model.tie_weights()
+    init_buffers(model)
     init_weights(model, seed)
     return model.to(device=device, dtype=dtype or config.dtype)
 
@@ -66,6 +75,7 @@ def from_pretrained(path, impl: dict | None = None, *, dtype=None, device="cpu")
         model = cls(config, impl)
     model.to_empty(device=device)
     model.tie_weights()
+    init_buffers(model)
     model.to(dtype)
     optional = ("lm_head.weight",) if config.tie_word_embeddings else ()
     hf_io.load_weights(model, path, optional=optional)

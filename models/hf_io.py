@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import tempfile
+from contextlib import ExitStack
 from pathlib import Path
 
 import torch
@@ -45,18 +46,27 @@ def _weight_files(path: Path) -> dict[str, Path]:
 
 def load_weights(model: torch.nn.Module, path, *, optional: tuple[str, ...] = (),
                  ignore_prefixes: tuple[str, ...] = ()) -> None:
-    """Copy every parameter of `model` from the safetensors files in `path`, checking names/shapes.
+    """Copy every parameter (and persistent buffer) of `model` from the safetensors files in `path`,
+    checking names/shapes.
 
     A tensor the model lacks is an error too (a silent partial load hides a wrong config), unless
-    its name starts with one of `ignore_prefixes`.
+    its name starts with one of `ignore_prefixes`. A model whose tensors are built from several
+    checkpoint tensors (fused experts) names them in `model.hf_to_ours_sources(checkpoint_names)`:
+    {our name: ([checkpoint names], combine(list of tensors) -> tensor)}.
     """
     path = Path(path)
     files = _weight_files(path)
+    persistent = set(model.state_dict().keys())
     params = dict(model.named_parameters(remove_duplicate=True))
-    missing = [n for n in params if n not in files and n not in optional]
+    params.update({n: b for n, b in model.named_buffers() if n in persistent and n not in params})
+    sources = model.hf_to_ours_sources(list(files)) if hasattr(model, "hf_to_ours_sources") else {}
+    sources = {n: src for n, src in sources.items() if n in params and n not in files}
+    missing = [n for n in params if n not in files and n not in optional
+               and not (n in sources and all(s in files for s in sources[n][0]))]
     if missing:
         raise KeyError(f"checkpoint {path} lacks {len(missing)} tensors, e.g. {missing[:3]}")
-    known = set(dict(model.named_parameters(remove_duplicate=False)))
+    known = set(dict(model.named_parameters(remove_duplicate=False))) | persistent
+    known |= {s for srcs, _ in sources.values() for s in srcs}
     extra = [n for n in files if n not in known and not n.startswith(ignore_prefixes)]
     if extra:
         raise KeyError(f"checkpoint {path} holds {len(extra)} tensors the model does not have, e.g. {extra[:3]}")
@@ -68,11 +78,21 @@ def load_weights(model: torch.nn.Module, path, *, optional: tuple[str, ...] = ()
         for file, names in by_file.items():
             with safe_open(file, "pt") as f:
                 for name in names:
-                    t = f.get_tensor(name)
-                    if t.shape != params[name].shape:
-                        raise ValueError(f"{file.name}: tensor {name} has shape {tuple(t.shape)}, "
-                                         f"expected {tuple(params[name].shape)}")
-                    params[name].copy_(t)
+                    _copy(params[name], f.get_tensor(name), name, file.name)
+        with ExitStack() as stack:
+            handles: dict[Path, object] = {}
+            for name, (srcs, combine) in sources.items():
+                for src in srcs:
+                    if files[src] not in handles:
+                        handles[files[src]] = stack.enter_context(safe_open(files[src], "pt"))
+                tensors = [handles[files[src]].get_tensor(src) for src in srcs]
+                _copy(params[name], combine(tensors), name, files[srcs[0]].name)
+
+
+def _copy(dst: torch.Tensor, t: torch.Tensor, name: str, file: str) -> None:
+    if t.shape != dst.shape:
+        raise ValueError(f"{file}: tensor {name} has shape {tuple(t.shape)}, expected {tuple(dst.shape)}")
+    dst.copy_(t)
 
 
 def save_weights(state: dict[str, torch.Tensor], config: dict, path, *, max_shard_bytes: int = 5 * 2**30) -> None:
@@ -124,4 +144,6 @@ class HFCheckpointMixin:
         state = dict(self.state_dict())
         if self.config.tie_word_embeddings:
             state.pop("lm_head.weight", None)  # transformers stores a tied head once
+        if hasattr(self, "ours_to_hf_state"):  # e.g. fused experts -> per-expert keys
+            state = self.ours_to_hf_state(state)
         save_weights(state, self.config.to_hf(), Path(path), max_shard_bytes=max_shard_bytes)

@@ -22,7 +22,31 @@ def cross_entropy_case(g):
     return (hidden, weight, labels), {"label_smoothing": 0.1, "z_loss_scale": 1e-3}, (0, 1)
 
 
+def router_case(g):
+    T, E = 37, 16
+    logits = torch.randn(T, E, generator=g) * 2
+    bias = torch.randn(E, generator=g) * 0.5
+    return (logits, bias), {"top_k": 4, "n_group": 4, "topk_group": 2, "scaling_factor": 2.5}, (0,)
+
+
+def moe_dispatch_case(g):
+    N, D, E, K = 29, 12, 5, 2
+    x = torch.randn(N, D, generator=g)
+    w = torch.rand(N, K, generator=g)
+    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(N)])
+    experts_w = torch.randn(E, D, D, generator=g) * 0.3
+
+    def experts(x_MD, tokens_per_expert_E):  # a per-expert linear map over contiguous rows
+        ends = tokens_per_expert_E.cumsum(0).tolist()
+        starts = [0] + ends[:-1]
+        return torch.cat([x_MD[s:e] @ experts_w[i].to(x_MD.dtype) for i, (s, e) in enumerate(zip(starts, ends))])
+
+    return (x, w, idx, experts, E), {}, (0, 1)
+
+
 CASES = {
+    "router": router_case,
+    "moe_dispatch": moe_dispatch_case,
     "attention": attention_case,
     "cross_entropy": cross_entropy_case,
 }

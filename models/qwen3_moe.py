@@ -1,0 +1,149 @@
+"""Qwen3-MoE: Qwen3's attention with MoE feed-forward layers (softmax top-k router, no shared expert).
+
+Features: `decoder_sparse_step` and `mlp_only_layers` (dense SwiGLU layers among the MoE ones),
+`norm_topk_prob`, `output_router_logits` with transformers' load-balancing loss added to the loss
+times `router_aux_loss_coef`. Slots: `attention`, `cross_entropy`, `router` (softmax_topk),
+`moe_dispatch` (local). Module names equal transformers' Qwen3MoeForCausalLM except the experts,
+stored fused (see bumblebee.models.moe); checkpoints hold per-expert keys, as transformers saves.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+
+from bumblebee.checks import check_token_ids
+from bumblebee.models import moe
+from bumblebee.models.components import GQAttention, RMSNorm, RotaryEmbedding, SwiGLU, causal_lm_loss
+from bumblebee.models.config import Qwen3Config
+from bumblebee.models.hf_io import HFCheckpointMixin
+from bumblebee.registry import check_impl, resolve
+
+
+@dataclass
+class Qwen3MoeConfig(Qwen3Config):
+    moe_intermediate_size: int = 768
+    num_experts: int = 128
+    num_experts_per_tok: int = 8
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: list = field(default_factory=list)
+    output_router_logits: bool = False
+    router_aux_loss_coef: float = 0.001
+    model_type: str = "qwen3_moe"
+
+    @classmethod
+    def from_hf(cls, hf: dict) -> "Qwen3MoeConfig":
+        base = super().from_hf(hf)
+        experts = hf.get("num_experts", hf.get("num_local_experts"))
+        if experts is None:
+            raise ValueError("qwen3_moe config.json needs num_experts (or num_local_experts)")
+        return dataclasses.replace(
+            base, moe_intermediate_size=hf["moe_intermediate_size"], num_experts=experts,
+            num_experts_per_tok=hf["num_experts_per_tok"], norm_topk_prob=hf.get("norm_topk_prob", False),
+            decoder_sparse_step=hf.get("decoder_sparse_step", 1),
+            mlp_only_layers=list(hf.get("mlp_only_layers") or []),
+            output_router_logits=hf.get("output_router_logits", False),
+            router_aux_loss_coef=hf.get("router_aux_loss_coef", 0.001), model_type="qwen3_moe")
+
+    def to_hf(self) -> dict:
+        d = super().to_hf()
+        d.update(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe")
+        return d
+
+    def is_moe_layer(self, i: int) -> bool:
+        return (i not in self.mlp_only_layers and self.num_experts > 0
+                and (i + 1) % self.decoder_sparse_step == 0)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, c: Qwen3MoeConfig, i: int, impl: dict):
+        super().__init__()
+        self.self_attn = GQAttention(c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
+                                     eps=c.rms_norm_eps, bias=c.attention_bias, attention=impl.get("attention"))
+        self.is_moe = c.is_moe_layer(i)
+        if self.is_moe:
+            self.mlp = moe.MoEBlock(c.hidden_size, c.moe_intermediate_size, c.num_experts, c.num_experts_per_tok,
+                                    scoring="softmax", norm_topk_prob=c.norm_topk_prob, impl=impl)
+        else:
+            self.mlp = SwiGLU(c.hidden_size, c.intermediate_size)
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+
+    def forward(self, x, cos, sin):
+        """(hidden, router logits [B*T, E] or None for a dense layer)."""
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        h = self.post_attention_layernorm(x)
+        if self.is_moe:
+            h, logits = self.mlp(h)
+            return x + h, logits
+        return x + self.mlp(h), None
+
+
+class Qwen3MoeModel(nn.Module):
+    def __init__(self, c: Qwen3MoeConfig, impl: dict):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(c, i, impl) for i in range(c.num_hidden_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(c.head_dim, c.rope)
+
+    def forward(self, input_ids, position_ids):
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary_emb(position_ids, x.dtype)
+        router_logits = []
+        for layer in self.layers:
+            x, logits = layer(x, cos, sin)
+            if logits is not None:
+                router_logits.append(logits)
+        return self.norm(x), tuple(router_logits)
+
+
+class Qwen3MoeForCausalLM(HFCheckpointMixin, nn.Module):
+    config_class = Qwen3MoeConfig
+
+    def __init__(self, config: Qwen3MoeConfig, impl: dict | None = None):
+        super().__init__()
+        self.config, self.impl = config, check_impl(impl)
+        self.model = Qwen3MoeModel(config, self.impl)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.loss_fn = resolve("cross_entropy", self.impl.get("cross_entropy"))
+        self.tie_weights()
+
+    def tie_weights(self):
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def hf_to_ours_sources(self, checkpoint_names):
+        return moe.hf_to_ours_sources(self, checkpoint_names)
+
+    def ours_to_hf_state(self, state):
+        return moe.ours_to_hf_state(state)
+
+    def forward(self, input_ids, labels=None, position_ids=None, return_logits=None, output_router_logits=None):
+        """Logits [B, T, V] when labels is None (or return_logits); aux_loss and router_logits when
+        output_router_logits (default: the config's), the loss then including coef * aux_loss."""
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
+        check_token_ids(input_ids, self.config.vocab_size)
+        if labels is not None and labels.shape != input_ids.shape:
+            raise ValueError(f"labels must have input_ids' shape {tuple(input_ids.shape)}, got {tuple(labels.shape)}")
+        if position_ids is None:
+            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+        if output_router_logits is None:
+            output_router_logits = self.config.output_router_logits
+        hidden, router_logits = self.model(input_ids, position_ids)
+        out = moe.MoECausalLMOutput()
+        if labels is not None:
+            out.loss = causal_lm_loss(self.loss_fn, hidden, self.lm_head.weight, labels)
+        if labels is None or return_logits:
+            out.logits = self.lm_head(hidden)
+        if output_router_logits and router_logits:
+            out.router_logits = router_logits
+            out.aux_loss = moe.load_balancing_loss(router_logits, self.config.num_experts,
+                                                   self.config.num_experts_per_tok)
+            if out.loss is not None:
+                out.loss = out.loss + self.config.router_aux_loss_coef * out.aux_loss
+        return out

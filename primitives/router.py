@@ -1,0 +1,70 @@
+"""Auxiliary-loss-free top-k routing (DeepSeek-V3) through one fused Triton kernel.
+
+On CUDA the forward is `bumblebee.kernels.router.aux_free_topk_fwd` (scores, bias, group selection,
+top-k, weights and per-expert counts in one pass over the logits); the backward recomputes the k
+selected sigmoid scores from the saved logits and indices in torch. Elsewhere (and for replay, which
+selects nothing) the same algorithm runs in torch: `bumblebee.kernels.router.aux_free_topk_torch`.
+Under TRITON_INTERPRET=1 the kernel also runs on CPU tensors (tests).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from bumblebee.kernels.router import aux_free_topk_fwd, aux_free_topk_torch
+from bumblebee.registry import register
+from bumblebee.checks import check_router_inputs
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _kernel_usable(logits):
+    if not (logits.is_cuda or _INTERPRET) or logits.dtype == torch.float64:  # float64: the torch reference
+        return False
+    return True
+
+
+def _weights_from_logits(logits_TE, indices_TK, scaling_factor, norm_topk_prob):
+    w = torch.sigmoid(logits_TE.to(torch.promote_types(logits_TE.dtype, torch.float32)).gather(1, indices_TK))
+    if norm_topk_prob:
+        w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
+    return w * scaling_factor
+
+
+class _FusedAuxFreeTopK(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, bias, top_k, n_group, topk_group, scaling_factor, norm_topk_prob):
+        weights, indices, counts = aux_free_topk_fwd(logits.detach(), bias.detach(), top_k, n_group, topk_group,
+                                                     scaling_factor, norm_topk_prob)
+        ctx.save_for_backward(logits, indices)
+        ctx.scaling_factor, ctx.norm_topk_prob = scaling_factor, norm_topk_prob
+        ctx.mark_non_differentiable(indices, counts)
+        return weights, indices, counts
+
+    @staticmethod
+    def backward(ctx, grad_weights, _grad_indices, _grad_counts):
+        logits, indices = ctx.saved_tensors
+        with torch.enable_grad():
+            x = logits.detach().requires_grad_(True)
+            w = _weights_from_logits(x, indices, ctx.scaling_factor, ctx.norm_topk_prob)
+            (grad,) = torch.autograd.grad(w, x, grad_weights)
+        return grad, None, None, None, None, None, None
+
+
+@register("router", "aux_free", kind="primitive", twin="aux_free_ref", default=False)
+def aux_free_topk(logits, bias, *, top_k, n_group, topk_group, scaling_factor=1.0, norm_topk_prob=True,
+                  routed_experts=None, return_counts=False):
+    """Auxiliary-loss-free sigmoid top-k with group limits, one fused Triton kernel on CUDA."""
+    check_router_inputs(logits, top_k, bias=bias, n_group=n_group, topk_group=topk_group,
+                        routed_experts=routed_experts)
+    if routed_experts is not None or not _kernel_usable(logits):
+        weights, indices, counts = aux_free_topk_torch(logits, bias, top_k, n_group, topk_group, scaling_factor,
+                                                       norm_topk_prob, routed_experts)
+    else:
+        weights, indices, counts = _FusedAuxFreeTopK.apply(logits, bias, top_k, n_group, topk_group,
+                                                           float(scaling_factor), bool(norm_topk_prob))
+    return (weights, indices, counts) if return_counts else (weights, indices)
+
+
+aux_free_topk.scoring = "sigmoid"

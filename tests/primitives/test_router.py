@@ -1,0 +1,358 @@
+"""Routers: fused aux-free kernel vs torch twin vs a float64 reference; softmax top-k vs transformers'
+math; megatron-core's routing function; bias update (1 and 2 gloo ranks); replay; bad input.
+
+The Triton kernel runs on the CPU under TRITON_INTERPRET=1 in a subprocess (this file run as a
+script with --interpret); bf16 and large shapes run in the GPU tests.
+"""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from bumblebee.baselines import router as base
+from bumblebee.primitives import router as prim
+
+# (T, E, top_k, n_group, topk_group)
+SHAPES = [(37, 16, 4, 4, 2), (1, 12, 3, 1, 1), (29, 8, 1, 2, 1), (33, 64, 8, 8, 4), (20, 6, 2, 3, 2),
+          (19, 40, 6, 5, 3), (7, 10, 10, 1, 1)]
+
+
+def make_inputs(T, E, seed, bias_shift=-0.3):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(T, E, generator=g) * 2, torch.randn(E, generator=g) * 0.5 + bias_shift
+
+
+def ref_aux_free(logits, bias, top_k, n_group, topk_group, scaling_factor=1.0, norm=True):
+    """float64, token by token, as the DeepSeek-V3 reference reads: sorted sets of indices + weights."""
+    s = torch.sigmoid(logits.double())
+    b = s + bias.double()
+    T, E = s.shape
+    gs = E // n_group
+    idx, w = [], []
+    for t in range(T):
+        group_score = [sorted(b[t, g * gs:(g + 1) * gs].tolist(), reverse=True)[:2] for g in range(n_group)]
+        kept = sorted(range(n_group), key=lambda g: -sum(group_score[g]))[:topk_group] if n_group > 1 else [0]
+        cand = [e for g in kept for e in range(g * gs, (g + 1) * gs)]
+        chosen = sorted(sorted(cand, key=lambda e: -b[t, e].item())[:top_k])
+        wt = s[t, chosen]
+        if norm:
+            wt = wt / (wt.sum() + 1e-20)
+        idx.append(chosen)
+        w.append((wt * scaling_factor).tolist())
+    return torch.tensor(w, dtype=torch.float64).view(T, top_k), torch.tensor(idx, dtype=torch.int64).view(T, top_k)
+
+
+def by_index(w, idx):
+    order = idx.argsort(dim=1)
+    return w.gather(1, order), idx.gather(1, order)
+
+
+def check_against_ref(fn, T, E, k, G, TG, seed, scaling=2.5, norm=True, bias_shift=-0.3):
+    logits, bias = make_inputs(T, E, seed, bias_shift)
+    w, idx, counts = fn(logits, bias, top_k=k, n_group=G, topk_group=TG, scaling_factor=scaling,
+                        norm_topk_prob=norm, return_counts=True)
+    assert w.dtype == torch.float32 and idx.dtype == torch.int64 and w.shape == idx.shape == (T, k)
+    w_ref, idx_ref = ref_aux_free(logits, bias, k, G, TG, scaling, norm)
+    w, idx = by_index(w, idx)
+    assert torch.equal(idx, idx_ref)
+    torch.testing.assert_close(w.double(), w_ref, rtol=2e-6, atol=2e-7)
+    assert torch.equal(counts, torch.bincount(idx_ref.view(-1), minlength=E))
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("norm", [True, False])
+def test_aux_free_twin_matches_float64_reference(shape, norm):
+    check_against_ref(base.aux_free_topk, *shape, seed=sum(shape), norm=norm)
+
+
+@pytest.mark.parametrize("shape", SHAPES[:3], ids=str)
+def test_aux_free_primitive_cpu_path_matches_reference(shape):
+    check_against_ref(prim.aux_free_topk, *shape, seed=1 + sum(shape))
+
+
+def test_dropped_groups_never_selected_when_biased_scores_are_negative():
+    # Biased scores all < 0: masking dropped groups with 0.0 (transformers) would pick them.
+    T, E, G, TG, k = 16, 16, 4, 1, 4
+    logits, _ = make_inputs(T, E, 3)
+    bias = torch.full((E,), -3.0)
+    for fn in (base.aux_free_topk, prim.aux_free_topk):
+        w, idx = fn(logits, bias, top_k=k, n_group=G, topk_group=TG)
+        assert ((idx // (E // G)) == (idx[:, :1] // (E // G))).all()  # all k experts from the one kept group
+    check_against_ref(base.aux_free_topk, T, E, k, G, TG, seed=3, bias_shift=-3.0)
+
+
+@pytest.mark.parametrize("shape", [(41, 16, 4, 4, 2), (23, 32, 8, 8, 4), (17, 12, 3, 1, 1), (9, 64, 6, 8, 3)], ids=str)
+def test_aux_free_twin_matches_megatron_core(shape):
+    mu = pytest.importorskip("megatron.core.transformer.moe.moe_utils")
+    T, E, k, G, TG = shape
+    if G > 1 and k // TG != 2:
+        pytest.skip("megatron-core scores a group by its top-(k // topk_group) experts, DeepSeek-V3 by the top-2")
+    logits, bias = make_inputs(T, E, 5)
+    probs, rmap = mu.topk_routing_with_score_function(
+        logits, k, num_groups=G if G > 1 else None, group_topk=TG if G > 1 else None, scaling_factor=2.5,
+        score_function="sigmoid", expert_bias=bias)
+    w, idx = base.aux_free_topk(logits, bias, top_k=k, n_group=G, topk_group=TG, scaling_factor=2.5)
+    dense = torch.zeros(T, E).scatter_(1, idx, w)
+    assert torch.equal(rmap.bool(), dense != 0)
+    torch.testing.assert_close(dense, probs.float(), rtol=1e-6, atol=1e-7)
+
+
+def test_aux_free_gradients_flow_through_unbiased_scores():
+    logits, bias = make_inputs(13, 16, 8)
+    x = logits.double().requires_grad_()
+    w, idx = base.aux_free_topk(x, bias, top_k=4, n_group=4, topk_group=2, scaling_factor=1.5)
+    g = torch.randn_like(w)
+    (grad,) = torch.autograd.grad(w, x, g)
+    assert (grad != 0).sum(dim=1).eq(4).all()  # only the selected experts get a gradient
+    assert torch.autograd.gradcheck(
+        lambda y: base.aux_free_topk(y, bias, top_k=4, n_group=4, topk_group=2, routed_experts=idx)[0], (x,))
+
+
+def ref_softmax(logits, top_k, norm):
+    p = torch.softmax(logits.double(), dim=-1)
+    w, idx = p.topk(top_k, dim=-1)
+    return (w / w.sum(-1, keepdim=True) if norm else w), idx
+
+
+@pytest.mark.parametrize("T,E,k", [(31, 8, 2), (1, 5, 1), (17, 128, 8), (6, 7, 7)])
+@pytest.mark.parametrize("norm", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_softmax_topk_matches_float64_and_transformers(T, E, k, norm, dtype):
+    logits = (torch.randn(T, E) * 2).to(dtype)
+    w, idx, counts = base.softmax_topk(logits, top_k=k, norm_topk_prob=norm, return_counts=True)
+    assert w.dtype == dtype and idx.dtype == torch.int64
+    # transformers' Qwen3MoeTopKRouter, its order of operations
+    p = torch.softmax(logits, dtype=torch.float, dim=-1)
+    tw, tidx = torch.topk(p, k, dim=-1)
+    if norm:
+        tw /= tw.sum(dim=-1, keepdim=True)
+    assert torch.equal(idx, tidx) and torch.equal(w, tw.to(dtype))
+    w64, idx64 = ref_softmax(logits.float(), k, norm)
+    assert torch.equal(idx, idx64)
+    tol = 1e-6 if dtype == torch.float32 else 8e-3
+    torch.testing.assert_close(w.double(), w64, rtol=tol, atol=tol)
+    assert torch.equal(counts, torch.bincount(idx.view(-1), minlength=E))
+
+
+@pytest.mark.parametrize("which", ["softmax", "aux_free_ref", "aux_free"])
+def test_replay_reproduces_routes_and_recomputes_weights(which):
+    logits, bias = make_inputs(21, 16, 9)
+
+    def route(x, **kw):
+        if which == "softmax":
+            return base.softmax_topk(x, top_k=3, norm_topk_prob=True, **kw)
+        fn = base.aux_free_topk if which == "aux_free_ref" else prim.aux_free_topk
+        return fn(x, bias, top_k=3, n_group=4, topk_group=2, scaling_factor=2.0, **kw)
+
+    w, idx = route(logits)
+    w2, idx2 = route(logits, routed_experts=idx)
+    assert torch.equal(idx2, idx) and torch.equal(w2, w)
+    x = (logits + torch.randn_like(logits)).requires_grad_()  # other scores: same experts, new weights
+    w3, idx3 = route(x, routed_experts=idx)
+    assert torch.equal(idx3, idx) and not torch.allclose(w3, w)
+    w3.sum().backward() if which != "softmax" else (w3 * torch.randn_like(w3)).sum().backward()
+    assert x.grad is not None and x.grad.abs().sum() > 0
+
+
+BAD = [
+    (dict(top_k=17), r"top_k must be in \[1, E=16\], got top_k=17"),
+    (dict(top_k=0), r"got top_k=0"),
+    (dict(n_group=3), r"E=16 must be a multiple of n_group=3"),
+    (dict(topk_group=5), r"topk_group must be in \[1, n_group=4\], got topk_group=5"),
+    (dict(n_group=16, topk_group=2, top_k=2), r">= 2 experts per group, got E=16, n_group=16"),
+    (dict(top_k=9), r"top_k=9 exceeds the experts of the kept groups"),
+    (dict(routed_experts=torch.zeros(5, 4, dtype=torch.long)), r"routed_experts must be \[T=7, k=4\], got shape \(5, 4\)"),
+    (dict(routed_experts=torch.full((7, 4), 16)), r"routed_experts hold 16, outside the experts \[0, 16\)"),
+    (dict(routed_experts=torch.full((7, 4), -1)), r"routed_experts hold -1"),
+    (dict(bias=torch.zeros(15)), r"bias must be \[E=16\]"),
+]
+
+
+@pytest.mark.parametrize("kw,msg", BAD, ids=[m[:30] for _, m in BAD])
+@pytest.mark.parametrize("fn", [base.aux_free_topk, prim.aux_free_topk], ids=["twin", "primitive"])
+def test_bad_input_raises_value_error(fn, kw, msg):
+    args = dict(top_k=4, n_group=4, topk_group=2, bias=torch.zeros(16))
+    args.update(kw)
+    bias = args.pop("bias")
+    with pytest.raises(ValueError, match=msg):
+        fn(torch.randn(7, 16), bias, **args)
+
+
+def test_softmax_bad_input_raises_value_error():
+    with pytest.raises(ValueError, match=r"top_k must be in \[1, E=4\], got top_k=5"):
+        base.softmax_topk(torch.randn(3, 4), top_k=5)
+    with pytest.raises(ValueError, match=r"routed_experts hold 4"):
+        base.softmax_topk(torch.randn(3, 4), top_k=2, routed_experts=torch.full((3, 2), 4))
+
+
+# ---- bias update -------------------------------------------------------------------------------
+
+def _router(seed=0):
+    from bumblebee.models.moe import TopKRouter
+
+    torch.manual_seed(seed)
+    r = TopKRouter(12, 16, 4, scoring="sigmoid", n_group=4, topk_group=2, scaling_factor=2.5, router="aux_free_ref")
+    with torch.no_grad():
+        r.weight.normal_(0, 0.5)
+        r.e_score_correction_bias.normal_(0, 0.01)
+    return r
+
+
+def _batches(seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(10, 12, generator=g) for _ in range(4)]  # 4 micro-batches
+
+
+def test_bias_update_single_rank():
+    from bumblebee.models.moe import router_load_stats, update_router_bias
+
+    r = _router()
+    model = torch.nn.ModuleDict({"gate": r})
+    bias0 = r.e_score_correction_bias.clone()
+    counts = torch.zeros(16, dtype=torch.int64)
+    for x in _batches():
+        _, _, idx = r(x)
+        counts += torch.bincount(idx.view(-1), minlength=16)
+    loads = update_router_bias(model, rate=1e-3)
+    assert torch.equal(loads["gate"], counts)
+    want = bias0 + 1e-3 * torch.sign(counts.float().mean() - counts.float())
+    assert torch.equal(r.e_score_correction_bias, want) and r.e_score_correction_bias.dtype == torch.float32
+    assert r.tokens_per_expert is None  # reset for the next step
+    stats = router_load_stats(model)["gate"]
+    assert stats["max_over_mean"] == pytest.approx(counts.max().item() / counts.float().mean().item())
+    for x in _batches(2):
+        r(x)
+    update_router_bias(model, rate=1e-2, recenter=True)
+    assert abs(r.e_score_correction_bias.mean().item()) < 1e-6
+
+
+def test_bias_stays_fp32_when_the_model_is_cast():
+    r = _router().to(torch.bfloat16)
+    assert r.weight.dtype == torch.bfloat16 and r.e_score_correction_bias.dtype == torch.float32
+
+
+def _bias_update_rank(rank, world, init_file, out):
+    import torch.distributed as dist
+
+    from bumblebee.models.moe import update_router_bias
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    r = _router()
+    model = torch.nn.ModuleDict({"gate": r})
+    for x in _batches():
+        r(x.chunk(world)[rank])  # each rank sees its shard of every micro-batch
+    loads = update_router_bias(model, rate=1e-3, group=dist.group.WORLD, recenter=True)
+    if rank == 0:
+        torch.save({"bias": r.e_score_correction_bias, "load": loads["gate"]}, out)
+    dist.destroy_process_group()
+
+
+def test_bias_update_two_gloo_ranks_equals_single_rank_on_concatenated_batch(tmp_path):
+    from bumblebee.models.moe import update_router_bias
+
+    out = tmp_path / "rank0.pt"
+    torch.multiprocessing.spawn(_bias_update_rank, args=(2, str(tmp_path / "init"), str(out)), nprocs=2)
+    got = torch.load(out)
+    r = _router()
+    model = torch.nn.ModuleDict({"gate": r})
+    for x in _batches():
+        r(x)
+    loads = update_router_bias(model, rate=1e-3, recenter=True)
+    assert torch.equal(got["load"], loads["gate"])
+    assert torch.equal(got["bias"], r.e_score_correction_bias)
+
+
+# ---- the fused kernel under the Triton interpreter ------------------------------------------------
+
+def _interpret_main():
+    """Run with TRITON_INTERPRET=1: the kernel itself (fp32, fp16), forward and backward."""
+    assert prim._INTERPRET
+    results = []
+    for i, (T, E, k, G, TG) in enumerate(SHAPES):
+        check_against_ref(prim.aux_free_topk, T, E, k, G, TG, seed=100 + i, norm=i % 2 == 0)
+        results.append([T, E, k, G, TG])
+    check_against_ref(prim.aux_free_topk, 16, 16, 4, 4, 1, seed=7, bias_shift=-3.0)  # negative biased scores
+    from bumblebee.kernels.router import aux_free_topk_fwd
+
+    logits, bias = make_inputs(45, 32, 11)  # several blocks per program (persistent loop), fp16 logits
+    for dtype in (torch.float32, torch.float16):
+        x = logits.to(dtype)
+        w, idx, counts = aux_free_topk_fwd(x, bias, 4, 4, 2, 1.0, True, block_t=8, max_programs=2)
+        w_ref, idx_ref = ref_aux_free(x.float(), bias, 4, 4, 2)
+        w, idx = by_index(w, idx)
+        assert torch.equal(idx, idx_ref), dtype
+        torch.testing.assert_close(w.double(), w_ref, rtol=2e-6, atol=2e-7)
+        assert torch.equal(counts, torch.bincount(idx_ref.view(-1), minlength=32))
+    x = logits[::2, :].t().contiguous().t()  # a non-contiguous view
+    w, idx = prim.aux_free_topk(x, bias, top_k=4, n_group=4, topk_group=2)
+    w2, idx2 = base.aux_free_topk(x, bias, top_k=4, n_group=4, topk_group=2)
+    assert torch.equal(by_index(w, idx)[1], by_index(w2, idx2)[1])
+    # backward of the fused path equals the twin's autograd
+    xa = logits.clone().requires_grad_()
+    xb = logits.clone().requires_grad_()
+    wa, ia = prim.aux_free_topk(xa, bias, top_k=4, n_group=4, topk_group=2, scaling_factor=2.5)
+    wb, ib = base.aux_free_topk(xb, bias, top_k=4, n_group=4, topk_group=2, scaling_factor=2.5)
+    ga = torch.randn_like(wa)
+    (wa * ga).sum().backward()
+    oa, ob = ia.argsort(1), ib.argsort(1)
+    gb = torch.zeros_like(ga).scatter_(1, ob, ga.gather(1, oa))  # the same upstream gradient per expert
+    (wb * gb).sum().backward()
+    torch.testing.assert_close(xa.grad, xb.grad, rtol=1e-5, atol=1e-7)
+    empty = prim.aux_free_topk(torch.randn(0, 16), torch.zeros(16), top_k=2, n_group=4, topk_group=2)
+    assert empty[0].shape == (0, 2)
+    print(json.dumps({"ok": True, "shapes": results}))
+
+
+def test_fused_kernel_under_triton_interpreter():
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, __file__, "--interpret"], env=env, cwd=root, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["ok"]
+
+
+# ---- GPU: bf16 and large shapes ----------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T,E,k,G,TG", [(16384, 256, 8, 8, 4), (4097, 64, 6, 8, 3), (1, 256, 8, 8, 4),
+                                        (3000, 72, 4, 1, 1)])
+def test_fused_kernel_on_gpu_matches_twin(dtype, T, E, k, G, TG):
+    logits, bias = make_inputs(T, E, T + E)
+    logits, bias = logits.cuda().to(dtype), bias.cuda()
+    w, idx, c = prim.aux_free_topk(logits, bias, top_k=k, n_group=G, topk_group=TG, scaling_factor=2.5,
+                                   return_counts=True)
+    w2, idx2, c2 = base.aux_free_topk(logits, bias, top_k=k, n_group=G, topk_group=TG, scaling_factor=2.5,
+                                      return_counts=True)
+    w, idx = by_index(w, idx)
+    w2, idx2 = by_index(w2, idx2)
+    assert torch.equal(idx, idx2) and torch.equal(c, c2)
+    torch.testing.assert_close(w, w2, rtol=2e-6, atol=1e-7)
+
+
+@pytest.mark.gpu
+def test_grouped_mm_experts_on_gpu_match_loop():
+    from bumblebee.models.moe import MoEBlock
+
+    torch.manual_seed(0)
+    b = MoEBlock(256, 128, 16, 4).cuda().to(torch.bfloat16)
+    with torch.no_grad():
+        for p in b.parameters():
+            p.normal_(0, 0.05)
+    x = torch.randn(3, 333, 256, device="cuda", dtype=torch.bfloat16)
+    y, _ = b(x)
+    assert b.experts._use_grouped_mm(x)
+    b.experts.grouped_mm = "never"
+    y_loop, _ = b(x)
+    err = ((y.float() - y_loop.float()).norm() / y_loop.float().norm()).item()
+    assert err < 2e-2
+
+
+if __name__ == "__main__" and "--interpret" in sys.argv:
+    _interpret_main()
