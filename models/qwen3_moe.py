@@ -11,15 +11,12 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-import torch
 import torch.nn as nn
 
-from bumblebee.checks import check_token_ids
 from bumblebee.models import moe
-from bumblebee.models.components import GQAttention, RMSNorm, RotaryEmbedding, SwiGLU, causal_lm_loss
+from bumblebee.models.causal_lm import CausalLM, run_layer
+from bumblebee.models.components import GQAttention, RMSNorm, RotaryEmbedding, SwiGLU
 from bumblebee.models.config import Qwen3Config
-from bumblebee.models.hf_io import HFCheckpointMixin
-from bumblebee.registry import check_impl, resolve
 
 
 @dataclass
@@ -89,32 +86,24 @@ class Qwen3MoeModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(c, i, impl) for i in range(c.num_hidden_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(c.head_dim, c.rope)
+        self.recompute = False  # full activation recompute: keep only each layer's input
 
     def forward(self, input_ids, position_ids):
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary_emb(position_ids, x.dtype)
         router_logits = []
         for layer in self.layers:
-            x, logits = layer(x, cos, sin)
+            x, logits = run_layer(layer, self.recompute, x, cos, sin)
             if logits is not None:
                 router_logits.append(logits)
         return self.norm(x), tuple(router_logits)
 
 
-class Qwen3MoeForCausalLM(HFCheckpointMixin, nn.Module):
+class Qwen3MoeForCausalLM(CausalLM):
     config_class = Qwen3MoeConfig
 
     def __init__(self, config: Qwen3MoeConfig, impl: dict | None = None):
-        super().__init__()
-        self.config, self.impl = config, check_impl(impl)
-        self.model = Qwen3MoeModel(config, self.impl)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.loss_fn = resolve("cross_entropy", self.impl.get("cross_entropy"))
-        self.tie_weights()
-
-    def tie_weights(self):
-        if self.config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        super().__init__(config, impl, Qwen3MoeModel)
 
     def hf_to_ours_sources(self, checkpoint_names):
         return moe.hf_to_ours_sources(self, checkpoint_names)
@@ -125,21 +114,11 @@ class Qwen3MoeForCausalLM(HFCheckpointMixin, nn.Module):
     def forward(self, input_ids, labels=None, position_ids=None, return_logits=None, output_router_logits=None):
         """Logits [B, T, V] when labels is None (or return_logits); aux_loss and router_logits when
         output_router_logits (default: the config's), the loss then including coef * aux_loss."""
-        if input_ids.dim() != 2:
-            raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
-        check_token_ids(input_ids, self.config.vocab_size)
-        if labels is not None and labels.shape != input_ids.shape:
-            raise ValueError(f"labels must have input_ids' shape {tuple(input_ids.shape)}, got {tuple(labels.shape)}")
-        if position_ids is None:
-            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+        position_ids = self.check_inputs(input_ids, labels, position_ids)
         if output_router_logits is None:
             output_router_logits = self.config.output_router_logits
         hidden, router_logits = self.model(input_ids, position_ids)
-        out = moe.MoECausalLMOutput()
-        if labels is not None:
-            out.loss = causal_lm_loss(self.loss_fn, hidden, self.lm_head.weight, labels)
-        if labels is None or return_logits:
-            out.logits = self.lm_head(hidden)
+        out = self.lm_outputs(hidden, labels, return_logits, moe.MoECausalLMOutput())
         if output_router_logits and router_logits:
             out.router_logits = router_logits
             out.aux_loss = moe.load_balancing_loss(router_logits, self.config.num_experts,

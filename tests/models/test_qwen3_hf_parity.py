@@ -102,8 +102,9 @@ def test_old_rope_config_layout(tmp_path):
         assert rel_err(ours(ids).logits, ref(ids).logits) < 1e-5
 
 
-def test_full_recompute_gives_the_same_gradients():
-    model = bb.models.build("qwen3-tiny", seed=2)
+@pytest.mark.parametrize("name", ["qwen3-tiny", "qwen3-moe-tiny"])
+def test_full_recompute_gives_the_same_gradients(name):
+    model = bb.models.build(name, seed=2)
     ids = torch.randint(0, model.config.vocab_size, (2, 17))
     model(ids, labels=ids).loss.backward()
     plain = {n: p.grad.clone() for n, p in model.named_parameters()}
