@@ -11,10 +11,11 @@ import torch
 
 from bumblebee.models import hf_io
 from bumblebee.models.configs import NAMED
+from bumblebee.models.deepseek_v3 import DeepseekV3ForCausalLM
 from bumblebee.models.qwen3 import Qwen3ForCausalLM
 from bumblebee.models.qwen3_moe import Qwen3MoeForCausalLM
 
-MODEL_TYPES = {"qwen3": Qwen3ForCausalLM, "qwen3_moe": Qwen3MoeForCausalLM}
+MODEL_TYPES = {"qwen3": Qwen3ForCausalLM, "qwen3_moe": Qwen3MoeForCausalLM, "deepseek_v3": DeepseekV3ForCausalLM}
 
 
 def _model_class(hf: dict):
@@ -78,7 +79,11 @@ def from_pretrained(path, impl: dict | None = None, *, dtype=None, device="cpu")
     init_buffers(model)
     model.to(dtype)
     optional = ("lm_head.weight",) if config.tie_word_embeddings else ()
-    hf_io.load_weights(model, path, optional=optional)
+    ignore = ()
+    if hasattr(model, "checkpoint_extras"):  # tensors a checkpoint may lack, or hold beyond the model's
+        more, ignore = model.checkpoint_extras(path)
+        optional += more
+    hf_io.load_weights(model, path, optional=optional, ignore_prefixes=ignore)
     return model
 
 

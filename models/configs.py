@@ -4,6 +4,19 @@ _QWEN3 = {"model_type": "qwen3", "hidden_act": "silu", "rms_norm_eps": 1e-6, "at
           "rope_parameters": {"rope_theta": 1000000.0, "rope_type": "default"}, "vocab_size": 151936,
           "max_position_embeddings": 40960, "head_dim": 128, "dtype": "bfloat16"}
 
+_DEEPSEEK_V3 = {"model_type": "deepseek_v3", "hidden_act": "silu", "rms_norm_eps": 1e-6, "vocab_size": 129280,
+                "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048,
+                "num_hidden_layers": 61, "num_attention_heads": 128, "num_key_value_heads": 128,
+                "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+                "v_head_dim": 128, "n_routed_experts": 256, "n_shared_experts": 1, "num_experts_per_tok": 8,
+                "routed_scaling_factor": 2.5, "n_group": 8, "topk_group": 4, "norm_topk_prob": True,
+                "first_k_dense_replace": 3, "num_nextn_predict_layers": 1, "rope_interleave": True,
+                "attention_bias": False, "tie_word_embeddings": False, "max_position_embeddings": 163840,
+                "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,
+                                    "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1,
+                                    "mscale": 1.0, "mscale_all_dim": 1.0},
+                "dtype": "bfloat16"}
+
 NAMED = {
     # Runs on a CPU in seconds: the default of the pairing demo and of the tests.
     "qwen3-tiny": {**_QWEN3, "vocab_size": 1024, "hidden_size": 64, "intermediate_size": 160,
@@ -34,4 +47,13 @@ NAMED = {
                         "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
                         "router_aux_loss_coef": 0.001, "num_hidden_layers": 94, "num_attention_heads": 64,
                         "num_key_value_heads": 4, "tie_word_embeddings": False},
+    # DeepSeek-V3 (model_type deepseek_v3): MLA, dense-then-MoE, auxiliary-loss-free routing, MTP.
+    "deepseek-v3-tiny": {**_DEEPSEEK_V3, "vocab_size": 1024, "hidden_size": 64, "intermediate_size": 160,
+                         "moe_intermediate_size": 32, "num_hidden_layers": 3, "num_attention_heads": 4,
+                         "num_key_value_heads": 4, "q_lora_rank": 48, "kv_lora_rank": 32, "qk_nope_head_dim": 16,
+                         "qk_rope_head_dim": 8, "v_head_dim": 16, "n_routed_experts": 8, "n_shared_experts": 1,
+                         "num_experts_per_tok": 2, "n_group": 4, "topk_group": 2, "first_k_dense_replace": 1,
+                         "max_position_embeddings": 4096, "dtype": "float32",
+                         "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"}},
+    "deepseek-v3": _DEEPSEEK_V3,
 }

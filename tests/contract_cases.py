@@ -29,19 +29,82 @@ def router_case(g):
     return (logits, bias), {"top_k": 4, "n_group": 4, "topk_group": 2, "scaling_factor": 2.5}, (0,)
 
 
+class SwiGLUExpertsCase:
+    """Duck-typed experts for the moe_dispatch case: SwiGLU weights as plain tensors, cast to the
+    input's dtype on use (so the float64 reference runs in float64). No `ep_group`: one rank. The
+    chunked primitive's multi-rank behaviour (EP = 2 and 4 over gloo) is checked against the same
+    twin by tests/primitives/test_moe_dispatch.py."""
+
+    grouped_mm = "never"
+    ep_group = None
+
+    def __init__(self, g, E, D, I):
+        self.gate_up_proj = torch.randn(E, 2 * I, D, generator=g) * 0.3
+        self.down_proj = torch.randn(E, D, I, generator=g) * 0.3
+
+    def __call__(self, x_MD, tokens_per_expert_E):
+        outs = []
+        for e, x_e in enumerate(x_MD.split(tokens_per_expert_E.tolist())):
+            gate, up = (x_e @ self.gate_up_proj[e].to(x_MD.dtype).T).chunk(2, dim=-1)
+            outs.append((torch.nn.functional.silu(gate) * up) @ self.down_proj[e].to(x_MD.dtype).T)
+        return torch.cat(outs)
+
+
 def moe_dispatch_case(g):
-    N, D, E, K = 29, 12, 5, 2
+    N, D, E, K, I = 29, 12, 5, 2, 7
     x = torch.randn(N, D, generator=g)
     w = torch.rand(N, K, generator=g)
     idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(N)])
-    experts_w = torch.randn(E, D, D, generator=g) * 0.3
+    # experts and num_experts as keywords: the harness casts only tensor arguments
+    return (x, w, idx), {"experts": SwiGLUExpertsCase(g, E, D, I), "num_experts": E, "chunks": 3}, (0, 1)
 
-    def experts(x_MD, tokens_per_expert_E):  # a per-expert linear map over contiguous rows
-        ends = tokens_per_expert_E.cumsum(0).tolist()
-        starts = [0] + ends[:-1]
-        return torch.cat([x_MD[s:e] @ experts_w[i].to(x_MD.dtype) for i, (s, e) in enumerate(zip(starts, ends))])
 
-    return (x, w, idx, experts, E), {}, (0, 1)
+def mla_case(g):
+    B, T, D, R = 2, 11, 24, 4
+    x = torch.randn(B, T, D, generator=g)
+    angles = torch.arange(T)[:, None] * torch.rand(R // 2, generator=g)
+    cos, sin = (f(torch.cat([angles, angles], -1)).expand(B, T, R) for f in (torch.cos, torch.sin))
+    return (x, cos, sin), {}, (0,)
+
+
+def mla_init(g):
+    return (24, 3), dict(q_lora_rank=10, kv_lora_rank=8, qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=5)
+
+
+class _MTPDepth(torch.nn.Module):
+    """A minimal MTP depth module (the model supplies the real ones): combine, block, head norm."""
+
+    def __init__(self, dim):
+        super().__init__()
+        self.eh_proj = torch.nn.Linear(2 * dim, dim, bias=False)
+        self.block = torch.nn.Linear(dim, dim)
+        self.norm = torch.nn.LayerNorm(dim)
+
+    def forward(self, emb, h, run_block):
+        return run_block(self.block, self.eh_proj(torch.cat([emb, h], dim=-1)))
+
+    def head_norm(self, h):
+        return self.norm(h)
+
+
+def mtp_case(g):
+    B, T, D, V = 2, 9, 8, 31
+    hidden = torch.randn(B, T, D, generator=g)
+    ids = torch.randint(0, V, (B, T), generator=g)
+    return (hidden, ids, ids), {}, (0,)
+
+
+def mtp_init(g):
+    return ([_MTPDepth(8), _MTPDepth(8)],), dict(loss_scale=0.3)
+
+
+class MultiRank:
+    """A slot applied to a whole model on a device mesh (state_sharding): one call on small tensors
+    does not exercise it, so the generic numeric check defers to `tests`, which run the pair on
+    several gloo ranks against a single-process reference."""
+
+    def __init__(self, tests: str):
+        self.tests = tests
 
 
 CASES = {
@@ -49,4 +112,10 @@ CASES = {
     "moe_dispatch": moe_dispatch_case,
     "attention": attention_case,
     "cross_entropy": cross_entropy_case,
+    "state_sharding": MultiRank("tests/primitives/test_state_sharding.py"),
+    # module slots: forward inputs, and constructor arguments under "<slot>.init"
+    "mla": mla_case,
+    "mla.init": mla_init,
+    "mtp": mtp_case,
+    "mtp.init": mtp_init,
 }

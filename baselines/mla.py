@@ -1,0 +1,137 @@
+"""Multi-head latent attention (DeepSeek-V2/V3), written out: the `mla` slot's reference twin.
+
+    q   = q_b_proj(q_a_layernorm(q_a_proj(x)))      (or q_proj(x) when q_lora_rank is None)
+    c, k_rope = kv_a_proj_with_mqa(x)                latent [r] and one shared rope key [R]
+    k_nope, v = kv_b_proj(kv_a_layernorm(c))         expanded per head
+    q_rope, k_rope get DeepSeek's interleaved-pair RoPE (written de-interleaved, as transformers does)
+    o = softmax(q.k * scale + causal mask) v, fp32 softmax;  o_proj(o)
+
+Module names equal transformers' DeepseekV3Attention, so state_dict keys are checkpoint keys. With
+`cu_seqlens` the batch is one packed stream of B*T tokens; attention stays inside each sequence.
+The twin of `bumblebee.primitives.mla.FlashMLA`. Shape legend: B batch, T tokens, D model width,
+H heads, R rope dim, N = B*T.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from bumblebee.registry import register
+
+
+class _RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        dtype = x.dtype
+        x = x.float()
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)).to(dtype)
+
+
+def check_mla_config(dim, n_heads, q_lora_rank, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim):
+    for name, value in (("dim", dim), ("n_heads", n_heads), ("kv_lora_rank", kv_lora_rank),
+                        ("qk_nope_head_dim", qk_nope_head_dim), ("qk_rope_head_dim", qk_rope_head_dim),
+                        ("v_head_dim", v_head_dim)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if q_lora_rank is not None and (not isinstance(q_lora_rank, int) or q_lora_rank < 1):
+        raise ValueError(f"q_lora_rank must be None or a positive int, got {q_lora_rank!r}")
+    if qk_rope_head_dim % 2:
+        raise ValueError(f"qk_rope_head_dim must be even (RoPE rotates pairs), got {qk_rope_head_dim}")
+
+
+def check_mla_inputs(x, cos, sin, dim, rope_dim):
+    if x.dim() != 3 or x.shape[-1] != dim:
+        raise ValueError(f"x must be [B, T, dim={dim}], got shape {tuple(x.shape)}")
+    want = (x.shape[0], x.shape[1], rope_dim)
+    for name, t in (("cos", cos), ("sin", sin)):
+        if tuple(t.shape) != want and tuple(t.shape) != (1,) + want[1:]:
+            raise ValueError(f"{name} must be [B, T, qk_rope_head_dim] = {list(want)}, got {tuple(t.shape)}")
+
+
+def check_cu_seqlens(cu_seqlens, n_tokens) -> list[int]:
+    """The sequence boundaries as Python ints; ValueError unless 0 = c0 < c1 < ... < cS = B*T."""
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 \
+            or cu_seqlens.dtype not in (torch.int32, torch.int64):
+        what = f"{getattr(cu_seqlens, 'dtype', type(cu_seqlens))} of shape {tuple(getattr(cu_seqlens, 'shape', ()))}"
+        raise ValueError(f"cu_seqlens must be a 1-D int32/int64 tensor [S+1] of sequence boundaries, got {what}")
+    cu = cu_seqlens.tolist()
+    if cu[0] != 0 or cu[-1] != n_tokens:
+        raise ValueError(f"cu_seqlens must start at 0 and end at the batch's B*T={n_tokens} tokens, "
+                         f"got {cu[0]}..{cu[-1]}")
+    if any(b <= a for a, b in zip(cu, cu[1:])):
+        raise ValueError(f"cu_seqlens must be strictly increasing, got {cu}")
+    return cu
+
+
+def rope(x_BThR, cos_BTR, sin_BTR, interleave: bool):
+    """RoPE on the last dim. interleave: pairs (x0, x1), (x2, x3)... rotate together (DeepSeek's
+    layout); the result is written de-interleaved (evens then odds), as transformers does."""
+    if interleave:
+        x_BThR = x_BThR.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
+    x1, x2 = x_BThR.chunk(2, dim=-1)
+    rotated = torch.cat((-x2, x1), dim=-1)
+    return x_BThR * cos_BTR[:, :, None] + rotated * sin_BTR[:, :, None]
+
+
+@register("mla", "naive", kind="baseline", twin="flash")
+class NaiveMLA(nn.Module):
+    """Per-head K/V expanded from the latent, explicit scores, fp32 softmax, causal (packed) mask."""
+
+    def __init__(self, dim, n_heads, *, q_lora_rank, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim,
+                 softmax_scale=None, rope_interleave=True, bias=False, lean_backward=True):
+        super().__init__()
+        check_mla_config(dim, n_heads, q_lora_rank, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim)
+        self.dim, self.n_heads, self.q_lora_rank, self.kv_lora_rank = dim, n_heads, q_lora_rank, kv_lora_rank
+        self.nope, self.rope_dim, self.v_dim = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
+        self.qk_dim = qk_nope_head_dim + qk_rope_head_dim
+        self.softmax_scale = self.qk_dim ** -0.5 if softmax_scale is None else softmax_scale
+        self.rope_interleave = rope_interleave
+        self.lean_backward = lean_backward  # accepted for the twin contract; the twin stores everything
+        if q_lora_rank is None:
+            self.q_proj = nn.Linear(dim, n_heads * self.qk_dim, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(dim, q_lora_rank, bias=bias)
+            self.q_a_layernorm = _RMSNorm(q_lora_rank)
+            self.q_b_proj = nn.Linear(q_lora_rank, n_heads * self.qk_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(dim, kv_lora_rank + qk_rope_head_dim, bias=bias)
+        self.kv_a_layernorm = _RMSNorm(kv_lora_rank)
+        self.kv_b_proj = nn.Linear(kv_lora_rank, n_heads * (qk_nope_head_dim + v_head_dim), bias=False)
+        self.o_proj = nn.Linear(n_heads * v_head_dim, dim, bias=bias)
+
+    def forward(self, x_BTD, cos, sin, cu_seqlens=None):
+        """x [B, T, D], cos/sin [B, T, R] (per-token positions) -> [B, T, D]."""
+        check_mla_inputs(x_BTD, cos, sin, self.dim, self.rope_dim)
+        B, T, _ = x_BTD.shape
+        H = self.n_heads
+        if self.q_lora_rank is None:
+            q = self.q_proj(x_BTD)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_BTD)))
+        q_nope, q_rope = q.view(B, T, H, self.qk_dim).split([self.nope, self.rope_dim], dim=-1)
+        c_kv, k_rope = self.kv_a_proj_with_mqa(x_BTD).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        kv = self.kv_b_proj(self.kv_a_layernorm(c_kv)).view(B, T, H, self.nope + self.v_dim)
+        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
+        q_rope = rope(q_rope, cos, sin, self.rope_interleave)
+        k_rope = rope(k_rope[:, :, None], cos, sin, self.rope_interleave)
+        q = torch.cat((q_nope, q_rope), dim=-1)
+        k = torch.cat((k_nope, k_rope.expand(B, T, H, self.rope_dim)), dim=-1)
+
+        if cu_seqlens is None:
+            segment = torch.zeros(B, T, dtype=torch.long, device=x_BTD.device)
+        else:  # one packed stream of B*T tokens
+            cu = check_cu_seqlens(cu_seqlens, B * T)
+            lengths = torch.tensor([b - a for a, b in zip(cu, cu[1:])], device=x_BTD.device)
+            segment = torch.repeat_interleave(torch.arange(len(lengths), device=x_BTD.device), lengths)[None]
+            q, k, v = (t.reshape(1, B * T, H, -1) for t in (q, k, v))
+        n = q.shape[1]
+        scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * self.softmax_scale
+        causal = torch.ones(n, n, dtype=torch.bool, device=x_BTD.device).tril()
+        allowed = causal & (segment[:, :, None] == segment[:, None, :])  # [b, q, k]
+        scores = scores.masked_fill(~allowed[:, None], float("-inf"))
+        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+        o = torch.einsum("bhqk,bkhd->bqhd", probs, v)
+        return self.o_proj(o.reshape(B, T, H * self.v_dim))

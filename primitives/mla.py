@@ -1,0 +1,170 @@
+"""Multi-head latent attention (DeepSeek-V2/V3) on PyTorch SDPA, with a memory-lean backward.
+
+Same parameters, names and math as the twin `bumblebee.baselines.mla.NaiveMLA`; what differs:
+
+- the attention core is `F.scaled_dot_product_attention` with the backend picked explicitly: on
+  CUDA cuDNN first (it runs q/k head dim 192 with v head dim 128; the flash backend refuses those
+  dims), then flash, memory-efficient, math. The CPU uses SDPA's own choice;
+- lean backward (`lean_backward=True`, switchable per module at any time): the up-projections
+  (`q_b_proj` or `q_proj`, `kv_b_proj`), the RoPE and the per-head K/V assembly run under a selective
+  activation checkpoint that saves only the latents and the attention op's own outputs (output and
+  log-sum-exp). The backward recomputes per-head Q/K/V from the latents (matmuls) but never reruns
+  the attention itself. Saved per layer: latents + output instead of Q, K, V, output;
+- `cu_seqlens` (packed sequences): one causal SDPA call per sequence over the packed stream, so
+  every call stays on the fast backend (a block-diagonal mask would push SDPA off cuDNN/flash).
+
+Shape legend: B batch, T tokens, D model width, H heads, R rope dim, N = B*T.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from bumblebee.registry import register
+
+_CUDA_ORDER = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
+               SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+class _RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        dtype = x.dtype
+        x = x.float()
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)).to(dtype)
+
+
+def _check_config(dim, n_heads, q_lora_rank, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim):
+    for name, value in (("dim", dim), ("n_heads", n_heads), ("kv_lora_rank", kv_lora_rank),
+                        ("qk_nope_head_dim", qk_nope_head_dim), ("qk_rope_head_dim", qk_rope_head_dim),
+                        ("v_head_dim", v_head_dim)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if q_lora_rank is not None and (not isinstance(q_lora_rank, int) or q_lora_rank < 1):
+        raise ValueError(f"q_lora_rank must be None or a positive int, got {q_lora_rank!r}")
+    if qk_rope_head_dim % 2:
+        raise ValueError(f"qk_rope_head_dim must be even (RoPE rotates pairs), got {qk_rope_head_dim}")
+
+
+def _check_inputs(x, cos, sin, dim, rope_dim):
+    if x.dim() != 3 or x.shape[-1] != dim:
+        raise ValueError(f"x must be [B, T, dim={dim}], got shape {tuple(x.shape)}")
+    want = (x.shape[0], x.shape[1], rope_dim)
+    for name, t in (("cos", cos), ("sin", sin)):
+        if tuple(t.shape) != want and tuple(t.shape) != (1,) + want[1:]:
+            raise ValueError(f"{name} must be [B, T, qk_rope_head_dim] = {list(want)}, got {tuple(t.shape)}")
+
+
+def _segments(cu_seqlens, n_tokens) -> tuple[tuple[int, int], ...]:
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 \
+            or cu_seqlens.dtype not in (torch.int32, torch.int64):
+        what = f"{getattr(cu_seqlens, 'dtype', type(cu_seqlens))} of shape {tuple(getattr(cu_seqlens, 'shape', ()))}"
+        raise ValueError(f"cu_seqlens must be a 1-D int32/int64 tensor [S+1] of sequence boundaries, got {what}")
+    cu = cu_seqlens.tolist()  # one host sync per forward
+    if cu[0] != 0 or cu[-1] != n_tokens:
+        raise ValueError(f"cu_seqlens must start at 0 and end at the batch's B*T={n_tokens} tokens, "
+                         f"got {cu[0]}..{cu[-1]}")
+    if any(b <= a for a, b in zip(cu, cu[1:])):
+        raise ValueError(f"cu_seqlens must be strictly increasing, got {cu}")
+    return tuple(zip(cu, cu[1:]))
+
+
+def rope_pairs(x_BThR, cos_BTR, sin_BTR, interleave: bool):
+    """RoPE without a de-interleave copy: evens/odds are rotated as strided views and written once
+    (de-interleaved, as transformers writes them; q.k is unchanged)."""
+    c, s = cos_BTR[:, :, None], sin_BTR[:, :, None]
+    half = x_BThR.shape[-1] // 2
+    if interleave:
+        x1, x2 = x_BThR[..., 0::2], x_BThR[..., 1::2]
+    else:
+        x1, x2 = x_BThR[..., :half], x_BThR[..., half:]
+    c, s = c[..., :half], s[..., :half]
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+
+
+def sdpa_causal(q_BhTd, k_BhTd, v_BhTe, scale):
+    """Causal SDPA; on CUDA the cuDNN backend first (MLA's 192/128 head dims), with fallbacks."""
+    if q_BhTd.is_cuda:
+        with sdpa_kernel(_CUDA_ORDER, set_priority=True):
+            return F.scaled_dot_product_attention(q_BhTd, k_BhTd, v_BhTe, is_causal=True, scale=scale)
+    return F.scaled_dot_product_attention(q_BhTd, k_BhTd, v_BhTe, is_causal=True, scale=scale)
+
+
+def _keep_attention_outputs(ctx, op, *args, **kwargs):
+    # SDPA's backend ops (cudnn/flash/efficient/flash_for_cpu) keep their outputs (o, logsumexp...);
+    # everything else in the region (up-projections, RoPE, concatenations) is recomputed.
+    return CheckpointPolicy.MUST_SAVE if "_scaled_dot_product" in str(op) else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+_LEAN_CONTEXT = functools.partial(create_selective_checkpoint_contexts, _keep_attention_outputs)
+
+
+@register("mla", "flash", kind="primitive", twin="naive", default=True)
+class FlashMLA(nn.Module):
+    """SDPA (cuDNN first) MLA; lean backward recomputes per-head Q/K/V from the latents."""
+
+    def __init__(self, dim, n_heads, *, q_lora_rank, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim,
+                 softmax_scale=None, rope_interleave=True, bias=False, lean_backward=True):
+        super().__init__()
+        _check_config(dim, n_heads, q_lora_rank, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim)
+        self.dim, self.n_heads, self.q_lora_rank, self.kv_lora_rank = dim, n_heads, q_lora_rank, kv_lora_rank
+        self.nope, self.rope_dim, self.v_dim = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
+        self.qk_dim = qk_nope_head_dim + qk_rope_head_dim
+        self.softmax_scale = self.qk_dim ** -0.5 if softmax_scale is None else softmax_scale
+        self.rope_interleave = rope_interleave
+        self.lean_backward = lean_backward
+        if q_lora_rank is None:
+            self.q_proj = nn.Linear(dim, n_heads * self.qk_dim, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(dim, q_lora_rank, bias=bias)
+            self.q_a_layernorm = _RMSNorm(q_lora_rank)
+            self.q_b_proj = nn.Linear(q_lora_rank, n_heads * self.qk_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(dim, kv_lora_rank + qk_rope_head_dim, bias=bias)
+        self.kv_a_layernorm = _RMSNorm(kv_lora_rank)
+        self.kv_b_proj = nn.Linear(kv_lora_rank, n_heads * (qk_nope_head_dim + v_head_dim), bias=False)
+        self.o_proj = nn.Linear(n_heads * v_head_dim, dim, bias=bias)
+
+    def forward(self, x_BTD, cos, sin, cu_seqlens=None):
+        """x [B, T, D], cos/sin [B, T, R] (per-token positions) -> [B, T, D]."""
+        _check_inputs(x_BTD, cos, sin, self.dim, self.rope_dim)
+        B, T, _ = x_BTD.shape
+        segments = None if cu_seqlens is None else _segments(cu_seqlens, B * T)
+        # the latents: all that the lean backward keeps of the input side
+        q_src = x_BTD if self.q_lora_rank is None else self.q_a_layernorm(self.q_a_proj(x_BTD))
+        c_kv, k_rope = self.kv_a_proj_with_mqa(x_BTD).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        c_kv = self.kv_a_layernorm(c_kv)
+        if self.lean_backward and torch.is_grad_enabled():
+            o = checkpoint(self._core, q_src, c_kv, k_rope, cos, sin, segments,
+                           use_reentrant=False, context_fn=_LEAN_CONTEXT)
+        else:
+            o = self._core(q_src, c_kv, k_rope, cos, sin, segments)
+        return self.o_proj(o)
+
+    def _core(self, q_src, c_kv, k_rope, cos, sin, segments):
+        """Up-projections, RoPE, attention: latents -> [B, T, H*v]."""
+        B, T, _ = c_kv.shape
+        H = self.n_heads
+        q = (self.q_proj if self.q_lora_rank is None else self.q_b_proj)(q_src).view(B, T, H, self.qk_dim)
+        q_nope, q_rope = q.split([self.nope, self.rope_dim], dim=-1)
+        k_nope, v = self.kv_b_proj(c_kv).view(B, T, H, self.nope + self.v_dim).split([self.nope, self.v_dim], dim=-1)
+        q = torch.cat((q_nope, rope_pairs(q_rope, cos, sin, self.rope_interleave)), dim=-1)
+        k_rope = rope_pairs(k_rope[:, :, None], cos, sin, self.rope_interleave)
+        k = torch.cat((k_nope, k_rope.expand(B, T, H, self.rope_dim)), dim=-1)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, T, d]
+        if segments is None:
+            o = sdpa_causal(q, k, v, self.softmax_scale)
+        else:  # packed: [1, H, N, d], one causal call per sequence
+            q, k, v = (t.transpose(0, 1).reshape(1, H, B * T, -1) for t in (q, k, v))
+            o = torch.cat([sdpa_causal(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], self.softmax_scale)
+                           for a, b in segments], dim=2)
+            o = o.reshape(H, B, T, self.v_dim).transpose(0, 1)
+        return o.transpose(1, 2).reshape(B, T, H * self.v_dim)

@@ -1,0 +1,219 @@
+"""MLA: the SDPA primitive (lean backward on and off) against the naive twin, forward and gradients,
+padded and packed batches, saved-activation size of the lean backward, bad input; bf16 on the GPU."""
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from bumblebee.baselines.mla import NaiveMLA
+from bumblebee.primitives.mla import FlashMLA
+
+
+def make_pair(dtype=torch.float64, device="cpu", seed=0, **kw):
+    args = dict(dim=40, n_heads=5, q_lora_rank=24, kv_lora_rank=20, qk_nope_head_dim=12, qk_rope_head_dim=6,
+                v_head_dim=10, softmax_scale=0.23)
+    args.update(kw)
+    torch.manual_seed(seed)
+    base = NaiveMLA(**args)
+    with torch.no_grad():
+        for name, p in base.named_parameters():
+            p.normal_(1.0 if "norm" in name else 0.0, 0.2 if "norm" in name or "bias" in name else 0.15)
+    prim = FlashMLA(**args)
+    prim.load_state_dict(base.state_dict())
+    return base.to(device, dtype), prim.to(device, dtype)
+
+
+def rope_inputs(B, T, R, dtype=torch.float64, device="cpu", positions=None):
+    pos = torch.arange(T).expand(B, T) if positions is None else positions.cpu()
+    inv = 1.0 / (10000 ** (torch.arange(0, R, 2).double() / R))
+    f = pos[..., None].double() * inv
+    emb = torch.cat([f, f], -1)
+    return emb.cos().to(device, dtype), emb.sin().to(device, dtype)
+
+
+def run(m, x, cos, sin, cu=None, g=None):
+    x = x.detach().clone().requires_grad_(True)
+    y = m(x, cos, sin, cu)
+    g = torch.randn_like(y) if g is None else g
+    grads = torch.autograd.grad((y * g).sum(), [x] + list(m.parameters()))
+    return [y.detach()] + list(grads), g
+
+
+def rel_err(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def compare(base, prim, x, cos, sin, cu=None, tol=1e-5):
+    want, g = run(base, x, cos, sin, cu)
+    got, _ = run(prim, x, cos, sin, cu, g)
+    names = ["out", "x"] + [n for n, _ in base.named_parameters()]
+    for n, a, b in zip(names, got, want):
+        assert rel_err(a, b) < tol, (n, rel_err(a, b))
+
+
+@pytest.mark.parametrize("lean", [True, False])
+@pytest.mark.parametrize("variant", [{}, {"q_lora_rank": None}, {"rope_interleave": False, "bias": True}])
+def test_primitive_matches_twin_fp32(lean, variant):
+    base, prim = make_pair(torch.float32, **variant)
+    prim.lean_backward = lean
+    B, T = 3, 17  # a padded batch: several rows, odd length
+    x = torch.randn(B, T, 40)
+    cos, sin = rope_inputs(B, T, 6, torch.float32)
+    compare(base, prim, x, cos, sin)
+
+
+def test_fp32_error_within_torch_error_of_float64_reference():
+    base64, prim64 = make_pair(torch.float64, seed=1)
+    base32, prim32 = make_pair(torch.float32, seed=1)
+    x = torch.randn(2, 13, 40, dtype=torch.float64)
+    cos, sin = rope_inputs(2, 13, 6)
+    ref, g = run(base64, x, cos, sin)
+    torch_out, _ = run(base32, x.float(), cos.float(), sin.float(), g=g.float())
+    ours, _ = run(prim32, x.float(), cos.float(), sin.float(), g=g.float())
+    for r, t, o in zip(ref, torch_out, ours):
+        assert rel_err(o, r) <= 4 * rel_err(t, r) + 1e-6
+
+
+@pytest.mark.parametrize("lean", [True, False])
+def test_packed_sequences(lean):
+    base, prim = make_pair(torch.float32, seed=2)
+    prim.lean_backward = lean
+    lengths = [4, 11, 1, 7]
+    cu = torch.tensor([0, 4, 15, 16, 23], dtype=torch.int32)
+    pos = torch.cat([torch.arange(n) for n in lengths])[None]
+    cos, sin = rope_inputs(1, 23, 6, torch.float32, positions=pos)
+    x = torch.randn(1, 23, 40)
+    compare(base, prim, x, cos, sin, cu)
+    with torch.no_grad():  # packed == each sequence alone
+        want = torch.cat([base(x[:, a:b], cos[:, a:b], sin[:, a:b]) for a, b in zip(cu[:-1], cu[1:])], dim=1)
+        assert rel_err(prim(x, cos, sin, cu), want) < 1e-5
+        assert rel_err(base(x, cos, sin, cu), want) < 1e-5
+
+
+def test_packed_over_several_rows():
+    base, prim = make_pair(torch.float32, seed=3)
+    x = torch.randn(2, 9, 40)
+    cu = torch.tensor([0, 5, 12, 18])  # sequences cross the row boundary of the [2, 9] batch
+    cos, sin = rope_inputs(2, 9, 6, torch.float32)
+    compare(base, prim, x, cos, sin, cu)
+
+
+def _saved_bytes(m, x, cos, sin):
+    seen = {}
+
+    def pack(t):
+        seen[(t.untyped_storage().data_ptr(), t.dtype)] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        m(x, cos, sin).sum()
+    ptrs = {x.untyped_storage().data_ptr()} | {p.untyped_storage().data_ptr() for p in m.parameters()}
+    return sum(v for (ptr, _), v in seen.items() if ptr not in ptrs)
+
+
+class _Ops(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_lean_backward_saves_a_third_or_less_and_never_reruns_attention():
+    # DeepSeek-V3's proportions scaled down: many heads, small latents. Equal q/k and v head dims, so
+    # that the CPU runs SDPA as one fused op (as cuDNN does on the GPU) rather than the math fallback.
+    kw = dict(dim=64, n_heads=32, q_lora_rank=24, kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=4,
+              v_head_dim=8, softmax_scale=None)
+    _, prim = make_pair(torch.float32, **kw)
+    x = torch.randn(1, 64, 64, requires_grad=True)
+    cos, sin = rope_inputs(1, 64, 4, torch.float32)
+    prim.lean_backward = False
+    plain = _saved_bytes(prim, x, cos, sin)
+    prim.lean_backward = True
+    lean = _saved_bytes(prim, x, cos, sin)
+    assert lean <= plain / 3, (lean, plain)
+    y = prim(x, cos, sin)
+    with _Ops() as seen:
+        y.sum().backward()
+    attention = [op for op in seen.ops if "scaled_dot_product" in op]
+    assert attention and all("backward" in op for op in attention), attention
+
+
+@pytest.mark.parametrize("cls", [NaiveMLA, FlashMLA])
+def test_bad_input(cls):
+    kw = dict(q_lora_rank=8, kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=4)
+    with pytest.raises(ValueError, match="qk_rope_head_dim"):
+        cls(16, 2, **{**kw, "qk_rope_head_dim": 3})
+    with pytest.raises(ValueError, match="v_head_dim"):
+        cls(16, 2, **{**kw, "v_head_dim": 0})
+    with pytest.raises(ValueError, match="q_lora_rank"):
+        cls(16, 2, **{**kw, "q_lora_rank": -1})
+    m = cls(16, 2, **kw)
+    x = torch.randn(1, 6, 16)
+    cos, sin = rope_inputs(1, 6, 4, torch.float32)
+    with pytest.raises(ValueError, match="cos must be"):
+        m(x, cos[..., :2], sin)
+    with pytest.raises(ValueError, match="dim=16"):
+        m(torch.randn(1, 6, 12), cos, sin)
+    with pytest.raises(ValueError, match="cu_seqlens must start at 0 and end"):
+        m(x, cos, sin, torch.tensor([0, 4]))
+    with pytest.raises(ValueError, match="cu_seqlens must be strictly increasing"):
+        m(x, cos, sin, torch.tensor([0, 4, 4, 6]))
+    with pytest.raises(ValueError, match="cu_seqlens must be a 1-D"):
+        m(x, cos, sin, torch.tensor([[0, 6]]))
+
+
+# ---- GPU: bf16, the cuDNN backend, memory ---------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lean", [True, False])
+@pytest.mark.parametrize("packed", [False, True])
+def test_bf16_within_torch_error(lean, packed):
+    kw = dict(dim=256, n_heads=8, q_lora_rank=96, kv_lora_rank=64, qk_nope_head_dim=128, qk_rope_head_dim=64,
+              v_head_dim=128)
+    base64, _ = make_pair(torch.float64, "cuda", seed=4, **kw)
+    base16, prim16 = make_pair(torch.bfloat16, "cuda", seed=4, **kw)
+    prim16.lean_backward = lean
+    B, T = (1, 301) if packed else (2, 157)
+    cu = torch.tensor([0, 100, 101, 301], device="cuda", dtype=torch.int32) if packed else None
+    pos = torch.cat([torch.arange(n) for n in (100, 1, 200)])[None] if packed else None
+    cos, sin = rope_inputs(B, T, 64, torch.float64, "cuda", positions=pos)
+    x = torch.randn(B, T, 256, device="cuda", dtype=torch.float64)
+    ref, g = run(base64, x, cos, sin, cu)
+    lo = [t.bfloat16() for t in (x, cos, sin)]
+    torch_out, _ = run(base16, *lo, cu, g=g.bfloat16())
+    ours, _ = run(prim16, *lo, cu, g=g.bfloat16())
+    for r, t, o in zip(ref, torch_out, ours):
+        assert rel_err(o, r) <= 3 * rel_err(t, r) + 2e-3
+
+
+@pytest.mark.gpu
+def test_cudnn_backend_runs_mla_head_dims():
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    q = torch.randn(1, 8, 512, 192, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(1, 8, 512, 192, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(1, 8, 512, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):  # raises if cuDNN refuses these dims
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    o.sum().backward()
+    assert o.shape == (1, 8, 512, 128)
+
+
+@pytest.mark.gpu
+def test_lean_backward_peak_memory_gpu():
+    kw = dict(dim=1024, n_heads=32, q_lora_rank=384, kv_lora_rank=128, qk_nope_head_dim=128,
+              qk_rope_head_dim=64, v_head_dim=128)
+    _, prim = make_pair(torch.bfloat16, "cuda", **kw)
+    x = torch.randn(1, 4096, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    cos, sin = rope_inputs(1, 4096, 64, torch.bfloat16, "cuda")
+    held = {}
+    for lean in (False, True):
+        prim.lean_backward = lean
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        y = prim(x, cos, sin)
+        held[lean] = torch.cuda.memory_allocated() - before - y.numel() * y.element_size()
+        y.sum().backward()
+        del y
+    assert held[True] <= held[False] / 3, held
