@@ -1,7 +1,8 @@
 """The MoE block shared by Qwen3-MoE, Qwen3.5-MoE and DeepSeek-V3: composition only.
 
     gate (TopKRouter: logits, then the `router` slot's top-k)
-      -> `moe_dispatch` slot (local: permute tokens by expert; expert parallel later)
+      -> `moe_dispatch` slot (local: permute tokens by expert on one rank; all_to_all / chunked:
+         expert parallel over the experts' `ep_group`, see `shard_experts`)
       -> GroupedExperts (SwiGLU as grouped GEMMs: torch._grouped_mm in bf16 on CUDA, a loop elsewhere)
       -> combine with the routing weights
       (+ shared expert, optionally scaled by Qwen's sigmoid shared_expert_gate)
@@ -116,15 +117,26 @@ class TopKRouter(nn.Module):
 
 
 class GroupedExperts(nn.Module):
-    """E SwiGLU experts over rows already grouped by expert; `grouped_mm` = auto | always | never."""
+    """E SwiGLU experts over rows already grouped by expert; `grouped_mm` = auto | always | never.
 
-    def __init__(self, num_experts, dim, hidden, grouped_mm="auto"):
+    Expert parallel: with `ep_group` (a process group of EP ranks; None = one rank) this rank holds
+    the `num_local_experts = E / EP` experts [expert_offset, expert_offset + E/EP); the weights are
+    [E/EP, ...] and the `moe_dispatch` slot (all_to_all or chunked) moves tokens to their owners.
+    """
+
+    def __init__(self, num_experts, dim, hidden, grouped_mm="auto", *, ep_group=None):
         super().__init__()
         if grouped_mm not in ("auto", "always", "never"):
             raise ValueError(f"grouped_mm must be 'auto', 'always' or 'never', got {grouped_mm!r}")
         self.num_experts, self.dim, self.hidden, self.grouped_mm = num_experts, dim, hidden, grouped_mm
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * hidden, dim))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, dim, hidden))
+        ep, rank = (dist.get_world_size(ep_group), dist.get_rank(ep_group)) if ep_group is not None else (1, 0)
+        if num_experts % ep:
+            raise ValueError(f"num_experts={num_experts} is not divisible by the ep group size {ep}")
+        self.ep_group = ep_group
+        self.num_local_experts = num_experts // ep
+        self.expert_offset = rank * self.num_local_experts
+        self.gate_up_proj = nn.Parameter(torch.empty(self.num_local_experts, 2 * hidden, dim))
+        self.down_proj = nn.Parameter(torch.empty(self.num_local_experts, dim, hidden))
 
     def _use_grouped_mm(self, x):
         if self.grouped_mm != "auto":
@@ -139,7 +151,10 @@ class GroupedExperts(nn.Module):
             offs_E = torch.cumsum(tokens_per_expert_E, 0, dtype=torch.int32)
             h_M2I = torch._grouped_mm(x_MD, self.gate_up_proj.transpose(-2, -1), offs=offs_E)
             gate, up = h_M2I.chunk(2, dim=-1)
-            return torch._grouped_mm(F.silu(gate) * up, self.down_proj.transpose(-2, -1), offs=offs_E)
+            y_MD = torch._grouped_mm(F.silu(gate) * up, self.down_proj.transpose(-2, -1), offs=offs_E)
+            if y_MD.requires_grad:  # grouped_mm's backward rejects stride-0 (expanded) gradients
+                y_MD.register_hook(torch.Tensor.contiguous)
+            return y_MD
         outs = []
         for e, x_e in enumerate(x_MD.split(tokens_per_expert_E.tolist())):
             if x_e.shape[0]:
@@ -149,18 +164,23 @@ class GroupedExperts(nn.Module):
 
 
 class MoEBlock(nn.Module):
-    """Router -> dispatch -> grouped SwiGLU experts -> combine (+ gated shared expert). Dropless."""
+    """Router -> dispatch -> grouped SwiGLU experts -> combine (+ gated shared expert). Dropless.
+
+    `ep_group`: shard the routed experts over this process group (or call `shard_experts` on a built
+    model) and pick moe_dispatch 'all_to_all' or 'chunked'; `dispatch_chunks`: the chunked
+    dispatcher's C (or relative chunk sizes), passed as `chunks=` (None: its default)."""
 
     def __init__(self, dim, moe_hidden, num_experts, top_k, *, scoring="softmax", norm_topk_prob=True,
                  n_group=1, topk_group=1, scaling_factor=1.0, shared_hidden=0, shared_expert_gate=False,
-                 impl=None, grouped_mm="auto"):
+                 impl=None, grouped_mm="auto", ep_group=None, dispatch_chunks=None):
         super().__init__()
         impl = impl or {}
         self.num_experts = num_experts
+        self.dispatch_chunks = dispatch_chunks  # chunked dispatch: C or relative chunk sizes (None: its default)
         self.gate = TopKRouter(dim, num_experts, top_k, scoring=scoring, norm_topk_prob=norm_topk_prob,
                                n_group=n_group, topk_group=topk_group, scaling_factor=scaling_factor,
                                router=impl.get("router"))
-        self.experts = GroupedExperts(num_experts, dim, moe_hidden, grouped_mm=grouped_mm)
+        self.experts = GroupedExperts(num_experts, dim, moe_hidden, grouped_mm=grouped_mm, ep_group=ep_group)
         self.dispatch = registry.resolve("moe_dispatch", impl.get("moe_dispatch"))
         if shared_hidden:
             self.shared_expert = SwiGLU(dim, shared_hidden)
@@ -171,13 +191,34 @@ class MoEBlock(nn.Module):
         """(output [B, T, D], router logits [B*T, E])."""
         x_ND = x_BTD.reshape(-1, x_BTD.shape[-1])
         logits_NE, w_NK, idx_NK = self.gate(x_ND)
-        y_ND = self.dispatch(x_ND, w_NK, idx_NK, self.experts, self.num_experts)
+        kw = {} if self.dispatch_chunks is None else {"chunks": self.dispatch_chunks}
+        y_ND = self.dispatch(x_ND, w_NK, idx_NK, self.experts, self.num_experts, **kw)
         if hasattr(self, "shared_expert"):
             s_ND = self.shared_expert(x_ND)
             if hasattr(self, "shared_expert_gate"):
                 s_ND = torch.sigmoid(self.shared_expert_gate(x_ND)) * s_ND
             y_ND = y_ND + s_ND
         return y_ND.view_as(x_BTD), logits_NE
+
+
+@torch.no_grad()
+def shard_experts(model: nn.Module, ep_group) -> nn.Module:
+    """Keep only this rank's E/EP experts of every GroupedExperts in `model` (sliced from the full
+    weights it holds now) and set their `ep_group`; use with moe_dispatch 'all_to_all' or 'chunked'.
+    Applied outside the model, after loading the full checkpoint. Returns the model."""
+    ep, rank = dist.get_world_size(ep_group), dist.get_rank(ep_group)
+    for m in model.modules():
+        if isinstance(m, GroupedExperts):
+            if m.ep_group is not None:
+                raise ValueError("experts are already sharded")
+            if m.num_experts % ep:
+                raise ValueError(f"num_experts={m.num_experts} is not divisible by the ep group size {ep}")
+            L = m.num_experts // ep
+            m.ep_group, m.num_local_experts, m.expert_offset = ep_group, L, rank * L
+            for name in ("gate_up_proj", "down_proj"):
+                p = getattr(m, name)
+                setattr(m, name, nn.Parameter(p[rank * L:(rank + 1) * L].clone(), requires_grad=p.requires_grad))
+    return model
 
 
 def load_balancing_loss(router_logits, num_experts: int, top_k: int):
@@ -283,11 +324,12 @@ def hf_to_ours_sources(model: nn.Module, checkpoint_names) -> dict:
             continue
         prefix, kind = m.groups()
         E = p.shape[0]
+        off = getattr(model.get_submodule(prefix), "expert_offset", 0)  # expert-parallel shards: their own experts
         if kind == "gate_up_proj":
-            srcs = [f"{prefix}.{e}.{w}_proj.weight" for e in range(E) for w in ("gate", "up")]
+            srcs = [f"{prefix}.{off + e}.{w}_proj.weight" for e in range(E) for w in ("gate", "up")]
             out[name] = (srcs, lambda ts, E=E: torch.stack([torch.cat(ts[2 * e:2 * e + 2]) for e in range(E)]))
         else:
-            out[name] = ([f"{prefix}.{e}.down_proj.weight" for e in range(E)], torch.stack)
+            out[name] = ([f"{prefix}.{off + e}.down_proj.weight" for e in range(E)], torch.stack)
     return out
 
 

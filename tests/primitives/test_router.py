@@ -354,5 +354,27 @@ def test_grouped_mm_experts_on_gpu_match_loop():
     assert err < 2e-2
 
 
+
+@pytest.mark.gpu
+def test_grouped_mm_experts_backward_matches_loop_with_expanded_gradient():
+    """`.sum().backward()` hands the experts a stride-0 gradient, which grouped_mm's backward rejects."""
+    from bumblebee.models.moe import GroupedExperts
+
+    torch.manual_seed(1)
+    ex = GroupedExperts(8, 64, 32).cuda().to(torch.bfloat16)
+    with torch.no_grad():
+        for p in ex.parameters():
+            p.normal_(0, 0.05)
+    counts = torch.tensor([0, 37, 5, 0, 64, 1, 20, 9], device="cuda")
+    x = torch.randn(int(counts.sum()), 64, device="cuda", dtype=torch.bfloat16)
+    grads = []
+    for mode in ("always", "never"):
+        ex.grouped_mm = mode
+        ex.zero_grad()
+        ex(x, counts).sum().backward()
+        grads.append([p.grad.float().clone() for p in ex.parameters()])
+    for a, b in zip(*grads):
+        assert ((a - b).norm() / b.norm()).item() < 2e-2
+
 if __name__ == "__main__" and "--interpret" in sys.argv:
     _interpret_main()
