@@ -41,8 +41,12 @@ class Zero1State(TrainState):
         self.optimizer = self._make_optimizer(list(self._masters.values()))
 
     def _accumulate(self, name):
+        # The hook holds the buffer, not `self`: hooks live in the parameters' C++ autograd state,
+        # where the garbage collector cannot see a cycle, so a reference to self would leak the state.
+        main_grad = self.main_grads[name]
+
         def hook(p):
-            self.main_grads[name].add_(p.grad)
+            main_grad.add_(p.grad)
             p.grad = None  # the fp32 main grad is the only full gradient kept
         return hook
 

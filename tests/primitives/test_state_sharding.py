@@ -266,7 +266,16 @@ def one_rank(mesh, out: Path):
             _apply("fsdp2", mesh=mesh, ep_mesh=ep)
         except ValueError as e:
             res[key] = str(e)
-
+    res["freed"] = {}
+    for variant in ("fsdp2", "zero1"):  # a discarded state frees the model (no uncollectable cycle)
+        import gc
+        import weakref
+        state = _apply(variant, mesh=mesh)
+        _train(state, mesh, 1)
+        alive = weakref.ref(state.model)
+        del state
+        gc.collect()
+        res["freed"][variant] = alive() is None
     return res
 
 
@@ -414,6 +423,11 @@ def test_hf_export_loads_in_transformers(two, workdir):
 def test_checkpoint_of_another_model_is_refused(one):
     msg = one[0]["mismatch"]
     assert "does not match" in msg and "model.layers.2" in msg and "25 parameters" in msg
+
+
+@pytest.mark.parametrize("variant", ["fsdp2", "zero1"])
+def test_discarded_state_frees_the_model(one, variant):
+    assert one[0]["freed"][variant]
 
 
 def test_half_written_checkpoint_is_refused(one):
