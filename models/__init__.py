@@ -13,9 +13,13 @@ from bumblebee.models import hf_io
 from bumblebee.models.configs import NAMED
 from bumblebee.models.deepseek_v3 import DeepseekV3ForCausalLM
 from bumblebee.models.qwen3 import Qwen3ForCausalLM
+from bumblebee.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM
 from bumblebee.models.qwen3_moe import Qwen3MoeForCausalLM
 
-MODEL_TYPES = {"qwen3": Qwen3ForCausalLM, "qwen3_moe": Qwen3MoeForCausalLM, "deepseek_v3": DeepseekV3ForCausalLM}
+MODEL_TYPES = {"qwen3": Qwen3ForCausalLM, "qwen3_moe": Qwen3MoeForCausalLM, "deepseek_v3": DeepseekV3ForCausalLM,
+               # Qwen3.5: the hub's multimodal configs (text under text_config) and transformers' text ones
+               "qwen3_5": Qwen3_5ForCausalLM, "qwen3_5_text": Qwen3_5ForCausalLM,
+               "qwen3_5_moe": Qwen3_5MoeForCausalLM, "qwen3_5_moe_text": Qwen3_5MoeForCausalLM}
 
 
 def _model_class(hf: dict):
@@ -63,6 +67,8 @@ def build(name_or_config, impl: dict | None = None, *, seed: int = 0, dtype=None
     model.tie_weights()
     init_buffers(model)
     init_weights(model, seed)
+    if hasattr(model, "init_extra_weights"):  # a model's own init where the generic one differs
+        model.init_extra_weights(seed)
     return model.to(device=device, dtype=dtype or config.dtype)
 
 

@@ -17,6 +17,23 @@ _DEEPSEEK_V3 = {"model_type": "deepseek_v3", "hidden_act": "silu", "rms_norm_eps
                                     "mscale": 1.0, "mscale_all_dim": 1.0},
                 "dtype": "bfloat16"}
 
+# Qwen3.5 text model (transformers' Qwen3_5TextConfig / Qwen3_5MoeTextConfig fields).
+_QWEN3_5 = {"model_type": "qwen3_5_text", "hidden_act": "silu", "rms_norm_eps": 1e-6, "attention_bias": False,
+            "vocab_size": 248320, "head_dim": 256, "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128,
+            "linear_value_head_dim": 128, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+            "full_attention_interval": 4, "max_position_embeddings": 262144, "tie_word_embeddings": False,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+            "mtp_num_hidden_layers": 1, "dtype": "bfloat16"}
+_QWEN3_5_TINY = {**_QWEN3_5, "vocab_size": 1024, "hidden_size": 64, "intermediate_size": 160,
+                 "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+                 "linear_key_head_dim": 8, "linear_value_head_dim": 12, "linear_num_key_heads": 2,
+                 "linear_num_value_heads": 4, "max_position_embeddings": 4096, "dtype": "float32",
+                 "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}}
+_QWEN3_5_MOE_TINY = {**_QWEN3_5_TINY, "model_type": "qwen3_5_moe_text", "moe_intermediate_size": 32,
+                     "shared_expert_intermediate_size": 48, "num_experts": 8, "num_experts_per_tok": 2,
+                     "router_aux_loss_coef": 0.001}
+_QWEN3_5_MOE_TINY.pop("intermediate_size")
+
 NAMED = {
     # Runs on a CPU in seconds: the default of the pairing demo and of the tests.
     "qwen3-tiny": {**_QWEN3, "vocab_size": 1024, "hidden_size": 64, "intermediate_size": 160,
@@ -56,4 +73,19 @@ NAMED = {
                          "max_position_embeddings": 4096, "dtype": "float32",
                          "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"}},
     "deepseek-v3": _DEEPSEEK_V3,
+    # Qwen3.5 (model_type qwen3_5_text / qwen3_5_moe_text): 3 gated-DeltaNet layers per gated-attention
+    # layer, partial RoPE, MTP head; the "-hub-" names hold the same text model the way hub configs
+    # do (model_type qwen3_5 / qwen3_5_moe, the text model under text_config).
+    "qwen3.5-tiny": _QWEN3_5_TINY,
+    "qwen3.5-moe-tiny": _QWEN3_5_MOE_TINY,
+    "qwen3.5-hub-tiny": {"model_type": "qwen3_5", "tie_word_embeddings": False, "vocab_size": 1024,
+                         "text_config": {**_QWEN3_5_TINY, "model_type": "qwen3_5_text"}},
+    "qwen3.5-moe-hub-tiny": {"model_type": "qwen3_5_moe", "tie_word_embeddings": False, "vocab_size": 1024,
+                             "text_config": {**_QWEN3_5_MOE_TINY, "model_type": "qwen3_5_moe_text"}},
+    # Qwen3.5-35B-A3B's text model: transformers' Qwen3_5MoeTextConfig defaults (40 layers, 256 experts,
+    # 8 routed + 1 shared, 16 key / 32 value DeltaNet heads, 16 query / 2 key-value attention heads).
+    "qwen3.5-35b-a3b": {**_QWEN3_5, "model_type": "qwen3_5_moe_text", "hidden_size": 2048, "num_hidden_layers": 40,
+                        "num_attention_heads": 16, "num_key_value_heads": 2, "moe_intermediate_size": 512,
+                        "shared_expert_intermediate_size": 512, "num_experts": 256, "num_experts_per_tok": 8,
+                        "router_aux_loss_coef": 0.001},
 }

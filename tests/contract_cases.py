@@ -98,6 +98,15 @@ def mtp_init(g):
     return ([_MTPDepth(8), _MTPDepth(8)],), dict(loss_scale=0.3)
 
 
+def linear_attention_case(g):
+    B, T, D = 2, 70, 24  # T crosses a 64-token chunk
+    return (torch.randn(B, T, D, generator=g),), {}, (0,)
+
+
+def linear_attention_init(g):
+    return (24, 2, 4, 8, 6), dict(conv_kernel_size=3)
+
+
 class MultiRank:
     """A slot applied to a whole model on a device mesh (state_sharding): one call on small tensors
     does not exercise it, so the generic numeric check defers to `tests`, which run the pair on
@@ -118,4 +127,6 @@ CASES = {
     "mla.init": mla_init,
     "mtp": mtp_case,
     "mtp.init": mtp_init,
+    "linear_attention": linear_attention_case,
+    "linear_attention.init": linear_attention_init,
 }

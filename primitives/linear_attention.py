@@ -1,0 +1,136 @@
+"""Gated DeltaNet (Qwen3.5's linear attention) on flash-linear-attention's Triton kernels.
+
+Same layer, parameters and function as the twin `bumblebee.baselines.linear_attention.
+ChunkedGatedDeltaNet` (see there for the formulation). On CUDA: fla's causal conv (`causal_conv1d`,
+Triton, SiLU fused, packed sequences through `cu_seqlens`) and its chunked gated delta rule
+(`chunk_gated_delta_rule`: WY/UT representation, q/k l2-norm in the kernel, key heads shared by
+value heads without a repeated copy, fp32 state, packed sequences). fla is imported on first use;
+its kernels cannot run on a CPU (they ask for a GPU driver even under the Triton interpreter), so
+off CUDA, or where fla is not installed, the layer runs the twin's torch math.
+
+The rule's inputs keep their activation dtype (bf16 in training); the kernels accumulate in fp32.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from bumblebee.registry import register, resolve
+
+MAX_CONV_KERNEL = 4
+
+
+@functools.lru_cache(maxsize=1)
+def fla_ops():
+    """(causal_conv1d, chunk_gated_delta_rule) from flash-linear-attention, or None when absent."""
+    try:
+        from fla.modules.causal_conv1d import causal_conv1d
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    except Exception:  # not installed, or no usable Triton / GPU
+        return None
+    return causal_conv1d, chunk_gated_delta_rule
+
+
+def _acc(x):
+    """x in fp32, or in its own dtype when wider (float64 references)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+def _check_config(hidden_size, num_k_heads, num_v_heads, head_k_dim, head_v_dim, conv_kernel_size):
+    for name, v in (("hidden_size", hidden_size), ("num_k_heads", num_k_heads), ("num_v_heads", num_v_heads),
+                    ("head_k_dim", head_k_dim), ("head_v_dim", head_v_dim)):
+        if not isinstance(v, int) or v <= 0:
+            raise ValueError(f"{name} must be a positive int, got {v!r}")
+    if num_v_heads % num_k_heads:
+        raise ValueError(f"linear attention: key heads ({num_k_heads}) must divide value heads ({num_v_heads})")
+    if not isinstance(conv_kernel_size, int) or not 2 <= conv_kernel_size <= MAX_CONV_KERNEL:
+        raise ValueError(f"linear attention: conv_kernel_size must be in 2..{MAX_CONV_KERNEL}, got {conv_kernel_size!r}")
+
+
+def _check_cu_seqlens(cu_seqlens, n_tokens: int) -> None:
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 \
+            or cu_seqlens.is_floating_point():
+        raise ValueError(f"cu_seqlens must be a 1-D integer tensor [S+1], got {getattr(cu_seqlens, 'shape', cu_seqlens)}")
+    cu = cu_seqlens.tolist()
+    if cu[0] != 0 or cu[-1] != n_tokens or any(b <= a for a, b in zip(cu, cu[1:])):
+        raise ValueError(f"cu_seqlens must rise strictly from 0 to the batch's B*T={n_tokens} tokens, got {cu}")
+
+
+class _GatedRMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x, gate):
+        dtype = x.dtype
+        h = _acc(x)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight * h.to(dtype) * F.silu(_acc(gate))).to(dtype)
+
+
+@register("linear_attention", "fla", kind="primitive", twin="torch_chunked", default=True)
+class FLAGatedDeltaNet(nn.Module):
+    """Gated DeltaNet on flash-linear-attention's chunked kernels (CUDA); the twin's math elsewhere."""
+
+    def __init__(self, hidden_size, num_k_heads, num_v_heads, head_k_dim, head_v_dim, *, conv_kernel_size=4,
+                 eps=1e-6):
+        super().__init__()
+        _check_config(hidden_size, num_k_heads, num_v_heads, head_k_dim, head_v_dim, conv_kernel_size)
+        self.num_k_heads, self.num_v_heads = num_k_heads, num_v_heads
+        self.head_k_dim, self.head_v_dim = head_k_dim, head_v_dim
+        self.key_dim, self.value_dim = num_k_heads * head_k_dim, num_v_heads * head_v_dim
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.conv_kernel_size = conv_kernel_size
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, conv_kernel_size, groups=self.conv_dim, bias=False,
+                                padding=conv_kernel_size - 1)
+        self.dt_bias = nn.Parameter(torch.ones(num_v_heads))
+        self.A_log = nn.Parameter(torch.log(torch.empty(num_v_heads).uniform_(0.01, 16)))
+        self.norm = _GatedRMSNorm(head_v_dim, eps)
+        self.out_proj = nn.Linear(self.value_dim, hidden_size, bias=False)
+        self.in_proj_qkv = nn.Linear(hidden_size, self.conv_dim, bias=False)
+        self.in_proj_z = nn.Linear(hidden_size, self.value_dim, bias=False)
+        self.in_proj_b = nn.Linear(hidden_size, num_v_heads, bias=False)
+        self.in_proj_a = nn.Linear(hidden_size, num_v_heads, bias=False)
+
+    def _fast(self, x):
+        return x.is_cuda and fla_ops() is not None
+
+    def forward(self, x_BTD, cu_seqlens=None):
+        """x [B, T, D] -> [B, T, D]; cu_seqlens [S+1]: the B*T tokens are packed sequences."""
+        B, T, _ = x_BTD.shape
+        if cu_seqlens is not None:
+            _check_cu_seqlens(cu_seqlens, B * T)
+        qkv = self.in_proj_qkv(x_BTD)
+        beta = self.in_proj_b(x_BTD).sigmoid()
+        g = -_acc(self.A_log).exp() * F.softplus(_acc(self.in_proj_a(x_BTD)) + self.dt_bias)
+        if self._fast(x_BTD):
+            o = self._fla(qkv, g, beta, cu_seqlens, B, T)
+        else:  # the twin's torch math (fla's kernels need a GPU)
+            twin = resolve("linear_attention", "torch_chunked")
+            qkv = twin.causal_conv(qkv, self.conv1d.weight[:, 0], cu_seqlens)
+            q, k, v = self._heads(qkv, B, T)
+            o = twin.gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu_seqlens, chunk_size=twin.chunk_size)
+        z = self.in_proj_z(x_BTD).reshape(B, T, self.num_v_heads, self.head_v_dim)
+        return self.out_proj(self.norm(o, z).reshape(B, T, self.value_dim))
+
+    def _heads(self, qkv, B, T):
+        q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        return (q.reshape(B, T, self.num_k_heads, self.head_k_dim), k.reshape(B, T, self.num_k_heads, self.head_k_dim),
+                v.reshape(B, T, self.num_v_heads, self.head_v_dim))
+
+    def _fla(self, qkv, g, beta, cu_seqlens, B, T):
+        causal_conv1d, chunk_gated_delta_rule = fla_ops()
+        cu = None
+        if cu_seqlens is not None:  # fla reads packed sequences as one row
+            qkv, g, beta = (t.reshape(1, B * T, *t.shape[2:]) for t in (qkv, g, beta))
+            cu = cu_seqlens.to(device=qkv.device, dtype=torch.long)
+        qkv, _ = causal_conv1d(qkv.contiguous(), weight=self.conv1d.weight[:, 0].to(qkv.dtype), activation="silu",
+                               cu_seqlens=cu)
+        q, k, v = self._heads(qkv, *qkv.shape[:2])
+        o, _ = chunk_gated_delta_rule(q, k, v, g.float(), beta.to(q.dtype), scale=self.head_k_dim ** -0.5,
+                                      use_qk_l2norm_in_kernel=True, cu_seqlens=cu)
+        return o.reshape(B, T, self.num_v_heads, self.head_v_dim)
