@@ -13,6 +13,8 @@ The rule's inputs keep their activation dtype (bf16 in training); the kernels ac
 from __future__ import annotations
 
 import functools
+import importlib.util
+import warnings
 
 import torch
 import torch.nn as nn
@@ -32,6 +34,19 @@ def fla_ops():
     except Exception:  # not installed, or no usable Triton / GPU
         return None
     return causal_conv1d, chunk_gated_delta_rule
+
+
+@functools.lru_cache(maxsize=1)
+def fla_backward_ok() -> bool:
+    """False where fla refuses its gated backward: on Hopper with Triton in [3.4, 3.7.1), which
+    computes chunk_bwd_dqkwg wrongly there, unless tilelang provides that kernel."""
+    try:
+        from fla.utils import IS_NVIDIA_HOPPER, TRITON_ABOVE_3_4_0, TRITON_ABOVE_3_7_1
+    except ImportError:
+        return True
+    if not (IS_NVIDIA_HOPPER and TRITON_ABOVE_3_4_0 and not TRITON_ABOVE_3_7_1):
+        return True
+    return importlib.util.find_spec("tilelang") is not None
 
 
 def _acc(x):
@@ -97,7 +112,14 @@ class FLAGatedDeltaNet(nn.Module):
         self.in_proj_a = nn.Linear(hidden_size, num_v_heads, bias=False)
 
     def _fast(self, x):
-        return x.is_cuda and fla_ops() is not None
+        if not x.is_cuda or fla_ops() is None:
+            return False
+        if torch.is_grad_enabled() and not fla_backward_ok():
+            warnings.warn("flash-linear-attention's gated backward is wrong with this Triton on Hopper "
+                          "(needs Triton >= 3.7.1 or tilelang): training runs the torch twin's math",
+                          stacklevel=3)
+            return False
+        return True
 
     def forward(self, x_BTD, cu_seqlens=None):
         """x [B, T, D] -> [B, T, D]; cu_seqlens [S+1]: the B*T tokens are packed sequences."""

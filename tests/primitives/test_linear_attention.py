@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from bumblebee.baselines.linear_attention import (ChunkedGatedDeltaNet, causal_conv1d_silu,
                                                   chunked_gated_delta_rule, recurrent_gated_delta_rule)
-from bumblebee.primitives.linear_attention import FLAGatedDeltaNet, fla_ops
+from bumblebee.primitives.linear_attention import FLAGatedDeltaNet, fla_backward_ok, fla_ops
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -186,6 +186,8 @@ def _run(layer, x, w, cu=None):
 @pytest.mark.parametrize("T", [4096, 16384, 32768])
 def test_fla_matches_twin_bf16_gpu(T):
     assert fla_ops() is not None, "flash-linear-attention must import on the GPU machine"
+    if not fla_backward_ok():
+        pytest.skip("fla refuses its gated backward with this Triton on Hopper (needs >= 3.7.1 or tilelang)")
     prim, twin, ref = _gpu_pair(T)
     g = torch.Generator(device="cuda").manual_seed(T)
     x = torch.randn(1, T, 1024, device="cuda", generator=g)
@@ -203,6 +205,8 @@ def test_fla_matches_twin_bf16_gpu(T):
 @gpu
 def test_fla_packed_matches_twin_bf16_gpu():
     assert fla_ops() is not None
+    if not fla_backward_ok():
+        pytest.skip("fla refuses its gated backward with this Triton on Hopper (needs >= 3.7.1 or tilelang)")
     prim, twin, ref = _gpu_pair(5)
     cu = torch.tensor([0, 1000, 1001, 5000, 8192], device="cuda")
     g = torch.Generator(device="cuda").manual_seed(5)
@@ -224,6 +228,23 @@ def test_fla_packed_matches_twin_bf16_gpu():
 
 @pytest.mark.gpu
 @gpu
+@pytest.mark.parametrize("packed", [False, True])
+def test_fla_forward_matches_twin_bf16_gpu(packed):
+    """Forward only (rollout log-probs): runs wherever fla imports, whatever its backward's state."""
+    assert fla_ops() is not None
+    prim, twin, ref = _gpu_pair(7)
+    g = torch.Generator(device="cuda").manual_seed(7)
+    x = torch.randn(2, 4096, 1024, device="cuda", generator=g)
+    cu = torch.tensor([0, 1000, 1001, 5000, 8192], device="cuda") if packed else None
+    with torch.no_grad():
+        want = ref(x.double(), cu_seqlens=cu)
+        ours, base = prim(x.bfloat16(), cu_seqlens=cu), twin(x.bfloat16(), cu_seqlens=cu)
+    e_ours, e_twin = rel_err(ours, want), rel_err(base, want)
+    assert e_ours <= 4 * e_twin + 1e-2, (e_ours, e_twin)
+
+
+@pytest.mark.gpu
+@gpu
 def test_qwen3_5_moe_model_fla_vs_twin_gpu():
     import bumblebee as bb
     config = {**bb.models.NAMED["qwen3.5-moe-tiny"], "linear_key_head_dim": 32, "linear_value_head_dim": 32}
@@ -231,5 +252,6 @@ def test_qwen3_5_moe_model_fla_vs_twin_gpu():
     losses = []
     for impl in ("fla", "torch_chunked"):
         model = bb.models.build(config, impl={"linear_attention": impl}, seed=0, device="cuda", dtype=torch.float32)
-        losses.append(model(ids, labels=ids).loss.item())
+        with torch.no_grad():  # forward only: fla's backward may be refused on this toolchain
+            losses.append(model(ids, labels=ids).loss.item())
     assert abs(losses[0] - losses[1]) < 5e-3 * abs(losses[1]), losses  # fla's dots may run in tf32
