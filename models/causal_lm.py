@@ -5,6 +5,8 @@ forward; `CausalLM` holds the rest so model files stay a list of their features.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
@@ -12,7 +14,14 @@ from torch.utils.checkpoint import checkpoint
 from bumblebee.checks import check_token_ids
 from bumblebee.models.components import CausalLMOutput, causal_lm_loss
 from bumblebee.models.hf_io import HFCheckpointMixin
+from bumblebee.models.moe import MoECausalLMOutput
 from bumblebee.registry import check_impl, resolve
+
+
+@dataclass
+class MTPCausalLMOutput(MoECausalLMOutput):
+    mtp_loss: torch.Tensor | None = None  # the scaled MTP term included in `loss` (detached)
+    mtp_losses: torch.Tensor | None = None  # [D] the mean CE of every depth (detached)
 
 
 def run_layer(layer, recompute: bool, *args):
@@ -20,6 +29,32 @@ def run_layer(layer, recompute: bool, *args):
     if recompute and torch.is_grad_enabled():
         return checkpoint(layer, *args, use_reentrant=False)
     return layer(*args)
+
+
+class DecoderStack(nn.Module):
+    """embed_tokens -> decoder layers -> final norm, with transformers' module names.
+
+    Each layer takes (x, cos, sin, *extra) and returns (x, router logits or None); the stack returns
+    (final-normed hidden, tuple of the MoE layers' router logits). `rotary_emb` is held here, where
+    transformers keeps it, and called by the model's forward.
+    """
+
+    def __init__(self, vocab_size: int, hidden_size: int, layers, norm: nn.Module, rotary_emb: nn.Module):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(vocab_size, hidden_size)
+        self.layers = nn.ModuleList(layers)
+        self.norm = norm
+        self.rotary_emb = rotary_emb
+        self.recompute = False  # full activation recompute: keep only each layer's input
+
+    def forward(self, input_ids, cos, sin, *extra):
+        x = self.embed_tokens(input_ids)
+        router_logits = []
+        for layer in self.layers:
+            x, logits = run_layer(layer, self.recompute, x, cos, sin, *extra)
+            if logits is not None:
+                router_logits.append(logits)
+        return self.norm(x), tuple(router_logits)
 
 
 class CausalLM(HFCheckpointMixin, nn.Module):
@@ -50,6 +85,46 @@ class CausalLM(HFCheckpointMixin, nn.Module):
         if position_ids is None:
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
         return position_ids
+
+    def packed_inputs(self, input_ids, labels, position_ids, cu_seqlens):
+        """For a packed batch (the B*T tokens are sequences cut at `cu_seqlens` [S+1]): segment ids
+        [B, T], positions restarting per sequence (unless given), and labels whose target never
+        crosses a sequence boundary. Returns (segment_ids, position_ids, labels)."""
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
+        n, dev = input_ids.numel(), input_ids.device
+        if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 \
+                or cu_seqlens.is_floating_point():
+            raise ValueError(f"cu_seqlens must be a 1-D integer tensor [S+1], got {getattr(cu_seqlens, 'shape', cu_seqlens)}")
+        cu = cu_seqlens.tolist()  # one host sync per packed batch
+        if cu[0] != 0 or cu[-1] != n or any(b <= a for a, b in zip(cu, cu[1:])):
+            raise ValueError(f"cu_seqlens must rise strictly from 0 to the batch's B*T={n} tokens, got {cu}")
+        lengths = torch.tensor([b - a for a, b in zip(cu, cu[1:])], device=dev)
+        segment_ids = torch.repeat_interleave(torch.arange(len(cu) - 1, device=dev), lengths).view_as(input_ids)
+        if position_ids is None:
+            starts = torch.repeat_interleave(torch.tensor(cu[:-1], device=dev), lengths)
+            position_ids = (torch.arange(n, device=dev) - starts).view_as(input_ids)
+        if labels is not None:  # the last token of a sequence does not predict the next one's first
+            first = torch.zeros(n, dtype=torch.bool, device=dev)
+            first[cu[1:-1]] = True
+            labels = labels.masked_fill(first.view_as(labels), -100)
+        return segment_ids, position_ids, labels
+
+    def add_mtp_loss(self, out, hidden, input_ids, labels, cos, sin, cu_seqlens=None, segment_ids=None):
+        """Multi-token prediction through the `mtp` slot (when the model has depths): adds the
+        scaled term to out.loss; out.mtp_loss (detached) and out.mtp_losses [D] report it."""
+        if labels is None or not hasattr(self, "mtp"):
+            return out
+
+        def run_block(block, x):
+            return run_layer(block, self.model.recompute, x, cos, sin, cu_seqlens)[0]
+
+        mtp_loss, out.mtp_losses = self.mtp(hidden, input_ids, labels, embed=self.model.embed_tokens,
+                                            head_weight=self.lm_head.weight, run_block=run_block,
+                                            loss_fn=self.loss_fn, segment_ids_BT=segment_ids)
+        out.loss = out.loss + mtp_loss
+        out.mtp_loss = mtp_loss.detach()
+        return out
 
     def lm_outputs(self, hidden, labels, return_logits, out: CausalLMOutput | None = None) -> CausalLMOutput:
         """Loss through the `cross_entropy` slot; logits only when labels is None or asked for."""

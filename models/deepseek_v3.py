@@ -25,7 +25,7 @@ import torch
 import torch.nn as nn
 
 from bumblebee.models import hf_io, moe
-from bumblebee.models.causal_lm import CausalLM, run_layer
+from bumblebee.models.causal_lm import CausalLM, DecoderStack, MTPCausalLMOutput
 from bumblebee.models.components import RMSNorm, RotaryEmbedding, SwiGLU
 from bumblebee.models.config import hf_dtype, rope_parameters
 from bumblebee.registry import resolve
@@ -168,29 +168,10 @@ class MTPLayer(nn.Module):
         return self.shared_head["norm"](h_BTD)
 
 
-class DeepseekV3Model(nn.Module):
+class DeepseekV3Model(DecoderStack):
     def __init__(self, c: DeepseekV3Config, impl: dict):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(c, i, impl) for i in range(c.num_hidden_layers))
-        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(c.qk_rope_head_dim, c.rope)
-        self.recompute = False  # full activation recompute: keep only each layer's input
-
-    def forward(self, input_ids, cos, sin, cu_seqlens=None):
-        x = self.embed_tokens(input_ids)
-        router_logits = []
-        for layer in self.layers:
-            x, logits = run_layer(layer, self.recompute, x, cos, sin, cu_seqlens)
-            if logits is not None:
-                router_logits.append(logits)
-        return self.norm(x), tuple(router_logits)
-
-
-@dataclass
-class DeepseekV3Output(moe.MoECausalLMOutput):
-    mtp_loss: torch.Tensor | None = None  # the scaled MTP term included in `loss` (detached)
-    mtp_losses: torch.Tensor | None = None  # [D] the mean CE of every depth (detached)
+        super().__init__(c.vocab_size, c.hidden_size, (DecoderLayer(c, i, impl) for i in range(c.num_hidden_layers)),
+                         RMSNorm(c.hidden_size, c.rms_norm_eps), RotaryEmbedding(c.qk_rope_head_dim, c.rope))
 
 
 _MTP_OWN = ("enorm.", "hnorm.", "eh_proj.", "shared_head.")
@@ -220,42 +201,15 @@ class DeepseekV3ForCausalLM(CausalLM):
         stream of sequences (positions restart per sequence unless given; no target crosses one)."""
         segment_ids = None
         if cu_seqlens is not None:
-            segment_ids, starts = self._packed(input_ids, cu_seqlens)
-            if position_ids is None:
-                position_ids = (torch.arange(input_ids.numel(), device=input_ids.device) - starts).view_as(input_ids)
-            if labels is not None:  # the last token of a sequence does not predict the next one's first
-                first = torch.zeros(input_ids.numel(), dtype=torch.bool, device=input_ids.device)
-                first[cu_seqlens[1:-1].to(input_ids.device, torch.long)] = True
-                labels = labels.masked_fill(first.view_as(labels), -100)
+            segment_ids, position_ids, labels = self.packed_inputs(input_ids, labels, position_ids, cu_seqlens)
         position_ids = self.check_inputs(input_ids, labels, position_ids)
         cos, sin = self.model.rotary_emb(position_ids, self.model.embed_tokens.weight.dtype)
         hidden, router_logits = self.model(input_ids, cos, sin, cu_seqlens)
-        out = self.lm_outputs(hidden, labels, return_logits, DeepseekV3Output())
-        if labels is not None and hasattr(self, "mtp"):
-            def run_block(block, x):
-                return run_layer(block, self.model.recompute, x, cos, sin, cu_seqlens)[0]
-
-            mtp_loss, out.mtp_losses = self.mtp(hidden, input_ids, labels, embed=self.model.embed_tokens,
-                                                head_weight=self.lm_head.weight, run_block=run_block,
-                                                loss_fn=self.loss_fn, segment_ids_BT=segment_ids)
-            out.loss = out.loss + mtp_loss
-            out.mtp_loss = mtp_loss.detach()
+        out = self.lm_outputs(hidden, labels, return_logits, MTPCausalLMOutput())
+        self.add_mtp_loss(out, hidden, input_ids, labels, cos, sin, cu_seqlens, segment_ids)
         if output_router_logits:
             out.router_logits = router_logits
         return out
-
-    @staticmethod
-    def _packed(input_ids, cu_seqlens):
-        n = input_ids.numel()
-        if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
-            raise ValueError(f"cu_seqlens must be a 1-D tensor [S+1], got {getattr(cu_seqlens, 'shape', cu_seqlens)}")
-        cu = cu_seqlens.tolist()
-        if cu[0] != 0 or cu[-1] != n or any(b <= a for a, b in zip(cu, cu[1:])):
-            raise ValueError(f"cu_seqlens must rise strictly from 0 to the batch's B*T={n} tokens, got {cu}")
-        lengths = torch.tensor([b - a for a, b in zip(cu, cu[1:])], device=input_ids.device)
-        seg = torch.repeat_interleave(torch.arange(len(cu) - 1, device=input_ids.device), lengths)
-        starts = torch.repeat_interleave(cu_seqlens[:-1].to(input_ids.device, torch.long), lengths)
-        return seg.view_as(input_ids), starts
 
     # ---- checkpoint names: fused experts and MTP depths <-> the published layout ----------------
 

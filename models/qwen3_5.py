@@ -23,7 +23,6 @@ pre_fc_norm_embedding, pre_fc_norm_hidden, norm}` and `mtp.layers.0.block.*` are
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import re
 from dataclasses import asdict, dataclass, field
@@ -33,7 +32,7 @@ import torch
 import torch.nn as nn
 
 from bumblebee.models import hf_io, moe
-from bumblebee.models.causal_lm import CausalLM, run_layer
+from bumblebee.models.causal_lm import CausalLM, DecoderStack, MTPCausalLMOutput
 from bumblebee.models.components import SwiGLU, rope_inv_freq, rotate_half
 from bumblebee.models.config import hf_dtype, rope_parameters
 from bumblebee.registry import resolve
@@ -294,49 +293,14 @@ class MTPDepth(nn.Module):
         return self.norm(h_BTD)
 
 
-class Qwen3_5Model(nn.Module):
+class Qwen3_5Model(DecoderStack):
     def __init__(self, c: Qwen3_5Config, impl: dict):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(c, t, impl) for t in c.layer_types)
-        self.norm = ZeroCenteredRMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.rotary_emb = PartialRotaryEmbedding(c.rotary_dim, c.rope)
-        self.recompute = False  # full activation recompute: keep only each layer's input
-
-    def forward(self, input_ids, cos, sin, cu_seqlens=None):
-        x = self.embed_tokens(input_ids)
-        router_logits = []
-        for layer in self.layers:
-            x, logits = run_layer(layer, self.recompute, x, cos, sin, cu_seqlens)
-            if logits is not None:
-                router_logits.append(logits)
-        return self.norm(x), tuple(router_logits)
-
-
-@dataclass
-class Qwen3_5Output(moe.MoECausalLMOutput):
-    mtp_loss: torch.Tensor | None = None  # the scaled MTP term included in `loss` (detached)
-    mtp_losses: torch.Tensor | None = None  # [D] the mean CE of every depth (detached)
+        super().__init__(c.vocab_size, c.hidden_size, (DecoderLayer(c, t, impl) for t in c.layer_types),
+                         ZeroCenteredRMSNorm(c.hidden_size, c.rms_norm_eps), PartialRotaryEmbedding(c.rotary_dim, c.rope))
 
 
 _MTP_OWN = ("fc.", "pre_fc_norm_embedding.", "pre_fc_norm_hidden.", "norm.")
 _HUB = "model.language_model."
-
-
-def packed_positions(input_ids, cu_seqlens):
-    """(segment ids [B, T], position of every token inside its sequence [B, T]) of a packed batch."""
-    n = input_ids.numel()
-    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 \
-            or cu_seqlens.is_floating_point():
-        raise ValueError(f"cu_seqlens must be a 1-D integer tensor [S+1], got {getattr(cu_seqlens, 'shape', cu_seqlens)}")
-    cu = cu_seqlens.tolist()
-    if cu[0] != 0 or cu[-1] != n or any(b <= a for a, b in zip(cu, cu[1:])):
-        raise ValueError(f"cu_seqlens must rise strictly from 0 to the batch's B*T={n} tokens, got {cu}")
-    dev = input_ids.device
-    lengths = torch.tensor([b - a for a, b in zip(cu, cu[1:])], device=dev)
-    seg = torch.repeat_interleave(torch.arange(len(cu) - 1, device=dev), lengths)
-    starts = torch.repeat_interleave(torch.tensor(cu[:-1], device=dev), lengths)
-    return seg.view_as(input_ids), (torch.arange(n, device=dev) - starts).view_as(input_ids)
 
 
 class Qwen3_5ForCausalLM(CausalLM):
@@ -368,27 +332,12 @@ class Qwen3_5ForCausalLM(CausalLM):
         packed stream of sequences (positions restart per sequence unless given; no target crosses one)."""
         segment_ids = None
         if cu_seqlens is not None:
-            if input_ids.dim() != 2:
-                raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
-            segment_ids, pos = packed_positions(input_ids, cu_seqlens)
-            position_ids = pos if position_ids is None else position_ids
-            if labels is not None:  # the last token of a sequence does not predict the next one's first
-                first = torch.zeros(input_ids.numel(), dtype=torch.bool, device=input_ids.device)
-                first[cu_seqlens[1:-1].to(input_ids.device, torch.long)] = True
-                labels = labels.masked_fill(first.view_as(labels), -100)
+            segment_ids, position_ids, labels = self.packed_inputs(input_ids, labels, position_ids, cu_seqlens)
         position_ids = self.check_inputs(input_ids, labels, position_ids)
         cos, sin = self.model.rotary_emb(position_ids, self.model.embed_tokens.weight.dtype)
         hidden, router_logits = self.model(input_ids, cos, sin, cu_seqlens)
-        out = self.lm_outputs(hidden, labels, return_logits, Qwen3_5Output())
-        if labels is not None and hasattr(self, "mtp"):
-            def run_block(block, x):
-                return run_layer(block, self.model.recompute, x, cos, sin, cu_seqlens)[0]
-
-            mtp_loss, out.mtp_losses = self.mtp(hidden, input_ids, labels, embed=self.model.embed_tokens,
-                                                head_weight=self.lm_head.weight, run_block=run_block,
-                                                loss_fn=self.loss_fn, segment_ids_BT=segment_ids)
-            out.loss = out.loss + mtp_loss
-            out.mtp_loss = mtp_loss.detach()
+        out = self.lm_outputs(hidden, labels, return_logits, MTPCausalLMOutput())
+        self.add_mtp_loss(out, hidden, input_ids, labels, cos, sin, cu_seqlens, segment_ids)
         if output_router_logits is None:
             output_router_logits = getattr(self.config, "output_router_logits", False)
         if output_router_logits and router_logits:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch.nn as nn
 
 from bumblebee.models import moe
-from bumblebee.models.causal_lm import CausalLM, run_layer
+from bumblebee.models.causal_lm import CausalLM, DecoderStack
 from bumblebee.models.components import GQAttention, RMSNorm, RotaryEmbedding, SwiGLU
 from bumblebee.models.config import Qwen3Config
 
@@ -79,24 +79,10 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(h), None
 
 
-class Qwen3MoeModel(nn.Module):
+class Qwen3MoeModel(DecoderStack):
     def __init__(self, c: Qwen3MoeConfig, impl: dict):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(c, i, impl) for i in range(c.num_hidden_layers))
-        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(c.head_dim, c.rope)
-        self.recompute = False  # full activation recompute: keep only each layer's input
-
-    def forward(self, input_ids, position_ids):
-        x = self.embed_tokens(input_ids)
-        cos, sin = self.rotary_emb(position_ids, x.dtype)
-        router_logits = []
-        for layer in self.layers:
-            x, logits = run_layer(layer, self.recompute, x, cos, sin)
-            if logits is not None:
-                router_logits.append(logits)
-        return self.norm(x), tuple(router_logits)
+        super().__init__(c.vocab_size, c.hidden_size, (DecoderLayer(c, i, impl) for i in range(c.num_hidden_layers)),
+                         RMSNorm(c.hidden_size, c.rms_norm_eps), RotaryEmbedding(c.head_dim, c.rope))
 
 
 class Qwen3MoeForCausalLM(CausalLM):
@@ -117,7 +103,8 @@ class Qwen3MoeForCausalLM(CausalLM):
         position_ids = self.check_inputs(input_ids, labels, position_ids)
         if output_router_logits is None:
             output_router_logits = self.config.output_router_logits
-        hidden, router_logits = self.model(input_ids, position_ids)
+        cos, sin = self.model.rotary_emb(position_ids, self.model.embed_tokens.weight.dtype)
+        hidden, router_logits = self.model(input_ids, cos, sin)
         out = self.lm_outputs(hidden, labels, return_logits, moe.MoECausalLMOutput())
         if output_router_logits and router_logits:
             out.router_logits = router_logits

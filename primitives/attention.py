@@ -5,7 +5,6 @@ flash, then memory-efficient, then the math fallback. The CPU uses SDPA's own ch
 """
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 

@@ -32,7 +32,6 @@ L = E/EP local experts, R rows received, I expert width, C chunks.
 """
 from __future__ import annotations
 
-import contextlib
 
 import weakref
 

@@ -3,7 +3,6 @@ import json
 import subprocess
 import sys
 
-import pytest
 
 from bumblebee.cli import main
 

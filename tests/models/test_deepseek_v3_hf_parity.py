@@ -5,7 +5,6 @@ at its primitive against every slot at its twin."""
 import pytest
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
 
 import bumblebee as bb
 from bumblebee import registry
