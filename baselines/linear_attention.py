@@ -24,32 +24,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from bumblebee.checks import check_cu_seqlens, check_gdn_config
 from bumblebee.registry import register
-
-MAX_CONV_KERNEL = 4  # the widths the fast causal convolutions serve (Qwen3.5 uses 4)
-
-
-def check_gdn_config(hidden_size, num_k_heads, num_v_heads, head_k_dim, head_v_dim, conv_kernel_size):
-    for name, v in (("hidden_size", hidden_size), ("num_k_heads", num_k_heads), ("num_v_heads", num_v_heads),
-                    ("head_k_dim", head_k_dim), ("head_v_dim", head_v_dim)):
-        if not isinstance(v, int) or v <= 0:
-            raise ValueError(f"{name} must be a positive int, got {v!r}")
-    if num_v_heads % num_k_heads:
-        raise ValueError(f"linear attention: key heads ({num_k_heads}) must divide value heads ({num_v_heads})")
-    if not isinstance(conv_kernel_size, int) or not 2 <= conv_kernel_size <= MAX_CONV_KERNEL:
-        raise ValueError(f"linear attention: conv_kernel_size must be in 2..{MAX_CONV_KERNEL}, got {conv_kernel_size!r}")
-
-
-def check_cu_seqlens(cu_seqlens, n_tokens: int) -> list[int]:
-    """cu_seqlens as a list, checked: 1-D, from 0, strictly rising, ending at the batch's B*T tokens."""
-    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 \
-            or cu_seqlens.is_floating_point():
-        raise ValueError(f"cu_seqlens must be a 1-D integer tensor [S+1], got {getattr(cu_seqlens, 'shape', cu_seqlens)}")
-    cu = cu_seqlens.tolist()
-    if cu[0] != 0 or cu[-1] != n_tokens or any(b <= a for a, b in zip(cu, cu[1:])):
-        raise ValueError(f"cu_seqlens must rise strictly from 0 to the batch's B*T={n_tokens} tokens, got {cu}")
-    return cu
-
 
 def _acc(x):
     """x in fp32, or in its own dtype when wider (float64 references)."""

@@ -82,3 +82,54 @@ def check_routed_experts(routed_experts, T, top_k, E):
     bad = (routed_experts < 0) | (routed_experts >= E)
     if routed_experts.numel() and bool(bad.any()):
         raise ValueError(f"routed_experts hold {int(routed_experts[bad][0])}, outside the experts [0, {E})")
+
+
+def check_cu_seqlens(cu_seqlens, n_tokens: int) -> list[int]:
+    """Packed-sequence boundaries as Python ints (one host sync); ValueError unless
+    0 = c0 < c1 < ... < cS = B*T."""
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 \
+            or cu_seqlens.dtype not in (torch.int32, torch.int64):
+        what = f"{getattr(cu_seqlens, 'dtype', type(cu_seqlens))} of shape {tuple(getattr(cu_seqlens, 'shape', ()))}"
+        raise ValueError(f"cu_seqlens must be a 1-D int32/int64 tensor [S+1] of sequence boundaries, got {what}")
+    cu = cu_seqlens.tolist()
+    if cu[0] != 0 or cu[-1] != n_tokens:
+        raise ValueError(f"cu_seqlens must start at 0 and end at the batch's B*T={n_tokens} tokens, "
+                         f"got {cu[0]}..{cu[-1]}")
+    if any(b <= a for a, b in zip(cu, cu[1:])):
+        raise ValueError(f"cu_seqlens must be strictly increasing, got {cu}")
+    return cu
+
+
+def check_mla_config(dim, n_heads, q_lora_rank, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim):
+    for name, value in (("dim", dim), ("n_heads", n_heads), ("kv_lora_rank", kv_lora_rank),
+                        ("qk_nope_head_dim", qk_nope_head_dim), ("qk_rope_head_dim", qk_rope_head_dim),
+                        ("v_head_dim", v_head_dim)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if q_lora_rank is not None and (not isinstance(q_lora_rank, int) or q_lora_rank < 1):
+        raise ValueError(f"q_lora_rank must be None or a positive int, got {q_lora_rank!r}")
+    if qk_rope_head_dim % 2:
+        raise ValueError(f"qk_rope_head_dim must be even (RoPE rotates pairs), got {qk_rope_head_dim}")
+
+
+def check_mla_inputs(x, cos, sin, dim, rope_dim):
+    if x.dim() != 3 or x.shape[-1] != dim:
+        raise ValueError(f"x must be [B, T, dim={dim}], got shape {tuple(x.shape)}")
+    want = (x.shape[0], x.shape[1], rope_dim)
+    for name, t in (("cos", cos), ("sin", sin)):
+        if tuple(t.shape) != want and tuple(t.shape) != (1,) + want[1:]:
+            raise ValueError(f"{name} must be [B, T, qk_rope_head_dim] = {list(want)}, got {tuple(t.shape)}")
+
+
+MAX_CONV_KERNEL = 4  # the widths the fast causal convolutions serve (Qwen3.5 uses 4)
+
+
+def check_gdn_config(hidden_size, num_k_heads, num_v_heads, head_k_dim, head_v_dim, conv_kernel_size):
+    for name, v in (("hidden_size", hidden_size), ("num_k_heads", num_k_heads), ("num_v_heads", num_v_heads),
+                    ("head_k_dim", head_k_dim), ("head_v_dim", head_v_dim)):
+        if not isinstance(v, int) or v <= 0:
+            raise ValueError(f"{name} must be a positive int, got {v!r}")
+    if num_v_heads % num_k_heads:
+        raise ValueError(f"linear attention: key heads ({num_k_heads}) must divide value heads ({num_v_heads})")
+    if not isinstance(conv_kernel_size, int) or not 2 <= conv_kernel_size <= MAX_CONV_KERNEL:
+        raise ValueError(f"linear attention: conv_kernel_size must be in 2..{MAX_CONV_KERNEL}, got {conv_kernel_size!r}")

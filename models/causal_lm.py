@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-from bumblebee.checks import check_token_ids
+from bumblebee.checks import check_cu_seqlens, check_token_ids
 from bumblebee.models.components import CausalLMOutput, causal_lm_loss
 from bumblebee.models.hf_io import HFCheckpointMixin
 from bumblebee.models.moe import MoECausalLMOutput
@@ -93,12 +93,7 @@ class CausalLM(HFCheckpointMixin, nn.Module):
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
         n, dev = input_ids.numel(), input_ids.device
-        if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 \
-                or cu_seqlens.is_floating_point():
-            raise ValueError(f"cu_seqlens must be a 1-D integer tensor [S+1], got {getattr(cu_seqlens, 'shape', cu_seqlens)}")
-        cu = cu_seqlens.tolist()  # one host sync per packed batch
-        if cu[0] != 0 or cu[-1] != n or any(b <= a for a, b in zip(cu, cu[1:])):
-            raise ValueError(f"cu_seqlens must rise strictly from 0 to the batch's B*T={n} tokens, got {cu}")
+        cu = check_cu_seqlens(cu_seqlens, n)  # one host sync per packed batch
         lengths = torch.tensor([b - a for a, b in zip(cu, cu[1:])], device=dev)
         segment_ids = torch.repeat_interleave(torch.arange(len(cu) - 1, device=dev), lengths).view_as(input_ids)
         if position_ids is None:

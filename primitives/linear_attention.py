@@ -20,9 +20,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from bumblebee.checks import check_cu_seqlens, check_gdn_config
 from bumblebee.registry import register, resolve
-
-MAX_CONV_KERNEL = 4
 
 
 @functools.lru_cache(maxsize=1)
@@ -54,26 +53,6 @@ def _acc(x):
     return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
-def _check_config(hidden_size, num_k_heads, num_v_heads, head_k_dim, head_v_dim, conv_kernel_size):
-    for name, v in (("hidden_size", hidden_size), ("num_k_heads", num_k_heads), ("num_v_heads", num_v_heads),
-                    ("head_k_dim", head_k_dim), ("head_v_dim", head_v_dim)):
-        if not isinstance(v, int) or v <= 0:
-            raise ValueError(f"{name} must be a positive int, got {v!r}")
-    if num_v_heads % num_k_heads:
-        raise ValueError(f"linear attention: key heads ({num_k_heads}) must divide value heads ({num_v_heads})")
-    if not isinstance(conv_kernel_size, int) or not 2 <= conv_kernel_size <= MAX_CONV_KERNEL:
-        raise ValueError(f"linear attention: conv_kernel_size must be in 2..{MAX_CONV_KERNEL}, got {conv_kernel_size!r}")
-
-
-def _check_cu_seqlens(cu_seqlens, n_tokens: int) -> None:
-    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 \
-            or cu_seqlens.is_floating_point():
-        raise ValueError(f"cu_seqlens must be a 1-D integer tensor [S+1], got {getattr(cu_seqlens, 'shape', cu_seqlens)}")
-    cu = cu_seqlens.tolist()
-    if cu[0] != 0 or cu[-1] != n_tokens or any(b <= a for a, b in zip(cu, cu[1:])):
-        raise ValueError(f"cu_seqlens must rise strictly from 0 to the batch's B*T={n_tokens} tokens, got {cu}")
-
-
 class _GatedRMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
@@ -94,7 +73,7 @@ class FLAGatedDeltaNet(nn.Module):
     def __init__(self, hidden_size, num_k_heads, num_v_heads, head_k_dim, head_v_dim, *, conv_kernel_size=4,
                  eps=1e-6):
         super().__init__()
-        _check_config(hidden_size, num_k_heads, num_v_heads, head_k_dim, head_v_dim, conv_kernel_size)
+        check_gdn_config(hidden_size, num_k_heads, num_v_heads, head_k_dim, head_v_dim, conv_kernel_size)
         self.num_k_heads, self.num_v_heads = num_k_heads, num_v_heads
         self.head_k_dim, self.head_v_dim = head_k_dim, head_v_dim
         self.key_dim, self.value_dim = num_k_heads * head_k_dim, num_v_heads * head_v_dim
@@ -125,7 +104,7 @@ class FLAGatedDeltaNet(nn.Module):
         """x [B, T, D] -> [B, T, D]; cu_seqlens [S+1]: the B*T tokens are packed sequences."""
         B, T, _ = x_BTD.shape
         if cu_seqlens is not None:
-            _check_cu_seqlens(cu_seqlens, B * T)
+            check_cu_seqlens(cu_seqlens, B * T)
         qkv = self.in_proj_qkv(x_BTD)
         beta = self.in_proj_b(x_BTD).sigmoid()
         g = -_acc(self.A_log).exp() * F.softplus(_acc(self.in_proj_a(x_BTD)) + self.dt_bias)
