@@ -121,6 +121,19 @@ class CausalLM(HFCheckpointMixin, nn.Module):
         out.mtp_loss = mtp_loss.detach()
         return out
 
+    def init_missing_mtp(self, norm_value: float) -> tuple[str, ...]:
+        """Fresh MTP depths for a checkpoint that holds none (transformers saves none): normal(0,
+        initializer_range) matrices, norms at `norm_value`, biases 0. Returns their names, which the
+        loader then treats as optional."""
+        g = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for name, t in self.mtp.state_dict(keep_vars=True).items():
+                if t.dim() > 1:
+                    t.copy_(torch.randn(t.shape, generator=g) * self.config.initializer_range)
+                else:
+                    t.fill_(norm_value if name.endswith("norm.weight") else 0.0)
+        return tuple(f"mtp.{name}" for name in self.mtp.state_dict())
+
     def lm_outputs(self, hidden, labels, return_logits, out: CausalLMOutput | None = None) -> CausalLMOutput:
         """Loss through the `cross_entropy` slot; logits only when labels is None or asked for."""
         out = CausalLMOutput() if out is None else out

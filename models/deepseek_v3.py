@@ -19,7 +19,6 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -249,16 +248,7 @@ class DeepseekV3ForCausalLM(CausalLM):
         the MTP depths freshly initialized here, and a partial one is an error of the loader."""
         L, D = self.config.num_hidden_layers, self.config.num_nextn_predict_layers
         ignore = tuple(f"model.layers.{L + k}.{w}." for k in range(D) for w in ("embed_tokens", "shared_head.head"))
-        names = hf_io._weight_files(Path(path))
+        names = hf_io.checkpoint_names(path)
         if not D or any(n.startswith(f"model.layers.{L + k}.") for n in names for k in range(D)):
             return (), ignore
-        g = torch.Generator().manual_seed(0)
-        optional = []
-        with torch.no_grad():
-            for name, t in self.mtp.state_dict(keep_vars=True).items():
-                optional.append(f"mtp.{name}")
-                if t.dim() > 1:
-                    t.copy_(torch.randn(t.shape, generator=g) * self.config.initializer_range)
-                else:
-                    t.fill_(1.0) if name.endswith("norm.weight") else t.zero_()
-        return tuple(optional), ignore
+        return self.init_missing_mtp(norm_value=1.0), ignore

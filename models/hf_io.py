@@ -44,6 +44,11 @@ def _weight_files(path: Path) -> dict[str, Path]:
         return {name: single for name in f.keys()}
 
 
+def checkpoint_names(path) -> list[str]:
+    """Names of every tensor in the checkpoint folder `path` (single file or sharded)."""
+    return list(_weight_files(Path(path)))
+
+
 def load_weights(model: torch.nn.Module, path, *, optional: tuple[str, ...] = (),
                  ignore_prefixes: tuple[str, ...] = ()) -> None:
     """Copy every parameter (and persistent buffer) of `model` from the safetensors files in `path`,

@@ -26,7 +26,6 @@ from __future__ import annotations
 import logging
 import re
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -385,7 +384,7 @@ class Qwen3_5ForCausalLM(CausalLM):
         """(optional, ignored prefixes) for loading `path`: the vision tower (hub checkpoints) is skipped
         with one log line; `mtp.*` is ignored when the config has no MTP head, and a checkpoint without
         any `mtp.*` tensor (transformers saves none) leaves the MTP head freshly initialized here."""
-        names = hf_io._weight_files(Path(path))
+        names = hf_io.checkpoint_names(path)
         ignore = ("model.visual.",)
         visual = sum(n.startswith("model.visual.") for n in names)
         if visual:
@@ -394,16 +393,7 @@ class Qwen3_5ForCausalLM(CausalLM):
             return (), ignore + ("mtp.",)
         if any(n.startswith("mtp.") for n in names):
             return (), ignore
-        gen = torch.Generator().manual_seed(0)
-        optional = []
-        with torch.no_grad():
-            for name, t in self.mtp.state_dict(keep_vars=True).items():
-                optional.append(f"mtp.{name}")
-                if t.dim() > 1:
-                    t.copy_(torch.randn(t.shape, generator=gen) * self.config.initializer_range)
-                else:
-                    t.zero_()  # zero-centred norms and biases
-        return tuple(optional), ignore
+        return self.init_missing_mtp(norm_value=0.0), ignore  # zero-centred norms
 
 
 class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
