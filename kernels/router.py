@@ -24,7 +24,7 @@ def _aux_free_topk_kernel(logits_ptr, bias_ptr, weights_ptr, indices_ptr, counts
                           T, E, stride_t, scaling_factor,
                           TOP_K: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
                           NORM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
-                          BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr):
+                          BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr, GROUPS_3D: tl.constexpr):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     e = tl.arange(0, BLOCK_E)
@@ -42,7 +42,23 @@ def _aux_free_topk_kernel(logits_ptr, bias_ptr, weights_ptr, indices_ptr, counts
                     mask=r_ok[:, None] & e_ok[None, :], other=0.0).to(tl.float32)
         s_TE = tl.sigmoid(x)
         b_TE = tl.where(e_ok[None, :], s_TE + bias_E[None, :], float("-inf"))
-        if N_GROUP > 1:
+        if GROUPS_3D:  # E and the groups are powers of two: all groups in three [T, G, E/G] reductions
+            GS: tl.constexpr = BLOCK_E // N_GROUP
+            gs_ar = tl.arange(0, GS)
+            b3 = tl.reshape(b_TE, (BLOCK_T, N_GROUP, GS))
+            m1 = tl.max(b3, axis=2)
+            i1 = tl.min(tl.where(b3 == m1[:, :, None], gs_ar[None, None, :], GS), axis=2)
+            m2 = tl.max(tl.where(gs_ar[None, None, :] == i1[:, :, None], float("-inf"), b3), axis=2)
+            gscore_TG = m1 + m2
+            keep_TG = tl.zeros([BLOCK_T, N_GROUP], dtype=tl.int1)
+            for _ in range(TOPK_GROUP):
+                gm = tl.max(gscore_TG, axis=1)
+                gi = tl.min(tl.where(gscore_TG == gm[:, None], g_ar[None, :], BLOCK_G), axis=1)
+                keep_TG = keep_TG | (g_ar[None, :] == gi[:, None])
+                gscore_TG = tl.where(g_ar[None, :] == gi[:, None], float("-inf"), gscore_TG)
+            keep3 = tl.broadcast_to(keep_TG[:, :, None], (BLOCK_T, N_GROUP, GS))
+            b_TE = tl.where(tl.reshape(keep3, (BLOCK_T, BLOCK_E)), b_TE, float("-inf"))
+        elif N_GROUP > 1:
             gscore_TG = tl.full([BLOCK_T, BLOCK_G], float("-inf"), tl.float32)
             for g in range(N_GROUP):
                 bg = tl.where((group_E == g)[None, :], b_TE, float("-inf"))
@@ -59,6 +75,7 @@ def _aux_free_topk_kernel(logits_ptr, bias_ptr, weights_ptr, indices_ptr, counts
             b_TE = tl.where(keep_TE, b_TE, float("-inf"))
         w_TK = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
         i_TK = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.int32)
+        sel_TE = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.int1)
         for j in range(TOP_K):
             m = tl.max(b_TE, axis=1)
             idx = tl.min(tl.where(b_TE == m[:, None], e[None, :], BLOCK_E), axis=1)
@@ -67,7 +84,8 @@ def _aux_free_topk_kernel(logits_ptr, bias_ptr, weights_ptr, indices_ptr, counts
             b_TE = tl.where(hit, float("-inf"), b_TE)
             w_TK = tl.where(k_ar[None, :] == j, w[:, None], w_TK)
             i_TK = tl.where(k_ar[None, :] == j, idx[:, None], i_TK)
-            hist_E += tl.sum(tl.where(hit & r_ok[:, None], 1, 0), axis=0).to(tl.int32)
+            sel_TE = sel_TE | hit
+        hist_E += tl.sum(tl.where(sel_TE & r_ok[:, None], 1, 0), axis=0).to(tl.int32)  # once per block
         if NORM:
             w_TK = w_TK / (tl.sum(w_TK, axis=1)[:, None] + 1e-20)
         w_TK = w_TK * scaling_factor
@@ -100,7 +118,9 @@ def aux_free_topk_fwd(logits_TE: torch.Tensor, bias_E: torch.Tensor, top_k: int,
         logits_TE, bias_E, weights, indices, counts, T, E, logits_TE.stride(0), float(scaling_factor),
         TOP_K=top_k, N_GROUP=n_group, TOPK_GROUP=topk_group, NORM=bool(norm_topk_prob),
         BLOCK_T=block_t, BLOCK_E=triton.next_power_of_2(E), BLOCK_G=triton.next_power_of_2(n_group),
-        BLOCK_K=triton.next_power_of_2(top_k), num_warps=num_warps)
+        BLOCK_K=triton.next_power_of_2(top_k),
+        GROUPS_3D=n_group > 1 and E == triton.next_power_of_2(E) and n_group == triton.next_power_of_2(n_group),
+        num_warps=num_warps)
     return weights, indices, counts.long()
 
 
