@@ -26,9 +26,9 @@ import weakref
 import torch
 import torch.distributed as dist
 
+from bumblebee.distributed import agree_once
 from bumblebee.registry import register
 
-_MAGIC = 0x6D6F65  # marks a dispatch header
 _AGREED = weakref.WeakKeyDictionary()  # experts -> the config its first-call agreement check passed
 
 
@@ -68,31 +68,9 @@ def ep_size_rank(group):
     return dist.get_world_size(group), dist.get_rank(group)
 
 
-def agree_once(experts, group, device, fields: dict):
-    """First call with these experts: all ranks all_gather one fixed-size vector and raise the same
-    error when any field differs, so a disagreement fails on every rank instead of hanging in a
-    mismatched collective. Later calls skip it (no extra collective, no extra host sync); the count
-    exchange's header then carries the expert count (and the chunking), which every rank compares.
-    A later change of the expert count or of the number of chunks on one rank alone changes the
-    size of that exchange and is not caught: change them on every rank together."""
-    key = (id(group), tuple(fields.items()))
-    try:
-        if group is None or experts in _AGREED:
-            return
-    except TypeError:  # experts that cannot be weakly referenced: checked on every call
-        pass
-    words = torch.tensor([_MAGIC, *fields.values()], dtype=torch.int64, device=device)
-    got = [torch.empty_like(words) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(got, words, group=group)
-    rows = torch.stack(got).tolist()
-    for i, name in enumerate(["implementation marker", *fields]):
-        col = [r[i] for r in rows]
-        if len(set(col)) > 1:
-            raise ValueError(f"ranks of the ep group disagree on {name}: {col} (by rank)")
-    try:
-        _AGREED[experts] = key  # the config of the first call, for reference
-    except TypeError:
-        pass
+# agree_once (bumblebee.distributed) checks the config on the first call only. A later change of the
+# expert count or of the number of chunks on one rank alone changes the size of the count exchange
+# and is not caught: change them on every rank together.
 
 
 class _AllToAll(torch.autograd.Function):
@@ -127,7 +105,7 @@ def all_to_all_dispatch(x_ND, weights_NK, indices_NK, experts, num_experts, *, c
     E = num_experts
     agree_once(experts, group, x_ND.device, {  # same fields, same length as the chunked primitive's check
         "impl (all_to_all=1, chunked=2)": 1, "num_experts": E, "ep size": EP, "top_k": K,
-        "model width": x_ND.shape[-1] if x_ND.dim() == 2 else -1, "chunk count": 1, "chunk sizes": 0})
+        "model width": x_ND.shape[-1] if x_ND.dim() == 2 else -1, "chunk count": 1, "chunk sizes": 0}, _AGREED)
     if E % EP:
         raise ValueError(f"num_experts={E} is not divisible by the ep group size {EP}")
     L = E // EP

@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+_MAGIC = 0x6D6F65  # leads every agreement vector, so a rank in another collective shows up
+
 
 class _ReduceFromGroup(torch.autograd.Function):
     @staticmethod
@@ -60,3 +62,28 @@ def vocab_range(local_vocab: int, group, device) -> tuple[int, int]:
     dist.all_reduce(sizes, group=group)
     rank = dist.get_rank(group)
     return int(sizes[:rank].sum()), int(sizes.sum())
+
+
+def agree_once(obj, group, device, fields: dict, seen) -> None:
+    """First call for `obj` (e.g. an experts module): every rank all_gathers one fixed-size vector of
+    `fields` (name -> int) and raises the same ValueError when any field differs, so a disagreement
+    fails on every rank instead of hanging in a mismatched collective. `seen` (the caller's
+    WeakKeyDictionary) remembers objects already checked: later calls add no collective and no host
+    sync. Objects that cannot be weakly referenced are checked on every call."""
+    try:
+        if group is None or obj in seen:
+            return
+    except TypeError:
+        pass
+    words = torch.tensor([_MAGIC, *fields.values()], dtype=torch.int64, device=device)
+    got = [torch.empty_like(words) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(got, words, group=group)
+    rows = torch.stack(got).tolist()
+    for i, name in enumerate(["implementation marker", *fields]):
+        col = [r[i] for r in rows]
+        if len(set(col)) > 1:
+            raise ValueError(f"ranks of the ep group disagree on {name}: {col} (by rank)")
+    try:
+        seen[obj] = True
+    except TypeError:
+        pass

@@ -15,7 +15,7 @@ own stream ("comm", one per device) ordered against the compute stream by events
   W the expert wgrad of every chunk (delayed: it runs after the last dgrad, while the tail A runs),
   S scatter-add of the input gradient.
 Chunk i+1's dispatch and chunk i-1's combine run while chunk i's experts compute. The expert math
-comes from `primitives/expert_gemm.py` (dgrad/wgrad split). On the CPU (gloo) there are no
+comes from `kernels/expert_gemm.py` (dgrad/wgrad split). On the CPU (gloo) there are no
 streams: the same chunk schedule runs in issue order, sequentially.
 
 The whole layer is one autograd function whose tensors go through `save_for_backward`, so it runs
@@ -38,11 +38,11 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from bumblebee.primitives.expert_gemm import (TokensPerExpert, expert_dgrad, expert_forward, expert_wgrad,
-                                              use_grouped_mm)
+from bumblebee.distributed import agree_once
+from bumblebee.kernels.expert_gemm import (TokensPerExpert, expert_dgrad, expert_forward, expert_wgrad,
+                                           use_grouped_mm)
 from bumblebee.registry import register
 
-_MAGIC = 0x6D6F65
 _AGREED = weakref.WeakKeyDictionary()  # experts -> the config its first-call agreement check passed
 _COMM_STREAMS: dict = {}
 _HEAD = 5  # header words per message: local token count, bad-shape flag, bad-index flag, E, chunking
@@ -72,28 +72,6 @@ def _chunk_spec(chunks) -> tuple:
 
 def _spec_word(spec: tuple) -> int:
     return hash(spec) & 0xFFFFFFFF
-
-
-def _agree_once(experts, group, device, fields: dict):
-    """See baselines' agree_once: a first-call all_gather of the config; the same error on every rank."""
-    key = (id(group), tuple(fields.items()))
-    try:
-        if group is None or experts in _AGREED:
-            return
-    except TypeError:  # experts that cannot be weakly referenced: checked on every call
-        pass
-    words = torch.tensor([_MAGIC, *fields.values()], dtype=torch.int64, device=device)
-    got = [torch.empty_like(words) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(got, words, group=group)
-    rows = torch.stack(got).tolist()
-    for i, name in enumerate(["implementation marker", *fields]):
-        col = [r[i] for r in rows]
-        if len(set(col)) > 1:
-            raise ValueError(f"ranks of the ep group disagree on {name}: {col} (by rank)")
-    try:
-        _AGREED[experts] = key  # the config of the first call, for reference
-    except TypeError:
-        pass
 
 
 class _Schedule:
@@ -308,10 +286,10 @@ def chunked_dispatch(x_ND, weights_NK, indices_NK, experts, num_experts, *, chun
     group = group if EP > 1 else None
     spec = _chunk_spec(chunks)
     K = indices_NK.shape[1] if indices_NK.dim() == 2 else -1
-    _agree_once(experts, group, x_ND.device, {
+    agree_once(experts, group, x_ND.device, {
         "impl (all_to_all=1, chunked=2)": 2, "num_experts": num_experts, "ep size": EP, "top_k": K,
         "model width": x_ND.shape[-1] if x_ND.dim() == 2 else -1, "chunk count": len(spec),
-        "chunk sizes": _spec_word(spec)})
+        "chunk sizes": _spec_word(spec)}, _AGREED)
     if num_experts % EP:
         raise ValueError(f"num_experts={num_experts} is not divisible by the ep group size {EP}")
     if indices_NK.dim() != 2:

@@ -21,7 +21,7 @@ import torch.multiprocessing as mp
 
 from bumblebee import registry
 from bumblebee.models.moe import GroupedExperts, MoEBlock, hf_to_ours_sources, shard_experts
-from bumblebee.primitives.expert_gemm import WgradStore, swiglu_experts
+from bumblebee.kernels.expert_gemm import WgradStore, swiglu_experts
 
 TOL_TWIN = 1e-6
 TOL_LOCAL = 1e-5
