@@ -14,7 +14,7 @@ from torch.utils.checkpoint import checkpoint
 from bumblebee.checks import check_cu_seqlens, check_token_ids
 from bumblebee.models.components import CausalLMOutput, causal_lm_loss
 from bumblebee.models.hf_io import HFCheckpointMixin
-from bumblebee.models.moe import MoECausalLMOutput
+from bumblebee.models.moe import MoECausalLMOutput, load_balancing_loss
 from bumblebee.registry import check_impl, resolve
 
 
@@ -119,6 +119,18 @@ class CausalLM(HFCheckpointMixin, nn.Module):
                                             loss_fn=self.loss_fn, segment_ids_BT=segment_ids)
         out.loss = out.loss + mtp_loss
         out.mtp_loss = mtp_loss.detach()
+        return out
+
+    def add_aux_loss(self, out, router_logits, output_router_logits=None):
+        """transformers' load-balancing loss of the softmax routers, when output_router_logits (default:
+        the config's): out.router_logits, out.aux_loss, and coef * aux_loss added to out.loss."""
+        if output_router_logits is None:
+            output_router_logits = getattr(self.config, "output_router_logits", False)
+        if output_router_logits and router_logits:
+            out.router_logits = router_logits
+            out.aux_loss = load_balancing_loss(router_logits, self.config.num_experts, self.config.num_experts_per_tok)
+            if out.loss is not None:
+                out.loss = out.loss + self.config.router_aux_loss_coef * out.aux_loss
         return out
 
     def init_missing_mtp(self, norm_value: float) -> tuple[str, ...]:

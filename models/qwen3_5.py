@@ -337,14 +337,7 @@ class Qwen3_5ForCausalLM(CausalLM):
         hidden, router_logits = self.model(input_ids, cos, sin, cu_seqlens)
         out = self.lm_outputs(hidden, labels, return_logits, MTPCausalLMOutput())
         self.add_mtp_loss(out, hidden, input_ids, labels, cos, sin, cu_seqlens, segment_ids)
-        if output_router_logits is None:
-            output_router_logits = getattr(self.config, "output_router_logits", False)
-        if output_router_logits and router_logits:
-            out.router_logits = router_logits
-            out.aux_loss = moe.load_balancing_loss(router_logits, self.config.num_experts,
-                                                   self.config.num_experts_per_tok)
-            if out.loss is not None:
-                out.loss = out.loss + self.config.router_aux_loss_coef * out.aux_loss
+        self.add_aux_loss(out, router_logits, output_router_logits)
         return out
 
     # ---- checkpoint names: plain / hub layouts, MTP head, fused experts ---------------------------

@@ -101,15 +101,7 @@ class Qwen3MoeForCausalLM(CausalLM):
         """Logits [B, T, V] when labels is None (or return_logits); aux_loss and router_logits when
         output_router_logits (default: the config's), the loss then including coef * aux_loss."""
         position_ids = self.check_inputs(input_ids, labels, position_ids)
-        if output_router_logits is None:
-            output_router_logits = self.config.output_router_logits
         cos, sin = self.model.rotary_emb(position_ids, self.model.embed_tokens.weight.dtype)
         hidden, router_logits = self.model(input_ids, cos, sin)
         out = self.lm_outputs(hidden, labels, return_logits, moe.MoECausalLMOutput())
-        if output_router_logits and router_logits:
-            out.router_logits = router_logits
-            out.aux_loss = moe.load_balancing_loss(router_logits, self.config.num_experts,
-                                                   self.config.num_experts_per_tok)
-            if out.loss is not None:
-                out.loss = out.loss + self.config.router_aux_loss_coef * out.aux_loss
-        return out
+        return self.add_aux_loss(out, router_logits, output_router_logits)
