@@ -11,8 +11,10 @@ are sharded over the `ep` process group held by `experts.ep_group` (rank r holds
   2. exchange the counts (one small all_to_all), read them on the host: the ONE host sync;
   3. all_to_all the rows with uneven splits; regroup what arrived from (source, expert) order to
      (expert, source) order; one grouped expert call on the local experts;
-  4. undo the regroup, the reverse all_to_all, weight and add back to the tokens.
-Autograd runs through both all_to_alls (their backward is the opposite all_to_all).
+  4. undo the regroup, the reverse all_to_all, weight and sum each token's K copies.
+Autograd runs through both all_to_alls (their backward is the opposite all_to_all). The permutation
+steps (sort, counts, regroup index, gather / weighted sum over K and their gradients) come from
+`bumblebee/moe_permute.py`, shared with the chunked primitive: gathers and sums, no atomics.
 
 Both accept `chunks=` for signature parity with the chunked primitive and ignore it.
 
@@ -27,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from bumblebee.distributed import agree_once
+from bumblebee.moe_permute import Permute, RowPermutation, Unpermute, copy_order, regroup_index
 from bumblebee.registry import register
 
 _AGREED = weakref.WeakKeyDictionary()  # experts -> the config its first-call agreement check passed
@@ -51,13 +54,10 @@ def local_dispatch(x_ND, weights_NK, indices_NK, experts, num_experts, *, chunks
     err = _check_shapes(x_ND, weights_NK, indices_NK)
     if err:
         raise ValueError(err)
-    flat_M = indices_NK.reshape(-1)
-    order_M = torch.argsort(flat_M, stable=True)
-    token_M = order_M // K
-    tokens_per_expert_E = torch.bincount(flat_M, minlength=num_experts)
-    y_MD = experts(x_ND[token_M], tokens_per_expert_E)
-    y_MD = y_MD * weights_NK.reshape(-1)[order_M].unsqueeze(-1)
-    return torch.zeros_like(x_ND).index_add_(0, token_M, y_MD.to(x_ND.dtype))
+    order_M, inv_M, counts_1E = copy_order(indices_NK.reshape(-1), num_experts)
+    x_MD = Permute.apply(x_ND, order_M // K, inv_M, K)
+    y_MD = experts(x_MD, counts_1E[0])
+    return Unpermute.apply(y_MD, weights_NK, order_M, inv_M, x_ND.dtype)
 
 
 # ---- expert parallel, no chunking -------------------------------------------------------------------
@@ -114,10 +114,8 @@ def all_to_all_dispatch(x_ND, weights_NK, indices_NK, experts, num_experts, *, c
     shape_err = _check_shapes(x_ND, weights_NK, indices_NK)
     flat_M = indices_NK.reshape(-1)
     bad_idx = ((flat_M < 0) | (flat_M >= E)).any()  # False when empty
-    flat_M = flat_M.clamp(0, E - 1)
-    order_M = torch.argsort(flat_M, stable=True)
-    token_M = order_M // K
-    counts_RL = torch.bincount(flat_M, minlength=E).view(EP, L)  # copies for each destination's experts
+    order_M, inv_M, counts_1E = copy_order(flat_M.clamp(0, E - 1), E)
+    counts_RL = counts_1E.view(EP, L)  # copies for each destination's experts
     head = torch.stack([torch.full((), 1 if shape_err else 0, device=counts_RL.device),
                         bad_idx.to(counts_RL.device, torch.int64), torch.full((), E, device=counts_RL.device)])
     msg = torch.cat([head.expand(EP, 3), counts_RL], dim=1)
@@ -136,16 +134,13 @@ def all_to_all_dispatch(x_ND, weights_NK, indices_NK, experts, num_experts, *, c
     out_splits = [sum(got[s * (L + 3) + 3:(s + 1) * (L + 3)]) for s in range(EP)]
     recv_SL = recv[:, 3:]
 
-    x_RD = _AllToAll.apply(x_ND[token_M], out_splits, in_splits, group)
-    # regroup (source, expert) -> (expert, source): a stable sort of the rows by expert
+    x_RD = _AllToAll.apply(Permute.apply(x_ND, order_M // K, inv_M, K), out_splits, in_splits, group)
+    # regroup (source, expert) -> (expert, source): row i goes to dest_R[i]
     R = sum(out_splits)
-    expert_of_segment = torch.arange(L, device=recv.device).repeat(EP)
-    perm_R = torch.argsort(torch.repeat_interleave(expert_of_segment, recv_SL.reshape(-1), output_size=R),
-                           stable=True)
-    y_RD = experts(x_RD[perm_R], recv_SL.sum(0))
+    dest_R = regroup_index(recv_SL.unsqueeze(0), R)
+    y_RD = experts(RowPermutation.apply(x_RD, dest_R, True), recv_SL.sum(0))
     if R == 0:  # no rows here: keep x_RD in the graph so this rank joins the backward all_to_all too
         y_RD = y_RD + x_RD
-    y_RD = torch.empty_like(y_RD).index_copy(0, perm_R, y_RD)  # back to (source, expert) order
+    y_RD = RowPermutation.apply(y_RD, dest_R, False)  # back to (source, expert) order
     y_MD = _AllToAll.apply(y_RD, in_splits, out_splits, group)
-    y_MD = y_MD * weights_NK.reshape(-1)[order_M].unsqueeze(-1)
-    return torch.zeros_like(x_ND).index_add_(0, token_M, y_MD.to(x_ND.dtype))
+    return Unpermute.apply(y_MD, weights_NK, order_M, inv_M, x_ND.dtype)

@@ -94,6 +94,15 @@ def layer_step(name, x, w, idx, experts, chunks=None, recompute=False):
     return step
 
 
+def top_kernels(prof, n=25):
+    """The n GPU kernels with the most device time in one profiled step: [name, total ms, calls]."""
+    rows = [(e.key, e.self_device_time_total / 1e3, e.count) for e in prof.key_averages()
+            if e.self_device_time_total > 0]
+    rows.sort(key=lambda r: -r[1])
+    total = sum(r[1] for r in rows)
+    return {"total_kernel_ms": total, "top": [[k[:90], round(ms, 3), c] for k, ms, c in rows[:n]]}
+
+
 def a2a_alone(x, idx, group, EP):
     """The twin's 4 exchanges (dispatch, combine, and their backward) with its split sizes."""
     L = E // EP
@@ -266,6 +275,16 @@ def main():
     with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
         step()
         torch.cuda.synchronize()
+    breakdown = {"chunked_c2": top_kernels(prof)}
+    twin = layer_step("all_to_all", x, w, idx, experts)
+    for _ in range(2):
+        twin()
+    torch.cuda.synchronize()
+    dist.barrier()
+    with profile(activities=[ProfilerActivity.CUDA]) as tprof:
+        twin()
+        torch.cuda.synchronize()
+    breakdown["twin"] = top_kernels(tprof)
     if rank == 0:
         tj = out / "moe_dispatch_trace.json"
         prof.export_chrome_trace(str(tj))
@@ -285,6 +304,7 @@ def main():
             "iterations": {"warmup": WARMUP, "timed": ITERS, "statistic": "median"},
             "check_chunked_vs_twin_rel_err": check,
             "rows": rows,
+            "kernel_breakdown_16K_rank0": breakdown,
         }
         (out / "moe_dispatch.json").write_text(json.dumps(result, indent=1))
     dist.barrier()

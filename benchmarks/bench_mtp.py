@@ -14,11 +14,11 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import statistics
 from pathlib import Path
 
 import pytest
 import torch
+from timing import median_ms
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -36,18 +36,7 @@ RESULTS: dict = {"cases": []}
 
 
 def _time_ms(fn, iters=5, warmup=2):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return median_ms(fn, iters, warmup, cuda=True)
 
 
 def mtp_case(impl, T):

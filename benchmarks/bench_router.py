@@ -18,11 +18,11 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import statistics
 from pathlib import Path
 
 import pytest
 import torch
+from timing import median_ms
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -37,18 +37,7 @@ RESULTS: dict = {"cases": []}
 
 
 def _time_ms(fn, iters=20, warmup=5):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return median_ms(fn, iters, warmup, cuda=True)
 
 
 def _routing_fn(family, impl, T):

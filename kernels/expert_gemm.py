@@ -27,13 +27,17 @@ import torch.nn.functional as F
 
 @dataclass
 class TokensPerExpert:
-    """Row counts per expert, on the device (offsets for grouped_mm) and on the host (loop)."""
+    """Row counts per expert, on the device (offsets for grouped_mm) and on the host (loop).
+    `offsets` (int32 cumulative counts) may be given; otherwise computed once, on first use."""
     device: torch.Tensor  # [E] int
     host: list
+    offsets: torch.Tensor | None = None
 
     @property
     def offs(self):
-        return torch.cumsum(self.device, 0, dtype=torch.int32)
+        if self.offsets is None:
+            self.offsets = torch.cumsum(self.device, 0, dtype=torch.int32)
+        return self.offsets
 
 
 def use_grouped_mm(x, w1, w2, mode="auto"):
@@ -97,12 +101,13 @@ def expert_dgrad(g_MD, saved, w1_E2ID, w2_EDI):
     """dx [M, D] now, and the job that computes the weight gradients later."""
     x_MD, h_M2I, tpe, grouped = saved
     gate, up = h_M2I.chunk(2, dim=-1)
-    sg = torch.sigmoid(gate)
-    silu = gate * sg
-    a_MI = silu * up
+    I = gate.shape[-1]
+    silu = F.silu(gate)
+    a_MI = silu * up  # recomputed (the forward keeps only h); the wgrad of w2 needs it
     da_MI = _gmm(g_MD, w2_EDI, tpe, grouped)
-    dgate = da_MI * up * (sg * (1 + gate * (1 - sg)))
-    dh_M2I = torch.cat([dgate, da_MI * silu], dim=-1)
+    dh_M2I = torch.empty_like(h_M2I)  # [dgate | dup], each written in place: no cat
+    torch.mul(da_MI, silu, out=dh_M2I[:, I:])
+    torch.ops.aten.silu_backward.grad_input(da_MI * up, gate, grad_input=dh_M2I[:, :I])  # one fused kernel
     dx_MD = _gmm(dh_M2I, w1_E2ID, tpe, grouped)
     return dx_MD, WgradJob(x_MD, dh_M2I, a_MI, g_MD, tpe, grouped, w1_E2ID.shape[0])
 

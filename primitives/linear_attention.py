@@ -8,12 +8,18 @@ value heads without a repeated copy, fp32 state, packed sequences). fla is impor
 its kernels cannot run on a CPU (they ask for a GPU driver even under the Triton interpreter), so
 off CUDA, or where fla is not installed, the layer runs the twin's torch math.
 
+fla 0.6 refuses its gated backward on Hopper with Triton in [3.4, 3.7.1): one of its kernels
+(`chunk_bwd_dqkwg`) is miscompiled there. On first use the primitive then installs
+`bumblebee.kernels.gdn_backward.chunk_bwd_dqkwg` (the same function, written so that the miscompiled
+pattern never appears) into fla's backend registry, so fla's backward runs unchanged otherwise.
+
 The rule's inputs keep their activation dtype (bf16 in training); the kernels accumulate in fp32.
 """
 from __future__ import annotations
 
 import functools
 import importlib.util
+import os
 import warnings
 
 import torch
@@ -24,28 +30,82 @@ from bumblebee.checks import check_cu_seqlens, check_gdn_config
 from bumblebee.registry import register, resolve
 
 
+DQKWG_HOOK = None  # how fla's gated chunk_bwd_dqkwg reaches kernels/gdn_backward.py, once installed
+
+
+def fla_refuses_gated_backward() -> bool:
+    """fla 0.6's own guard: its Triton chunk_bwd_dqkwg is wrong for gated rules on Hopper with Triton in
+    [3.4, 3.7.1) (a transposed MMA result fed to another dot is miscompiled), so it raises there."""
+    try:
+        from fla.utils import IS_NVIDIA_HOPPER, TRITON_ABOVE_3_4_0, TRITON_ABOVE_3_7_1
+    except ImportError:
+        return False
+    return bool(IS_NVIDIA_HOPPER and TRITON_ABOVE_3_4_0 and not TRITON_ABOVE_3_7_1)
+
+
+def _install_dqkwg():
+    """Hand fla's gated chunk_bwd_dqkwg to kernels/gdn_backward.py. fla dispatches that function through
+    its 'common' backend registry: our backend takes the gated calls, after tilelang's when fla finds
+    tilelang usable. With FLA_DISABLE_BACKEND_DISPATCH=1 there is no registry to join, so the name
+    fla's gated delta rule imported is rebound instead. Returns how it was installed."""
+    from bumblebee.kernels import gdn_backward
+
+    if os.environ.get("FLA_DISABLE_BACKEND_DISPATCH") == "1":
+        import fla.ops.gated_delta_rule.chunk as gdr
+
+        gdr.chunk_bwd_dqkwg = lambda *args, **kwargs: gdn_backward.chunk_bwd_dqkwg(*args, **kwargs)
+        return "fla.ops.gated_delta_rule.chunk.chunk_bwd_dqkwg"
+    from fla.backends import BaseBackend
+    from fla.backends import register as fla_register
+
+    @fla_register("common")
+    class BumblebeeDqkwg(BaseBackend):
+        backend_type = "bumblebee_gdn_backward"
+        priority = 6  # after tilelang (5)
+
+        def chunk_bwd_dqkwg_verifier(self, *args, **kwargs):
+            a = gdn_backward.SIGNATURE.bind(*args, **kwargs).arguments
+            if a.get("g") is None or a.get("g_gamma") is not None:
+                return False, "only the gated rule (g given, no g_gamma)"
+            return True, None
+
+        def chunk_bwd_dqkwg(self, *args, **kwargs):
+            return gdn_backward.chunk_bwd_dqkwg(*args, **kwargs)
+
+    return "fla.backends registry 'common'"
+
+
 @functools.lru_cache(maxsize=1)
 def fla_ops():
-    """(causal_conv1d, chunk_gated_delta_rule) from flash-linear-attention, or None when absent."""
+    """(causal_conv1d, chunk_gated_delta_rule) from flash-linear-attention, or None when absent. Where
+    fla refuses its gated backward, our chunk_bwd_dqkwg is installed for it on this first call."""
+    global DQKWG_HOOK
     try:
         from fla.modules.causal_conv1d import causal_conv1d
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
     except Exception:  # not installed, or no usable Triton / GPU
         return None
+    if fla_refuses_gated_backward() and DQKWG_HOOK is None:
+        try:
+            DQKWG_HOOK = _install_dqkwg()
+        except Exception as e:  # an fla whose internals moved: train on the twin's math (fla_backward_ok)
+            warnings.warn(f"could not install the gated DeltaNet dq/dk/dw/dg kernel into fla: {e!r}")
     return causal_conv1d, chunk_gated_delta_rule
 
 
 @functools.lru_cache(maxsize=1)
 def fla_backward_ok() -> bool:
-    """False where fla refuses its gated backward: on Hopper with Triton in [3.4, 3.7.1), which
-    computes chunk_bwd_dqkwg wrongly there, unless tilelang provides that kernel."""
+    """Whether fla's gated backward runs correctly here: everywhere fla does not refuse it, and where it
+    does (Hopper, Triton in [3.4, 3.7.1)) once our kernel is installed or tilelang serves it."""
+    if not fla_refuses_gated_backward():
+        return True
+    if fla_ops() is not None and DQKWG_HOOK is not None:
+        return True
     try:
-        from fla.utils import IS_NVIDIA_HOPPER, TRITON_ABOVE_3_4_0, TRITON_ABOVE_3_7_1
-    except ImportError:
-        return True
-    if not (IS_NVIDIA_HOPPER and TRITON_ABOVE_3_4_0 and not TRITON_ABOVE_3_7_1):
-        return True
-    return importlib.util.find_spec("tilelang") is not None
+        from fla.ops.common.backends.tilelang import CommonTileLangBackend
+        return CommonTileLangBackend.is_available() and CommonTileLangBackend().is_enabled()
+    except Exception:
+        return importlib.util.find_spec("tilelang") is not None
 
 
 def _acc(x):
@@ -94,8 +154,8 @@ class FLAGatedDeltaNet(nn.Module):
         if not x.is_cuda or fla_ops() is None:
             return False
         if torch.is_grad_enabled() and not fla_backward_ok():
-            warnings.warn("flash-linear-attention's gated backward is wrong with this Triton on Hopper "
-                          "(needs Triton >= 3.7.1 or tilelang): training runs the torch twin's math",
+            warnings.warn("flash-linear-attention refuses its gated backward with this Triton on Hopper and "
+                          "our replacement kernel could not be installed: training runs the torch twin's math",
                           stacklevel=3)
             return False
         return True

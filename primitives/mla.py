@@ -12,6 +12,9 @@ Same parameters, names and math as the twin `bumblebee.baselines.mla.NaiveMLA`; 
   the attention itself. Saved per layer: latents + output instead of Q, K, V, output;
 - `cu_seqlens` (packed sequences): one causal SDPA call per sequence over the packed stream, so
   every call stays on the fast backend (a block-diagonal mask would push SDPA off cuDNN/flash).
+- `pad_v` (per module, default off): v zero-padded to the q/k head dim inside SDPA, the extra output
+  columns dropped; same result, for a backend whose equal-head-dim kernel outruns its 192/128 one
+  (measured in benchmarks/bench_mla.py, benchmarks/NOTES_mla.md).
 
 Shape legend: B batch, T tokens, D model width, H heads, R rope dim, N = B*T.
 """
@@ -62,12 +65,19 @@ def rope_pairs(x_BThR, cos_BTR, sin_BTR, interleave: bool):
     return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
 
 
-def sdpa_causal(q_BhTd, k_BhTd, v_BhTe, scale):
-    """Causal SDPA; on CUDA the cuDNN backend first (MLA's 192/128 head dims), with fallbacks."""
+def sdpa_causal(q_BhTd, k_BhTd, v_BhTe, scale, pad_v=False):
+    """Causal SDPA; on CUDA the cuDNN backend first (MLA's 192/128 head dims), with fallbacks.
+    pad_v: zero-pad v to the q/k head dim and drop the padded output columns (the same result; a
+    kernel for equal head dims may outrun the 192/128 one despite 1.2x the FLOPs: bench_mla.py)."""
+    e = v_BhTe.shape[-1]
+    if pad_v and e < q_BhTd.shape[-1]:
+        v_BhTe = F.pad(v_BhTe, (0, q_BhTd.shape[-1] - e))
     if q_BhTd.is_cuda:
         with sdpa_kernel(_CUDA_ORDER, set_priority=True):
-            return F.scaled_dot_product_attention(q_BhTd, k_BhTd, v_BhTe, is_causal=True, scale=scale)
-    return F.scaled_dot_product_attention(q_BhTd, k_BhTd, v_BhTe, is_causal=True, scale=scale)
+            o = F.scaled_dot_product_attention(q_BhTd, k_BhTd, v_BhTe, is_causal=True, scale=scale)
+    else:
+        o = F.scaled_dot_product_attention(q_BhTd, k_BhTd, v_BhTe, is_causal=True, scale=scale)
+    return o[..., :e] if o.shape[-1] != e else o
 
 
 def _keep_attention_outputs(ctx, op, *args, **kwargs):
@@ -82,6 +92,8 @@ _LEAN_CONTEXT = functools.partial(create_selective_checkpoint_contexts, _keep_at
 @register("mla", "flash", kind="primitive", twin="naive", default=True)
 class FlashMLA(nn.Module):
     """SDPA (cuDNN first) MLA; lean backward recomputes per-head Q/K/V from the latents."""
+
+    pad_v = False  # per instance: v zero-padded to the q/k head dim inside SDPA (see sdpa_causal)
 
     def __init__(self, dim, n_heads, *, q_lora_rank, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim,
                  softmax_scale=None, rope_interleave=True, bias=False, lean_backward=True):
@@ -132,10 +144,10 @@ class FlashMLA(nn.Module):
         k = torch.cat((k_nope, k_rope.expand(B, T, H, self.rope_dim)), dim=-1)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, T, d]
         if segments is None:
-            o = sdpa_causal(q, k, v, self.softmax_scale)
+            o = sdpa_causal(q, k, v, self.softmax_scale, self.pad_v)
         else:  # packed: [1, H, N, d], one causal call per sequence
             q, k, v = (t.transpose(0, 1).reshape(1, H, B * T, -1) for t in (q, k, v))
-            o = torch.cat([sdpa_causal(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], self.softmax_scale)
+            o = torch.cat([sdpa_causal(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], self.softmax_scale, self.pad_v)
                            for a, b in segments], dim=2)
             o = o.reshape(H, B, T, self.v_dim).transpose(0, 1)
         return o.transpose(1, 2).reshape(B, T, H * self.v_dim)

@@ -6,17 +6,27 @@ sharded over `experts.ep_group`, dropless. The layer's N local tokens are split 
 for all chunks up front (the one host sync), then a pipeline, on CUDA with communication on its
 own stream ("comm", one per device) ordered against the compute stream by events:
 
-  forward   compute: P(all chunks) | E0 | E1 | E2 ...      | U0 U1 U2 ...
-            comm   :             D0 D1 C0 D2 C1 D3 C2 C3 ...
-  backward  compute: G(all) | dX0 | dX1 | dX2 ... | W(all chunks) | S0 S1 ...
-            comm   :       B0 B1 A0 B2 A1 B3 A2 ... A_last
-  P permute, D dispatch all_to_all, E experts (grouped GEMMs), C combine all_to_all, U weight and
-  add back; G gradient of the weighting, B combine-backward, dX expert dgrad, A dispatch-backward,
-  W the expert wgrad of every chunk (delayed: it runs after the last dgrad, while the tail A runs),
-  S scatter-add of the input gradient.
-Chunk i+1's dispatch and chunk i-1's combine run while chunk i's experts compute. The expert math
-comes from `kernels/expert_gemm.py` (dgrad/wgrad split). On the CPU (gloo) there are no
-streams: the same chunk schedule runs in issue order, sequentially.
+  forward   compute: P0 P1 | E0 | P2 E1 | P3 E2 ...      | U0 U1 U2 ...
+            comm   :  D0   D1 C0   D2 C1   D3 C2 C3 ...
+  backward  compute: G0 G1 | dX0 | G2 dX1 | G3 dX2 ... | W(all chunks) | S0 S1 ...
+            comm   :  B0   B1 A0   B2 A1    B3 A2 ... A_last
+  P gather a chunk's copies, D dispatch all_to_all, E experts (grouped GEMMs), C combine
+  all_to_all, U weight and sum each token's K copies; G gradient of the weighting, B
+  combine-backward, dX expert dgrad, A dispatch-backward, W the expert wgrad of every chunk
+  (delayed: it runs after the last dgrad, while the tail A runs), S sum of each token's K
+  input-gradient copies.
+Chunk i+1's dispatch and chunk i-1's combine run while chunk i's experts compute; chunk 0's
+dispatch starts right after its own gather. The expert math comes from `kernels/expert_gemm.py`
+(dgrad/wgrad split); the permutation from `bumblebee/moe_permute.py`, shared with the twin: every
+un-permute is a gather and a sum over K, no atomics, deterministic. Chunks are contiguous token
+ranges and the copies sort by chunk * E + expert, so chunk c's copies are one range of the sorted
+order and U/S write disjoint rows of the output. On the CPU (gloo) there are no streams: the same
+chunk schedule runs in issue order, sequentially.
+
+Delayed wgrad of C > 1 chunks, chosen per call from host-known row counts (`_wgrad_by_gather`):
+either every chunk's wgrad inputs go into one expert-major buffer (x in the forward, dh, a and g
+after each chunk's dgrad) and one GEMM per weight runs, or one GEMM per chunk plus C - 1
+weight-sized adds; whichever moves fewer bytes.
 
 The whole layer is one autograd function whose tensors go through `save_for_backward`, so it runs
 inside `torch.utils.checkpoint` (the recomputed forward repeats the same collectives on every rank).
@@ -39,12 +49,15 @@ import torch
 import torch.distributed as dist
 
 from bumblebee.distributed import agree_once
-from bumblebee.kernels.expert_gemm import (TokensPerExpert, expert_dgrad, expert_forward, expert_wgrad,
+from bumblebee.kernels.expert_gemm import (TokensPerExpert, WgradJob, expert_dgrad, expert_forward, expert_wgrad,
                                            use_grouped_mm)
+from bumblebee.moe_permute import (copy_order, expert_major_index, regroup_index, scatter_rows, sum_copies,
+                                   unpermute, unpermute_grads)
 from bumblebee.registry import register
 
 _AGREED = weakref.WeakKeyDictionary()  # experts -> the config its first-call agreement check passed
 _COMM_STREAMS: dict = {}
+WGRAD = "auto"  # delayed wgrad of several chunks: "auto" (by bytes), "gather" (one GEMM) or "add" (per chunk)
 _HEAD = 5  # header words per message: local token count, bad-shape flag, bad-index flag, E, chunking
 
 
@@ -119,24 +132,21 @@ class _Schedule:
 
 
 def _exchange_counts(x_ND, weights_NK, indices_NK, E, spec, group, EP):
-    """Sorted copy order, and the host view of every chunk's splits (the one host sync)."""
+    """Sorted copy order, the host view of every chunk's splits (the one host sync), and the device
+    indices of every active chunk, computed in one go: the regroup destinations, tokens per expert
+    and their offsets."""
     N, K = indices_NK.shape
     L, C = E // EP, len(spec)
     shape_bad = x_ND.dim() != 2 or x_ND.shape[0] != N or weights_NK.shape != (N, K)
     flat_M = indices_NK.reshape(-1)
     bad_idx = ((flat_M < 0) | (flat_M >= E)).any()
-    flat_M = flat_M.clamp(0, E - 1)
     bounds = chunk_bounds(N, spec)
-    sizes = [b - a for a, b in zip(bounds, bounds[1:])]
-    dev = flat_M.device
-    chunk_M = torch.repeat_interleave(torch.arange(C, device=dev), torch.tensor(sizes, device=dev) * K,
-                                      output_size=N * K)
-    key_M = chunk_M * E + flat_M  # chunks are contiguous in token order: sorting by key keeps them apart
-    order_M = torch.argsort(key_M, stable=True)
-    counts_RCL = torch.bincount(key_M, minlength=C * E).view(C, EP, L).transpose(0, 1)
-    word = lambda v: torch.full((), v, device=dev, dtype=torch.int64)  # noqa: E731
-    head = torch.stack([word(N), word(int(shape_bad)), bad_idx.to(torch.int64), word(E), word(_spec_word(spec))])
-    msg = torch.cat([head.expand(EP, _HEAD), counts_RCL.reshape(EP, C * L)], dim=1)
+    # chunks are contiguous in token order: sorting by chunk * E + expert keeps them apart
+    order_M, inv_M, counts_CE = copy_order(flat_M.clamp(0, E - 1), E, [b * K for b in bounds])
+    dev = order_M.device
+    head = torch.tensor([N, int(shape_bad), 0, E, _spec_word(spec)], dtype=torch.int64).to(dev, non_blocking=True)
+    msg = torch.cat([head.expand(EP, _HEAD), counts_CE.view(C, EP, L).transpose(0, 1).reshape(EP, C * L)], dim=1)
+    msg[:, 2] = bad_idx
     if group is None:
         recv = msg
     else:
@@ -158,120 +168,156 @@ def _exchange_counts(x_ND, weights_NK, indices_NK, E, spec, group, EP):
             raise ValueError(f"moe_dispatch: rank {s} of the ep group passed {what}")
     # A chunk that is empty on every rank is dropped by every rank alike (clamps C to the tokens).
     active = [c for c in range(C) if any(b[c + 1] > b[c] for b in (chunk_bounds(row[0], spec) for row in got))]
-    plan = []
+    plan, rows = [], 0
     for c in active:
         recv_SL = [row[_HEAD + c * L:_HEAD + (c + 1) * L] for row in got]
+        R = sum(sum(r) for r in recv_SL)
         plan.append(dict(
-            copies=(bounds[c] * K, bounds[c + 1] * K),
+            tokens=(bounds[c], bounds[c + 1]),
+            copies=(bounds[c] * K, bounds[c + 1] * K),  # the chunk's range in sorted order and in token order
             in_splits=[sum(row[_HEAD + c * L:_HEAD + (c + 1) * L]) for row in sent],
             out_splits=[sum(r) for r in recv_SL],
             tpe=[sum(r[e] for r in recv_SL) for e in range(L)],
-            recv_SL=recv[:, _HEAD + c * L:_HEAD + (c + 1) * L],
+            rows=(rows, rows + R),  # the chunk's slice of dest_R
         ))
-    return order_M, plan
+        rows += R
+    recv_CSL = recv[:, _HEAD:].view(EP, C, L).transpose(0, 1)
+    if len(active) < C:
+        recv_CSL = recv_CSL[active]
+    dest_R = regroup_index(recv_CSL, rows)  # every chunk's (source, expert) -> (expert, source) rows
+    counts_CL = recv_CSL.sum(1)
+    offs_CL = torch.cumsum(counts_CL, 1, dtype=torch.int32)
+    return order_M, inv_M, plan, dest_R, counts_CL, offs_CL
 
 
-def _regroup_perm(recv_SL, rows: int):
-    """Row permutation from (source, expert) order to (expert, source) order; no host sync."""
-    EP, L = recv_SL.shape
-    expert_of_segment = torch.arange(L, device=recv_SL.device).repeat(EP)
-    return torch.argsort(torch.repeat_interleave(expert_of_segment, recv_SL.reshape(-1), output_size=rows),
-                         stable=True)
+def _wgrad_by_gather(plan, D, I, L) -> bool:
+    """Delayed wgrad of several chunks: one GEMM per weight over every chunk's rows gathered into one
+    expert-major buffer (moves 2 R (2D + 3I) elements), or one GEMM per chunk and C - 1 weight-sized
+    adds (each extra chunk: one more [L, 3I, D] GEMM output plus an add, 4 x 3 L I D elements).
+    Picked by the element count from the host-known row count (WGRAD overrides: "gather" | "add")."""
+    if WGRAD != "auto":
+        return WGRAD == "gather"
+    R = plan[-1]["rows"][1] if plan else 0
+    return 2 * R * (2 * D + 3 * I) < 4 * (len(plan) - 1) * 3 * L * I * D
 
 
 class _ChunkedEP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_ND, weights_NK, w1_L2ID, w2_LDI, indices_NK, E, spec, group, mode):
         EP = dist.get_world_size(group) if group is not None else 1
-        order_M, plan = _exchange_counts(x_ND, weights_NK, indices_NK, E, spec, group, EP)
+        order_M, inv_M, plan, dest_R, counts_CL, offs_CL = _exchange_counts(
+            x_ND, weights_NK, indices_NK, E, spec, group, EP)
         K = indices_NK.shape[1]
-        w_M = weights_NK.reshape(-1)[order_M]
+        token_M = order_M // K
         sched = _Schedule(x_ND.device, group)
-        out_ND = torch.zeros_like(x_ND)
-        tok, xs, disp = [], [], []
-        for p in plan:  # P: permute every chunk's copies (cheap gathers) first
-            tok.append(order_M[p["copies"][0]:p["copies"][1]] // K)
-            xs.append(x_ND[tok[-1]])
-        perms, tpes, saved, comb = [], [], [], []
-        if plan:
-            disp.append(sched.all_to_all(xs[0], plan[0]["out_splits"], plan[0]["in_splits"]))
+        out_ND = torch.empty_like(x_ND)  # every token is in an active chunk: all rows get written
+
+        def dispatch(p):  # P: gather the chunk's copies, then D: send them
+            a, b = p["copies"]
+            return sched.all_to_all(x_ND.index_select(0, token_M[a:b]), p["out_splits"], p["in_splits"])
+
+        L, I2, D = w1_L2ID.shape
+        gather = len(plan) > 1 and _wgrad_by_gather(plan, D, I2 // 2, L)
+        R = plan[-1]["rows"][1] if plan else 0
+        if gather:  # the wgrad's x of every chunk goes straight into one expert-major buffer
+            dest2_R = expert_major_index(counts_CL, R)
+            x_all = x_ND.new_empty(R, D)
+        else:
+            dest2_R = x_all = torch.empty(0, device=x_ND.device)
+        disp = [dispatch(plan[0])] if plan else []
+        xs, hs, comb = [], [], []
         for c, p in enumerate(plan):
             if c + 1 < len(plan):  # next chunk's dispatch goes ahead of this chunk's combine on comm
-                q = plan[c + 1]
-                disp.append(sched.all_to_all(xs[c + 1], q["out_splits"], q["in_splits"]))
+                disp.append(dispatch(plan[c + 1]))
             x_RD, ev = disp[c]
             sched.wait(ev)
-            R = sum(p["out_splits"])
-            perm_R = _regroup_perm(p["recv_SL"], R)
-            tpe = TokensPerExpert(p["recv_SL"].sum(0), p["tpe"])
-            y_RD, (x_e, h_e, _, _) = expert_forward(x_RD[perm_R], tpe, w1_L2ID, w2_LDI, mode)
-            y_RD = torch.empty_like(y_RD).index_copy_(0, perm_R, y_RD)
-            comb.append(sched.all_to_all(y_RD, p["in_splits"], p["out_splits"]))
-            perms.append(perm_R)
-            tpes.append(tpe.device)
-            saved += [x_e, h_e]
+            dest = dest_R[p["rows"][0]:p["rows"][1]]
+            tpe = TokensPerExpert(counts_CL[c], p["tpe"], offs_CL[c])
+            y_e, (x_e, h_e, _, _) = expert_forward(scatter_rows(x_RD, dest), tpe, w1_L2ID, w2_LDI, mode)
+            comb.append(sched.all_to_all(y_e.index_select(0, dest), p["in_splits"], p["out_splits"]))
+            if gather:
+                x_all.index_copy_(0, dest2_R[p["rows"][0]:p["rows"][1]], x_e)
+            else:
+                xs.append(x_e)
+            hs.append(h_e)
         ys = []
-        for c, p in enumerate(plan):  # U: weight and add back, as each combine lands
+        for c, p in enumerate(plan):  # U: weight and sum each token's copies, as each combine lands
             y_MD, ev = comb[c]
             sched.wait(ev)
-            a, b = p["copies"]
-            out_ND.index_add_(0, tok[c], (y_MD * w_M[a:b].unsqueeze(-1)).to(x_ND.dtype))
+            (t0, t1), (a, b) = p["tokens"], p["copies"]
+            unpermute(y_MD, weights_NK[t0:t1], inv_M[a:b] - a, out=out_ND[t0:t1])
             ys.append(y_MD)
         sched.finish()
         ctx.plan, ctx.K, ctx.group = plan, K, group
         ctx.grouped = use_grouped_mm(x_ND, w1_L2ID, w2_LDI, mode)
-        ctx.n = len(plan)
-        ctx.save_for_backward(order_M, weights_NK, w1_L2ID, w2_LDI, *perms, *tpes, *saved, *ys)
+        ctx.n, ctx.gather = len(plan), gather
+        ctx.save_for_backward(order_M, inv_M, weights_NK, w1_L2ID, w2_LDI, dest_R, counts_CL, offs_CL, dest2_R, x_all,
+                              *hs, *ys, *xs)
         return out_ND
 
     @staticmethod
     def backward(ctx, g_ND):
         n, plan, K = ctx.n, ctx.plan, ctx.K
-        order_M, weights_NK, w1, w2, *rest = ctx.saved_tensors
-        perms, tpes, saved, ys = rest[:n], rest[n:2 * n], rest[2 * n:4 * n], rest[4 * n:]
+        order_M, inv_M, weights_NK, w1, w2, dest_R, counts_CL, offs_CL, dest2_R, x_all, *rest = ctx.saved_tensors
+        hs, ys, xs = rest[:n], rest[n:2 * n], rest[2 * n:]
         g_ND = g_ND.contiguous()
         sched = _Schedule(g_ND.device, ctx.group)
-        w_M = weights_NK.reshape(-1)[order_M]
-        gw_M = torch.zeros_like(w_M)
-        gs, tok = [], []
-        for c, p in enumerate(plan):  # G: gradient of the weighting, per copy
+        token_M = order_M // K
+        need_w = ctx.needs_input_grad[1]
+        w_sorted_M = weights_NK.reshape(-1).index_select(0, order_M)
+        gw_M = torch.empty(order_M.numel(), dtype=torch.float32, device=g_ND.device) if need_w else None
+
+        def weighting_grad(c, p):  # G: gradient of the weighting, then B: send it back to the experts
             a, b = p["copies"]
-            tok.append(order_M[a:b] // K)
-            y_MD = ys[c]
-            g_MD = g_ND[tok[-1]].to(torch.promote_types(y_MD.dtype, w_M.dtype))
-            gw_M[a:b] = (g_MD * y_MD).sum(-1).to(w_M.dtype)
-            gs.append((g_MD * w_M[a:b].unsqueeze(-1)).to(y_MD.dtype))
-        cb, db, jobs = [], [], []
-        if plan:
-            cb.append(sched.all_to_all(gs[0], plan[0]["out_splits"], plan[0]["in_splits"]))
+            g_MD, gw = unpermute_grads(g_ND, ys[c], w_sorted_M[a:b], token_M[a:b], need_w)
+            if need_w:
+                gw_M[a:b] = gw
+            return sched.all_to_all(g_MD, p["out_splits"], p["in_splits"])
+
+        L = w1.shape[0]
+        gather = ctx.gather
+        if gather:  # the other wgrad inputs of every chunk, copied into expert-major buffers as they appear
+            R = x_all.shape[0]
+            buf = [x_all, None, None, None]
+        cb = [weighting_grad(0, plan[0])] if plan else []
+        db, jobs = [], []
         for c, p in enumerate(plan):
             if c + 1 < n:
-                q = plan[c + 1]
-                cb.append(sched.all_to_all(gs[c + 1], q["out_splits"], q["in_splits"]))
+                cb.append(weighting_grad(c + 1, plan[c + 1]))
             g_RD, ev = cb[c]
             sched.wait(ev)
-            tpe = TokensPerExpert(tpes[c], p["tpe"])
-            grouped = ctx.grouped
-            dx_e, job = expert_dgrad(g_RD[perms[c]], (saved[2 * c], saved[2 * c + 1], tpe, grouped), w1, w2)
-            jobs.append(job)
-            dx_RD = torch.empty_like(dx_e).index_copy_(0, perms[c], dx_e)
-            db.append(sched.all_to_all(dx_RD, p["in_splits"], p["out_splits"]))
-        # W: every chunk's wgrad after the last dgrad, while the tail dispatch-backward runs
-        # (per-chunk GEMMs summed in the weights' dtype: C - 1 weight-sized adds; the inputs of every
-        # chunk's wgrad stay alive until here, R x (3I + D) elements in all)
+            r0, r1 = p["rows"]
+            dest = dest_R[r0:r1]
+            tpe = TokensPerExpert(counts_CL[c], p["tpe"], offs_CL[c])
+            dx_e, job = expert_dgrad(scatter_rows(g_RD, dest), (None if gather else xs[c], hs[c], tpe, ctx.grouped),
+                                     w1, w2)
+            if gather:
+                for i, t in ((1, job.dh_M2I), (2, job.a_MI), (3, job.g_MD)):
+                    if buf[i] is None:
+                        buf[i] = t.new_empty((R,) + tuple(t.shape[1:]))
+                    buf[i].index_copy_(0, dest2_R[r0:r1], t)
+                del job
+            else:
+                jobs.append(job)
+            db.append(sched.all_to_all(dx_e.index_select(0, dest), p["in_splits"], p["out_splits"]))
+        # W: the wgrad of every chunk after the last dgrad, while the tail dispatch-backward runs
+        if gather:
+            tpe = TokensPerExpert(counts_CL.sum(0), [sum(col) for col in zip(*(p["tpe"] for p in plan))])
+            jobs = [WgradJob(*buf, tpe, ctx.grouped, L)]
         dw1 = dw2 = None
         for job in jobs:
             a1, a2 = expert_wgrad(job)
             dw1, dw2 = (a1, a2) if dw1 is None else (dw1.add_(a1), dw2.add_(a2))
         if dw1 is None:
             dw1, dw2 = torch.zeros_like(w1), torch.zeros_like(w2)
-        gx_ND = torch.zeros_like(g_ND)
-        for c in range(n):  # S: scatter the input gradient as each dispatch-backward lands
+        gx_ND = torch.empty_like(g_ND)
+        for c, p in enumerate(plan):  # S: sum each token's input-gradient copies as each dispatch-backward lands
             dx_MD, ev = db[c]
             sched.wait(ev)
-            gx_ND.index_add_(0, tok[c], dx_MD.to(gx_ND.dtype))
+            (t0, t1), (a, b) = p["tokens"], p["copies"]
+            sum_copies(dx_MD, inv_M[a:b] - a, K, out=gx_ND[t0:t1])
         sched.finish()
-        gw_NK = torch.zeros_like(gw_M).index_copy_(0, order_M, gw_M).view_as(weights_NK)
+        gw_NK = gw_M.index_select(0, inv_M).view_as(weights_NK).to(weights_NK.dtype) if need_w else None
         return gx_ND, gw_NK, dw1, dw2, None, None, None, None, None
 
 

@@ -61,6 +61,17 @@ def test_primitive_matches_twin_fp32(lean, variant):
     compare(base, prim, x, cos, sin)
 
 
+@pytest.mark.parametrize("lean", [True, False])
+def test_pad_v_matches_twin(lean):
+    base, prim = make_pair(torch.float32, seed=5)
+    prim.lean_backward, prim.pad_v = lean, True  # v zero-padded to the q/k head dim inside SDPA
+    x = torch.randn(2, 11, 40)
+    cos, sin = rope_inputs(2, 11, 6, torch.float32)
+    compare(base, prim, x, cos, sin)
+    cu = torch.tensor([0, 3, 14, 22])
+    compare(base, prim, x, cos, sin, cu)
+
+
 def test_fp32_error_within_torch_error_of_float64_reference():
     base64, prim64 = make_pair(torch.float64, seed=1)
     base32, prim32 = make_pair(torch.float32, seed=1)
@@ -184,8 +195,11 @@ def test_bf16_within_torch_error(lean, packed):
     lo = [t.bfloat16() for t in (x, cos, sin)]
     torch_out, _ = run(base16, *lo, cu, g=g.bfloat16())
     ours, _ = run(prim16, *lo, cu, g=g.bfloat16())
-    for r, t, o in zip(ref, torch_out, ours):
+    prim16.pad_v = True
+    padded, _ = run(prim16, *lo, cu, g=g.bfloat16())
+    for r, t, o, p in zip(ref, torch_out, ours, padded):
         assert rel_err(o, r) <= 3 * rel_err(t, r) + 2e-3
+        assert rel_err(p, r) <= 3 * rel_err(t, r) + 2e-3
 
 
 @pytest.mark.gpu

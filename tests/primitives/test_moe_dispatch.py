@@ -19,7 +19,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from bumblebee import moe_permute as mp_
 from bumblebee import registry
+from bumblebee.primitives import moe_dispatch as chunked_mod
 from bumblebee.models.moe import GroupedExperts, MoEBlock, hf_to_ours_sources, shard_experts
 from bumblebee.kernels.expert_gemm import WgradStore, swiglu_experts
 
@@ -123,6 +125,16 @@ def numerics(group):
     # the grouped_mm path (CPU accepts fp32 with 16-byte strides) incl. the 2D x 2D wgrad
     res.update({f"grouped/{k}": v for k, v in
                 compare_case(group, "zero_experts", 19 + r, E, K, [3], seed=8, grouped_mm="always", d=16, i=8).items()})
+    # both ways of running the delayed wgrad of several chunks (one gathered GEMM, per-chunk GEMMs + adds)
+    for mode in ("gather", "add"):
+        chunked_mod.WGRAD = mode
+        try:
+            for gm, d_, i_ in (("never", D, I), ("always", 16, 8)):
+                res.update({f"wgrad-{mode}-{gm}/{k}": v for k, v in compare_case(
+                    group, "rank_gets_nothing", 17 + 3 * r, E, K, [2, (1, 3, 2)], seed=9, grouped_mm=gm,
+                    d=d_, i=i_).items()})
+        finally:
+            chunked_mod.WGRAD = "auto"
     return res
 
 
@@ -361,6 +373,58 @@ def test_delayed_wgrad_equals_autograd():
         (swiglu_experts(xs2, tpe, a2, b2, mode=mode) * g_out).sum().backward()  # immediate wgrad
         for got, want in zip((xs2.grad, a2.grad, b2.grad), ref):
             assert rel(got, want) < 1e-6, mode
+
+
+def test_permutation_helpers_match_plain_torch():
+    """copy_order / regroup_index / expert_major_index against sorts and bincounts; unpermute and
+    sum_copies against index_add; the autograd forms pass gradcheck in float64."""
+    g = torch.Generator().manual_seed(11)
+    N, K, E = 37, 3, 7
+    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(N)])
+    bounds = [0, 10, 10, 30, N]  # an empty chunk in the middle
+    order, inv, counts = mp_.copy_order(idx.reshape(-1), E, [b * K for b in bounds])
+    chunk = torch.repeat_interleave(torch.arange(4), torch.tensor([10, 0, 20, 7]) * K)
+    key = chunk * E + idx.reshape(-1)
+    assert torch.equal(order, torch.argsort(key, stable=True))
+    assert torch.equal(order[inv], torch.arange(N * K))
+    assert torch.equal(counts.reshape(-1), torch.bincount(key, minlength=4 * E))
+    # regroup: (chunk, source, expert) -> (chunk, expert, source), per chunk
+    cnt = torch.randint(0, 4, (3, 2, 5), generator=g)
+    cnt[1] = 0
+    R = int(cnt.sum())
+    dest = mp_.regroup_index(cnt, R)
+    r0 = 0
+    for c in range(3):
+        Rc = int(cnt[c].sum())
+        seg = torch.repeat_interleave(torch.arange(5).repeat(2), cnt[c].reshape(-1))
+        want = torch.empty(Rc, dtype=torch.long)
+        want[torch.argsort(seg, stable=True)] = torch.arange(Rc)
+        assert torch.equal(dest[r0:r0 + Rc], want)
+        r0 += Rc
+    cl = cnt.sum(1)
+    d2 = mp_.expert_major_index(cl, R)
+    ex = torch.repeat_interleave(torch.arange(5).repeat(3), cl.reshape(-1))
+    want = torch.empty(R, dtype=torch.long)
+    want[torch.argsort(ex, stable=True)] = torch.arange(R)
+    assert torch.equal(d2, want)
+    # unpermute / sum_copies vs index_add, in float64
+    order, inv, _ = mp_.copy_order(idx.reshape(-1), E)
+    tok = order // K
+    y = torch.randn(N * K, 5, generator=g, dtype=torch.float64)
+    w = torch.rand(N, K, generator=g, dtype=torch.float64)
+    ref = torch.zeros(N, 5, dtype=torch.float64).index_add_(0, tok, y * w.reshape(-1)[order, None])
+    assert torch.allclose(mp_.unpermute(y, w, inv), ref)
+    assert torch.allclose(mp_.sum_copies(y, inv, K), torch.zeros(N, 5, dtype=torch.float64).index_add_(0, tok, y))
+    x = torch.randn(N, 5, generator=g, dtype=torch.float64, requires_grad=True)
+    yy, ww = y.clone().requires_grad_(), w.clone().requires_grad_()
+    assert torch.autograd.gradcheck(lambda a: mp_.Permute.apply(a, tok, inv, K), (x,))
+    assert torch.autograd.gradcheck(lambda a, b: mp_.Unpermute.apply(a, b, order, inv, a.dtype), (yy, ww))
+    perm = torch.randperm(N * K, generator=g)
+    for scatter in (True, False):
+        assert torch.autograd.gradcheck(lambda a: mp_.RowPermutation.apply(a, perm, scatter), (yy,))
+    # bf16: one rounding of an fp32 sum, close to the float64 result
+    got = mp_.unpermute(y.bfloat16(), w.float(), inv)
+    assert got.dtype == torch.bfloat16 and rel(got, ref) < 1e-2
 
 
 def test_chunked_needs_expert_weights():

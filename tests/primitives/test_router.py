@@ -5,16 +5,14 @@ The Triton kernel runs on the CPU under TRITON_INTERPRET=1 in a subprocess (this
 script with --interpret); bf16 and large shapes run in the GPU tests.
 """
 import json
-import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from bumblebee.baselines import router as base
 from bumblebee.primitives import router as prim
+from tests.interpreter import run_under_interpreter
 
 # (T, E, top_k, n_group, topk_group)
 SHAPES = [(37, 16, 4, 4, 2), (1, 12, 3, 1, 1), (29, 8, 1, 2, 1), (33, 64, 8, 8, 4), (20, 6, 2, 3, 2),
@@ -309,12 +307,7 @@ def _interpret_main():
 
 def test_fused_kernel_under_triton_interpreter():
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    root = Path(__file__).resolve().parents[2]
-    proc = subprocess.run([sys.executable, __file__, "--interpret"], env=env, cwd=root, capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert json.loads(proc.stdout.strip().splitlines()[-1])["ok"]
+    run_under_interpreter(__file__)
 
 
 # ---- GPU: bf16 and large shapes ----------------------------------------------------------------
