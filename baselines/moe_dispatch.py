@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from bumblebee.distributed import agree_once
-from bumblebee.moe_permute import Permute, RowPermutation, Unpermute, copy_order, regroup_index
+from bumblebee.moe_permute import Permute, RowPermutation, Unpermute, copy_order, inverse_index, regroup_index
 from bumblebee.registry import register
 
 _AGREED = weakref.WeakKeyDictionary()  # experts -> the config its first-call agreement check passed
@@ -138,9 +138,10 @@ def all_to_all_dispatch(x_ND, weights_NK, indices_NK, experts, num_experts, *, c
     # regroup (source, expert) -> (expert, source): row i goes to dest_R[i]
     R = sum(out_splits)
     dest_R = regroup_index(recv_SL.unsqueeze(0), R)
-    y_RD = experts(RowPermutation.apply(x_RD, dest_R, True), recv_SL.sum(0))
+    src_R = inverse_index(dest_R)
+    y_RD = experts(RowPermutation.apply(x_RD, src_R, dest_R), recv_SL.sum(0))
     if R == 0:  # no rows here: keep x_RD in the graph so this rank joins the backward all_to_all too
         y_RD = y_RD + x_RD
-    y_RD = RowPermutation.apply(y_RD, dest_R, False)  # back to (source, expert) order
+    y_RD = RowPermutation.apply(y_RD, dest_R, src_R)  # back to (source, expert) order
     y_MD = _AllToAll.apply(y_RD, in_splits, out_splits, group)
     return Unpermute.apply(y_MD, weights_NK, order_M, inv_M, x_ND.dtype)

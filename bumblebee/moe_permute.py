@@ -3,7 +3,7 @@
 Every token has exactly K routed copies. The dispatchers sort the copies by a key (expert, or
 chunk * E + expert with chunks that are contiguous token ranges), run the experts on the sorted
 rows and bring the results back to their tokens. Everything here is a gather (`index_select`) or a
-bijective scatter (`index_copy_` with distinct indices), plus plain reductions: no atomics, so the
+gather with an inverse permutation, plus plain reductions: no atomics, so the
 results are deterministic, and no host sync.
 
   order_M  sorted position -> token-major copy id (n * K + k)    x_sorted = x_ND[order_M // K]
@@ -74,10 +74,10 @@ def expert_major_index(counts_CL: torch.Tensor, rows: int):
         there - here, counts_CL.reshape(-1), output_size=rows)
 
 
-def scatter_rows(x, dest, out=None):
-    """out[dest[i]] = x[i] (dest a permutation of out's rows)."""
-    out = torch.empty_like(x) if out is None else out
-    return out.index_copy_(0, dest, x)
+def inverse_index(dest):
+    """src with src[dest[i]] = i, for a permutation dest: x.index_select(0, src) puts row i at
+    dest[i] (a gather: coalesced and vectorized, where index_copy_ with dest is not)."""
+    return torch.empty_like(dest).scatter_(0, dest, torch.arange(dest.numel(), device=dest.device))
 
 
 def unpermute(y_MD, weights_NK, inv_M, out=None, dtype=None):
@@ -150,16 +150,14 @@ class Unpermute(torch.autograd.Function):
 
 
 class RowPermutation(torch.autograd.Function):
-    """scatter=True: out[dest[i]] = x[i]; scatter=False: out[i] = x[dest[i]]. Backward: the other one."""
+    """out = x[fwd_idx]; the backward gathers the gradient with bwd_idx (the inverse permutation)."""
 
     @staticmethod
-    def forward(ctx, x, dest, scatter):
-        ctx.save_for_backward(dest)
-        ctx.scatter = scatter
-        return scatter_rows(x, dest) if scatter else x.index_select(0, dest)
+    def forward(ctx, x, fwd_idx, bwd_idx):
+        ctx.save_for_backward(bwd_idx)
+        return x.index_select(0, fwd_idx)
 
     @staticmethod
     def backward(ctx, g):
-        (dest,) = ctx.saved_tensors
-        g = g.contiguous()
-        return (g.index_select(0, dest) if ctx.scatter else scatter_rows(g, dest)), None, None
+        (bwd_idx,) = ctx.saved_tensors
+        return g.contiguous().index_select(0, bwd_idx), None, None

@@ -97,15 +97,16 @@ class WgradJob:
     num_experts: int
 
 
-def expert_dgrad(g_MD, saved, w1_E2ID, w2_EDI):
-    """dx [M, D] now, and the job that computes the weight gradients later."""
+def expert_dgrad(g_MD, saved, w1_E2ID, w2_EDI, *, dh_out=None, a_out=None):
+    """dx [M, D] now, and the job that computes the weight gradients later. dh_out [M, 2I] / a_out
+    [M, I]: where to write the wgrad inputs dh and a (e.g. slices of a buffer shared by chunks)."""
     x_MD, h_M2I, tpe, grouped = saved
     gate, up = h_M2I.chunk(2, dim=-1)
     I = gate.shape[-1]
     silu = F.silu(gate)
-    a_MI = silu * up  # recomputed (the forward keeps only h); the wgrad of w2 needs it
+    a_MI = torch.mul(silu, up, out=a_out) if a_out is not None else silu * up  # recomputed: the wgrad of w2 needs it
     da_MI = _gmm(g_MD, w2_EDI, tpe, grouped)
-    dh_M2I = torch.empty_like(h_M2I)  # [dgate | dup], each written in place: no cat
+    dh_M2I = torch.empty_like(h_M2I) if dh_out is None else dh_out  # [dgate | dup], each written in place: no cat
     torch.mul(da_MI, silu, out=dh_M2I[:, I:])
     torch.ops.aten.silu_backward.grad_input(da_MI * up, gate, grad_input=dh_M2I[:, :I])  # one fused kernel
     dx_MD = _gmm(dh_M2I, w1_E2ID, tpe, grouped)

@@ -51,7 +51,7 @@ import torch.distributed as dist
 from bumblebee.distributed import agree_once
 from bumblebee.kernels.expert_gemm import (TokensPerExpert, WgradJob, expert_dgrad, expert_forward, expert_wgrad,
                                            use_grouped_mm)
-from bumblebee.moe_permute import (copy_order, expert_major_index, regroup_index, scatter_rows, sum_copies,
+from bumblebee.moe_permute import (copy_order, expert_major_index, inverse_index, regroup_index, sum_copies,
                                    unpermute, unpermute_grads)
 from bumblebee.registry import register
 
@@ -185,9 +185,10 @@ def _exchange_counts(x_ND, weights_NK, indices_NK, E, spec, group, EP):
     if len(active) < C:
         recv_CSL = recv_CSL[active]
     dest_R = regroup_index(recv_CSL, rows)  # every chunk's (source, expert) -> (expert, source) rows
+    src_R = torch.cat([inverse_index(dest_R[p["rows"][0]:p["rows"][1]]) for p in plan]) if plan else dest_R
     counts_CL = recv_CSL.sum(1)
     offs_CL = torch.cumsum(counts_CL, 1, dtype=torch.int32)
-    return order_M, inv_M, plan, dest_R, counts_CL, offs_CL
+    return order_M, inv_M, plan, dest_R, src_R, counts_CL, offs_CL
 
 
 def _wgrad_by_gather(plan, D, I, L) -> bool:
@@ -205,7 +206,7 @@ class _ChunkedEP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_ND, weights_NK, w1_L2ID, w2_LDI, indices_NK, E, spec, group, mode):
         EP = dist.get_world_size(group) if group is not None else 1
-        order_M, inv_M, plan, dest_R, counts_CL, offs_CL = _exchange_counts(
+        order_M, inv_M, plan, dest_R, src_R, counts_CL, offs_CL = _exchange_counts(
             x_ND, weights_NK, indices_NK, E, spec, group, EP)
         K = indices_NK.shape[1]
         token_M = order_M // K
@@ -219,11 +220,8 @@ class _ChunkedEP(torch.autograd.Function):
         L, I2, D = w1_L2ID.shape
         gather = len(plan) > 1 and _wgrad_by_gather(plan, D, I2 // 2, L)
         R = plan[-1]["rows"][1] if plan else 0
-        if gather:  # the wgrad's x of every chunk goes straight into one expert-major buffer
-            dest2_R = expert_major_index(counts_CL, R)
-            x_all = x_ND.new_empty(R, D)
-        else:
-            dest2_R = x_all = torch.empty(0, device=x_ND.device)
+        # gather mode: every chunk's wgrad x lands in one chunk-major buffer, regrouped by expert for the wgrad
+        x_cm = x_ND.new_empty(R, D) if gather else torch.empty(0, device=x_ND.device)
         disp = [dispatch(plan[0])] if plan else []
         xs, hs, comb = [], [], []
         for c, p in enumerate(plan):
@@ -231,13 +229,13 @@ class _ChunkedEP(torch.autograd.Function):
                 disp.append(dispatch(plan[c + 1]))
             x_RD, ev = disp[c]
             sched.wait(ev)
-            dest = dest_R[p["rows"][0]:p["rows"][1]]
+            r0, r1 = p["rows"]
+            dest, src = dest_R[r0:r1], src_R[r0:r1]
             tpe = TokensPerExpert(counts_CL[c], p["tpe"], offs_CL[c])
-            y_e, (x_e, h_e, _, _) = expert_forward(scatter_rows(x_RD, dest), tpe, w1_L2ID, w2_LDI, mode)
+            x_e = torch.index_select(x_RD, 0, src, out=x_cm[r0:r1]) if gather else x_RD.index_select(0, src)
+            y_e, (x_e, h_e, _, _) = expert_forward(x_e, tpe, w1_L2ID, w2_LDI, mode)
             comb.append(sched.all_to_all(y_e.index_select(0, dest), p["in_splits"], p["out_splits"]))
-            if gather:
-                x_all.index_copy_(0, dest2_R[p["rows"][0]:p["rows"][1]], x_e)
-            else:
+            if not gather:
                 xs.append(x_e)
             hs.append(h_e)
         ys = []
@@ -251,14 +249,14 @@ class _ChunkedEP(torch.autograd.Function):
         ctx.plan, ctx.K, ctx.group = plan, K, group
         ctx.grouped = use_grouped_mm(x_ND, w1_L2ID, w2_LDI, mode)
         ctx.n, ctx.gather = len(plan), gather
-        ctx.save_for_backward(order_M, inv_M, weights_NK, w1_L2ID, w2_LDI, dest_R, counts_CL, offs_CL, dest2_R, x_all,
+        ctx.save_for_backward(order_M, inv_M, weights_NK, w1_L2ID, w2_LDI, dest_R, src_R, counts_CL, offs_CL, x_cm,
                               *hs, *ys, *xs)
         return out_ND
 
     @staticmethod
     def backward(ctx, g_ND):
         n, plan, K = ctx.n, ctx.plan, ctx.K
-        order_M, inv_M, weights_NK, w1, w2, dest_R, counts_CL, offs_CL, dest2_R, x_all, *rest = ctx.saved_tensors
+        order_M, inv_M, weights_NK, w1, w2, dest_R, src_R, counts_CL, offs_CL, x_cm, *rest = ctx.saved_tensors
         hs, ys, xs = rest[:n], rest[n:2 * n], rest[2 * n:]
         g_ND = g_ND.contiguous()
         sched = _Schedule(g_ND.device, ctx.group)
@@ -276,9 +274,10 @@ class _ChunkedEP(torch.autograd.Function):
 
         L = w1.shape[0]
         gather = ctx.gather
-        if gather:  # the other wgrad inputs of every chunk, copied into expert-major buffers as they appear
-            R = x_all.shape[0]
-            buf = [x_all, None, None, None]
+        if gather:  # the other wgrad inputs of every chunk, written chunk-major as they appear
+            R = x_cm.shape[0]
+            I = w2.shape[-1]
+            g_cm, dh_cm, a_cm = (x_cm.new_empty(R, w) for w in (x_cm.shape[1], 2 * I, I))
         cb = [weighting_grad(0, plan[0])] if plan else []
         db, jobs = [], []
         for c, p in enumerate(plan):
@@ -287,23 +286,22 @@ class _ChunkedEP(torch.autograd.Function):
             g_RD, ev = cb[c]
             sched.wait(ev)
             r0, r1 = p["rows"]
-            dest = dest_R[r0:r1]
+            dest, src = dest_R[r0:r1], src_R[r0:r1]
             tpe = TokensPerExpert(counts_CL[c], p["tpe"], offs_CL[c])
-            dx_e, job = expert_dgrad(scatter_rows(g_RD, dest), (None if gather else xs[c], hs[c], tpe, ctx.grouped),
-                                     w1, w2)
             if gather:
-                for i, t in ((1, job.dh_M2I), (2, job.a_MI), (3, job.g_MD)):
-                    if buf[i] is None:
-                        buf[i] = t.new_empty((R,) + tuple(t.shape[1:]))
-                    buf[i].index_copy_(0, dest2_R[r0:r1], t)
-                del job
+                g_e = torch.index_select(g_RD, 0, src, out=g_cm[r0:r1])
+                dx_e, _ = expert_dgrad(g_e, (None, hs[c], tpe, ctx.grouped), w1, w2, dh_out=dh_cm[r0:r1],
+                                       a_out=a_cm[r0:r1])
             else:
+                dx_e, job = expert_dgrad(g_RD.index_select(0, src), (xs[c], hs[c], tpe, ctx.grouped), w1, w2)
                 jobs.append(job)
             db.append(sched.all_to_all(dx_e.index_select(0, dest), p["in_splits"], p["out_splits"]))
         # W: the wgrad of every chunk after the last dgrad, while the tail dispatch-backward runs
-        if gather:
+        if gather:  # regroup the chunk-major buffers by expert (gathers), one GEMM per weight
             tpe = TokensPerExpert(counts_CL.sum(0), [sum(col) for col in zip(*(p["tpe"] for p in plan))])
-            jobs = [WgradJob(*buf, tpe, ctx.grouped, L)]
+            src2_R = inverse_index(expert_major_index(counts_CL, R))
+            jobs = [WgradJob(*(t.index_select(0, src2_R) for t in (x_cm, dh_cm, a_cm, g_cm)), tpe, ctx.grouped, L)]
+            del g_cm, dh_cm, a_cm
         dw1 = dw2 = None
         for job in jobs:
             a1, a2 = expert_wgrad(job)

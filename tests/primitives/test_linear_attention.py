@@ -254,15 +254,18 @@ def test_fla_forward_matches_twin_bf16_gpu(packed):
 @gpu
 def test_qwen3_5_moe_model_fla_vs_twin_gpu():
     import bumblebee as bb
-    config = {**bb.models.NAMED["qwen3.5-moe-tiny"], "linear_key_head_dim": 32, "linear_value_head_dim": 32}
+    # the layer tests' head layout and dtype: fla's kernels are then already tuned (a new layout or
+    # dtype autotunes every kernel again, minutes on a fresh machine)
+    config = {**bb.models.NAMED["qwen3.5-moe-tiny"], "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+              "linear_key_head_dim": 128, "linear_value_head_dim": 128}
     ids = torch.randint(0, 1024, (2, 300), device="cuda")
     _assert_fla_backward()
     losses, norms = [], []
     for impl in ("fla", "torch_chunked"):
-        model = bb.models.build(config, impl={"linear_attention": impl}, seed=0, device="cuda", dtype=torch.float32)
+        model = bb.models.build(config, impl={"linear_attention": impl}, seed=0, device="cuda", dtype=torch.bfloat16)
         loss = model(ids, labels=ids).loss
         loss.backward()
         losses.append(loss.item())
         norms.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]).norm().item())
-    assert abs(losses[0] - losses[1]) < 5e-3 * abs(losses[1]), losses  # fla's dots may run in tf32
-    assert abs(norms[0] - norms[1]) < 2e-2 * abs(norms[1]), norms
+    assert abs(losses[0] - losses[1]) < 1e-2 * abs(losses[1]), losses  # bf16 both ways
+    assert abs(norms[0] - norms[1]) < 5e-2 * abs(norms[1]), norms

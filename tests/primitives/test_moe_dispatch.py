@@ -420,8 +420,12 @@ def test_permutation_helpers_match_plain_torch():
     assert torch.autograd.gradcheck(lambda a: mp_.Permute.apply(a, tok, inv, K), (x,))
     assert torch.autograd.gradcheck(lambda a, b: mp_.Unpermute.apply(a, b, order, inv, a.dtype), (yy, ww))
     perm = torch.randperm(N * K, generator=g)
-    for scatter in (True, False):
-        assert torch.autograd.gradcheck(lambda a: mp_.RowPermutation.apply(a, perm, scatter), (yy,))
+    inv_perm = mp_.inverse_index(perm)
+    assert torch.equal(yy.detach()[perm][inv_perm], yy.detach())
+    placed = torch.empty_like(y).index_copy_(0, perm, y)  # row i at perm[i]
+    assert torch.equal(y.index_select(0, inv_perm), placed)
+    for fwd, bwd in ((perm, inv_perm), (inv_perm, perm)):
+        assert torch.autograd.gradcheck(lambda a: mp_.RowPermutation.apply(a, fwd, bwd), (yy,))
     # bf16: one rounding of an fp32 sum, close to the float64 result
     got = mp_.unpermute(y.bfloat16(), w.float(), inv)
     assert got.dtype == torch.bfloat16 and rel(got, ref) < 1e-2
