@@ -21,7 +21,9 @@ dispatch starts right after its own gather. The expert math comes from `kernels/
 un-permute is a gather and a sum over K, no atomics, deterministic. Chunks are contiguous token
 ranges and the copies sort by chunk * E + expert, so chunk c's copies are one range of the sorted
 order and U/S write disjoint rows of the output. On the CPU (gloo) there are no streams: the same
-chunk schedule runs in issue order, sequentially.
+chunk schedule runs in issue order, sequentially. `FUSED_PERMUTE = "on"` (or the environment
+variable BUMBLEBEE_FUSED_PERMUTE=on) runs U, G and S as fused Triton kernels on CUDA
+(`kernels/moe_permute_fused.py`: gather, weight and sum in one pass; not yet measured, off by default).
 
 Delayed wgrad of C > 1 chunks, chosen per call from host-known row counts (`_wgrad_by_gather`):
 either every chunk's wgrad inputs go into one expert-major buffer (x in the forward, dh, a and g
@@ -43,12 +45,14 @@ L = E/EP local experts, R rows received, I expert width, C chunks.
 from __future__ import annotations
 
 
+import os
 import weakref
 
 import torch
 import torch.distributed as dist
 
 from bumblebee.distributed import agree_once
+from bumblebee.kernels import moe_permute_fused as _fused
 from bumblebee.kernels.expert_gemm import (TokensPerExpert, WgradJob, expert_dgrad, expert_forward, expert_wgrad,
                                            use_grouped_mm)
 from bumblebee.moe_permute import (copy_order, expert_major_index, inverse_index, regroup_index, sum_copies,
@@ -59,6 +63,26 @@ _AGREED = weakref.WeakKeyDictionary()  # experts -> the config its first-call ag
 _COMM_STREAMS: dict = {}
 WGRAD = "auto"  # delayed wgrad of several chunks: "auto" (by bytes), "gather" (one GEMM) or "add" (per chunk)
 _HEAD = 5  # header words per message: local token count, bad-shape flag, bad-index flag, E, chunking
+
+
+def _fused_permute_from_env() -> str:
+    return os.environ.get("BUMBLEBEE_FUSED_PERMUTE", "off").strip().lower()
+
+
+# U, G and S through the fused Triton kernels of `kernels/moe_permute_fused.py`: "off" or "on".
+# Default "off" until it is measured on a GPU; the environment variable BUMBLEBEE_FUSED_PERMUTE=on
+# (read at import) turns it on for the unedited benchmark.
+FUSED_PERMUTE = _fused_permute_from_env()
+
+
+def _permute_fns(t: torch.Tensor):
+    """(unpermute, unpermute_grads, sum_copies) for this call: the fused kernels when FUSED_PERMUTE
+    is "on" and Triton runs on t (CUDA, or TRITON_INTERPRET=1), else the torch ones."""
+    if FUSED_PERMUTE not in ("off", "on"):
+        raise ValueError(f"FUSED_PERMUTE must be 'off' or 'on', got {FUSED_PERMUTE!r}")
+    if FUSED_PERMUTE == "on" and _fused.use_triton(t):
+        return _fused.unpermute, _fused.unpermute_grads, _fused.sum_copies
+    return unpermute, unpermute_grads, sum_copies
 
 
 def chunk_bounds(n: int, spec: tuple) -> list:
@@ -205,6 +229,7 @@ def _wgrad_by_gather(plan, D, I, L) -> bool:
 class _ChunkedEP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_ND, weights_NK, w1_L2ID, w2_LDI, indices_NK, E, spec, group, mode):
+        ctx.permute = _permute_fns(x_ND)  # one function set for the forward and its backward
         EP = dist.get_world_size(group) if group is not None else 1
         order_M, inv_M, plan, dest_R, src_R, counts_CL, offs_CL = _exchange_counts(
             x_ND, weights_NK, indices_NK, E, spec, group, EP)
@@ -243,7 +268,7 @@ class _ChunkedEP(torch.autograd.Function):
             y_MD, ev = comb[c]
             sched.wait(ev)
             (t0, t1), (a, b) = p["tokens"], p["copies"]
-            unpermute(y_MD, weights_NK[t0:t1], inv_M[a:b] - a, out=out_ND[t0:t1])
+            ctx.permute[0](y_MD, weights_NK[t0:t1], inv_M[a:b] - a, out=out_ND[t0:t1])
             ys.append(y_MD)
         sched.finish()
         ctx.plan, ctx.K, ctx.group = plan, K, group
@@ -256,6 +281,7 @@ class _ChunkedEP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_ND):
         n, plan, K = ctx.n, ctx.plan, ctx.K
+        _, unpermute_grads_fn, sum_copies_fn = ctx.permute
         order_M, inv_M, weights_NK, w1, w2, dest_R, src_R, counts_CL, offs_CL, x_cm, *rest = ctx.saved_tensors
         hs, ys, xs = rest[:n], rest[n:2 * n], rest[2 * n:]
         g_ND = g_ND.contiguous()
@@ -267,7 +293,7 @@ class _ChunkedEP(torch.autograd.Function):
 
         def weighting_grad(c, p):  # G: gradient of the weighting, then B: send it back to the experts
             a, b = p["copies"]
-            g_MD, gw = unpermute_grads(g_ND, ys[c], w_sorted_M[a:b], token_M[a:b], need_w)
+            g_MD, gw = unpermute_grads_fn(g_ND, ys[c], w_sorted_M[a:b], token_M[a:b], need_w)
             if need_w:
                 gw_M[a:b] = gw
             return sched.all_to_all(g_MD, p["out_splits"], p["in_splits"])
@@ -313,7 +339,7 @@ class _ChunkedEP(torch.autograd.Function):
             dx_MD, ev = db[c]
             sched.wait(ev)
             (t0, t1), (a, b) = p["tokens"], p["copies"]
-            sum_copies(dx_MD, inv_M[a:b] - a, K, out=gx_ND[t0:t1])
+            sum_copies_fn(dx_MD, inv_M[a:b] - a, K, out=gx_ND[t0:t1])
         sched.finish()
         gw_NK = gw_M.index_select(0, inv_M).view_as(weights_NK).to(weights_NK.dtype) if need_w else None
         return gx_ND, gw_NK, dw1, dw2, None, None, None, None, None

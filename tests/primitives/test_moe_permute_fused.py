@@ -1,0 +1,241 @@
+"""kernels/moe_permute_fused.py (fused un-permute, its gradients, sum over copies) against float64
+references and against the torch functions of bumblebee/moe_permute.py, and the chunked primitive
+with FUSED_PERMUTE = "on" against its twin.
+
+The Triton kernels run under TRITON_INTERPRET=1 in fp32 and fp16 (this file run as a script in a
+subprocess, `--interpret`): odd N, K in {1, 2, 8}, D not a multiple of the block (and several
+blocks per row), `out=` row slices of a poisoned buffer, need_w False, empty inputs. The same
+subprocess spawns 2 gloo ranks (the interpreter covers CPU tensors, so the primitive picks the fused
+kernels there) and runs the chunked primitive with C = 2 and unequal chunks against the all_to_all
+twin, counting the fused calls. Tolerances: the fused error vs float64 at most 2x the torch path's
+own error plus a small floor. bf16 runs on the GPU only (the interpreter computes bf16 wrongly).
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from bumblebee import moe_permute as ref_mod
+from bumblebee.kernels import moe_permute_fused as fused
+from bumblebee.primitives import moe_dispatch as chunked_mod
+from tests.interpreter import run_under_interpreter
+
+FLOOR = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / (b.double().norm() + 1e-30)).item()
+
+
+def make(N, K, D, dtype, seed, extra_rows=0):
+    """y in sorted order [M, D], weights [N, K], a random permutation inv (copy id -> sorted row),
+    the sorted-order token and weight of each row, and g [N, D]."""
+    gen = torch.Generator().manual_seed(seed)
+    M = N * K
+    y = torch.randn(M + extra_rows, D, generator=gen)[extra_rows:]  # a row-offset view
+    w = torch.rand(N, K, generator=gen)
+    inv = torch.randperm(M, generator=gen)
+    order = torch.empty_like(inv).scatter_(0, inv, torch.arange(M))
+    g = torch.randn(N, D, generator=gen)
+    return dict(y=y.to(dtype), w=w, inv=inv, order=order, token=order // K, w_sorted=w.reshape(-1)[order],
+                g=g.to(dtype))
+
+
+def ref_unpermute(c):
+    N, K = c["w"].shape
+    return (c["y"].double()[c["inv"]].view(N, K, -1) * c["w"].double()[..., None]).sum(1)
+
+
+def ref_grads(c):
+    g = c["g"].double()[c["token"]]
+    return g * c["w_sorted"].double()[:, None], (g * c["y"].double()).sum(-1)
+
+
+def ref_sum(c):
+    N, K = c["w"].shape
+    return c["y"].double()[c["inv"]].view(N, K, -1).sum(1)
+
+
+def check(name, got, torch_got, want, dtype, fails):
+    """fused error <= 2 x torch's error + floor, both against the float64 reference."""
+    e, e_t = rel(got, want), rel(torch_got, want)
+    if not (e <= 2 * e_t + FLOOR[dtype]) or not torch.isfinite(got).all():
+        fails.append(f"{name}: fused {e:.3g} vs torch {e_t:.3g}")
+    return e
+
+
+def kernel_cases(fails, dtypes=(torch.float32, torch.float16)):
+    """Every case; the torch functions of bumblebee/moe_permute.py beside the fused ones."""
+    errs = {}
+    cases = [(13, 1, 37), (7, 2, 100), (9, 8, 45), (1, 8, 3), (5, 2, 64)]
+    for dtype in dtypes:
+        for i, (N, K, D) in enumerate(cases):
+            tag = f"{str(dtype)[6:]}/N{N}K{K}D{D}"
+            c = make(N, K, D, dtype, seed=i, extra_rows=i % 2)
+            # un-permute into a row slice of a poisoned buffer (the chunked primitive's `out=`)
+            big = torch.full((N + 5, D), float("nan"), dtype=dtype)
+            got = fused.unpermute(c["y"], c["w"], c["inv"], out=big[2:2 + N])
+            if got.data_ptr() != big[2:2 + N].data_ptr() or not (big[:2].isnan().all() and big[2 + N:].isnan().all()):
+                fails.append(f"{tag}: unpermute wrote outside its out= slice or returned another tensor")
+            errs[f"{tag}/unpermute"] = check(f"{tag} unpermute", got, ref_mod.unpermute(c["y"], c["w"], c["inv"]),
+                                             ref_unpermute(c), dtype, fails)
+            got = fused.unpermute(c["y"], c["w"], c["inv"], dtype=torch.float32)  # a wider output dtype
+            if got.dtype != torch.float32:
+                fails.append(f"{tag}: dtype= ignored")
+            check(f"{tag} unpermute fp32 out", got, ref_mod.unpermute(c["y"], c["w"], c["inv"], dtype=torch.float32),
+                  ref_unpermute(c), torch.float32 if dtype == torch.float32 else dtype, fails)
+            # gradients, with and without the routing-weight gradient
+            gy, gw = fused.unpermute_grads(c["g"], c["y"], c["w_sorted"], c["token"])
+            gy_t, gw_t = ref_mod.unpermute_grads(c["g"], c["y"], c["w_sorted"], c["token"])
+            gy_r, gw_r = ref_grads(c)
+            if gy.dtype != dtype or gw.dtype != torch.float32:
+                fails.append(f"{tag}: grads dtypes {gy.dtype}, {gw.dtype}")
+            errs[f"{tag}/gy"] = check(f"{tag} gy", gy, gy_t, gy_r, dtype, fails)
+            errs[f"{tag}/gw"] = check(f"{tag} gw", gw, gw_t, gw_r, dtype, fails)
+            gy2, gw2 = fused.unpermute_grads(c["g"], c["y"], c["w_sorted"], c["token"], need_w=False)
+            if gw2 is not None or not torch.equal(gy2, gy):
+                fails.append(f"{tag}: need_w=False changed gy or returned gw")
+            # sum over copies, into a poisoned slice
+            big = torch.full((N + 3, D), float("nan"), dtype=dtype)
+            got = fused.sum_copies(c["y"], c["inv"], K, out=big[3:])
+            if not big[:3].isnan().all():
+                fails.append(f"{tag}: sum_copies wrote outside its out= slice")
+            errs[f"{tag}/sum_copies"] = check(f"{tag} sum_copies", got, ref_mod.sum_copies(c["y"], c["inv"], K),
+                                              ref_sum(c), dtype, fails)
+    # empty inputs: no tokens, no width
+    for N, D in ((0, 8), (3, 0)):
+        c = make(N, 2, D, torch.float32, seed=99)
+        if fused.unpermute(c["y"], c["w"], c["inv"]).shape != (N, D) or \
+                fused.sum_copies(c["y"], c["inv"], 2).shape != (N, D):
+            fails.append(f"empty N={N} D={D}: unpermute/sum_copies shape")
+        gy, gw = fused.unpermute_grads(c["g"], c["y"], c["w_sorted"], c["token"])
+        if gy.shape != (2 * N, D) or gw.shape != (2 * N,) or (gw.numel() and gw.abs().max() != 0):
+            fails.append(f"empty N={N} D={D}: grads")
+    return errs
+
+
+# ---- the chunked primitive with FUSED_PERMUTE = "on" over 2 gloo ranks ----------------------------
+
+def _ep_worker(rank, world, port, out_dir):
+    from tests.primitives import test_moe_dispatch as tmd
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    calls = {"unpermute": 0, "unpermute_grads": 0, "sum_copies": 0}
+
+    def counted(name, fn):
+        def f(*a, **k):
+            calls[name] += 1
+            return fn(*a, **k)
+        return f
+
+    for name in calls:
+        setattr(fused, name, counted(name, getattr(fused, name)))
+    chunked_mod.FUSED_PERMUTE = "on"
+    try:
+        g = dist.group.WORLD
+        res = {}
+        res.update(tmd.compare_case(g, "random", 23 + 4 * rank, 4 * world, 2, [2, (1, 3)], seed=0))
+        res.update(tmd.compare_case(g, "rank_gets_nothing", 17 + 3 * rank, 4 * world, 2, [2], seed=1))
+        res.update({f"few_tokens/{k}": v for k, v in  # a rank without tokens: empty fused calls
+                    tmd.compare_case(g, "random", [3, 0][rank], 4 * world, 2, [2], seed=2).items()})
+        torch.save({"errs": res, "calls": calls}, Path(out_dir) / f"fused-ep-{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def ep_case(out_dir):
+    from tests.primitives.test_moe_dispatch import _free_port
+    mp.spawn(_ep_worker, args=(2, _free_port(), str(out_dir)), nprocs=2, join=True)
+    return [torch.load(Path(out_dir) / f"fused-ep-{r}.pt") for r in range(2)]
+
+
+def _interpret_main():
+    import tempfile
+    assert fused.INTERPRET and fused.triton is not None
+    fails = []
+    fused.MAX_BLOCK_D = 32  # several D blocks per row (and a partial last one) at these small widths
+    errs = kernel_cases(fails)
+    fused.MAX_BLOCK_D = 1024
+    kernel_cases(fails, dtypes=(torch.float32,))  # one block per row
+    with tempfile.TemporaryDirectory() as d:
+        ep = ep_case(d)
+    print(json.dumps({"ok": True, "kernel_failures": fails, "kernel_errs": errs,
+                      "ep": [r["errs"] for r in ep], "ep_calls": [r["calls"] for r in ep]}))
+
+
+@pytest.fixture(scope="module")
+def interpreted():
+    pytest.importorskip("triton")
+    return run_under_interpreter(__file__)
+
+
+def test_kernels_under_triton_interpreter(interpreted):
+    assert not interpreted["kernel_failures"], interpreted["kernel_failures"]
+
+
+def test_chunked_ep2_fused_matches_twin_under_interpreter(interpreted):
+    """gloo EP = 2, C = 2 and chunks (1, 3), with the fused kernels (run by the interpreter)."""
+    for r, (errs, calls) in enumerate(zip(interpreted["ep"], interpreted["ep_calls"])):
+        bad = {k: v for k, v in errs.items() if v > (1e-5 if "local" in k else 1e-6)}
+        assert not bad, (r, bad)
+        assert all(n >= 4 for n in calls.values()), (r, calls)  # the primitive really took the fused path
+
+
+# ---- without the interpreter -----------------------------------------------------------------------
+
+def test_torch_fallback_is_the_same_algorithm():
+    """CPU tensors without the interpreter: the wrappers run `*_torch` (fp32 products and sums)."""
+    if fused.INTERPRET:
+        pytest.skip("this process runs the interpreter")
+    fails = []
+    kernel_cases(fails, dtypes=(torch.float32, torch.bfloat16))
+    assert not fails, fails
+
+
+def test_switch_picks_functions(monkeypatch):
+    x = torch.zeros(1)
+    monkeypatch.setattr(chunked_mod, "FUSED_PERMUTE", "off")
+    assert chunked_mod._permute_fns(x)[0] is ref_mod.unpermute
+    monkeypatch.setattr(chunked_mod, "FUSED_PERMUTE", "on")  # CPU tensors: only under the interpreter
+    assert chunked_mod._permute_fns(x)[2] is (fused.sum_copies if fused.INTERPRET else ref_mod.sum_copies)
+    monkeypatch.setattr(chunked_mod, "FUSED_PERMUTE", "yes")
+    with pytest.raises(ValueError, match="FUSED_PERMUTE"):
+        chunked_mod._permute_fns(x)
+    monkeypatch.setenv("BUMBLEBEE_FUSED_PERMUTE", "On")
+    assert chunked_mod._fused_permute_from_env() == "on"
+    monkeypatch.delenv("BUMBLEBEE_FUSED_PERMUTE")
+    assert chunked_mod._fused_permute_from_env() == "off"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_cuda_kernels(dtype):
+    """The compiled kernels on the GPU, bf16 included, at a layer-like width and odd sizes."""
+    fails = []
+    for i, (N, K, D) in enumerate([(301, 8, 2048), (77, 2, 1000), (5, 1, 4100)]):
+        c = {k: v.cuda() for k, v in make(N, K, D, dtype, seed=i, extra_rows=1).items()}
+        big = torch.full((N + 2, D), float("nan"), dtype=dtype, device="cuda")
+        check("unpermute", fused.unpermute(c["y"], c["w"], c["inv"], out=big[1:1 + N]),
+              ref_mod.unpermute(c["y"], c["w"], c["inv"]), ref_unpermute(c), dtype, fails)
+        assert big[0].isnan().all() and big[-1].isnan().all()
+        gy, gw = fused.unpermute_grads(c["g"], c["y"], c["w_sorted"], c["token"])
+        gy_t, gw_t = ref_mod.unpermute_grads(c["g"], c["y"], c["w_sorted"], c["token"])
+        gy_r, gw_r = ref_grads(c)
+        check("gy", gy, gy_t, gy_r, dtype, fails)
+        check("gw", gw, gw_t, gw_r, dtype, fails)
+        check("sum_copies", fused.sum_copies(c["y"], c["inv"], K), ref_mod.sum_copies(c["y"], c["inv"], K),
+              ref_sum(c), dtype, fails)
+    assert not fails, fails
+
+
+if __name__ == "__main__" and "--interpret" in sys.argv:
+    _interpret_main()
