@@ -25,13 +25,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from bumblebee.checks import check_cu_seqlens, check_gdn_config
+from bumblebee.norms import GatedRMSNorm, to_acc
 from bumblebee.registry import register
-
-def _acc(x):
-    """x in fp32, or in its own dtype when wider (float64 references)."""
-    return x.to(torch.promote_types(x.dtype, torch.float32))
-
-
 def l2norm(x, eps: float = 1e-6):
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
@@ -55,9 +50,9 @@ def _prepare(q, k, v, g, beta, cu_seqlens):
         raise ValueError(f"gated delta rule: key heads ({H}) must divide value heads ({HV})")
     if cu_seqlens is not None:
         q, k, v, g, beta = (x.reshape(1, B * T, *x.shape[2:]) for x in (q, k, v, g, beta))
-    q, k = (l2norm(_acc(x)).repeat_interleave(HV // H, dim=2) for x in (q, k))
+    q, k = (l2norm(to_acc(x)).repeat_interleave(HV // H, dim=2) for x in (q, k))
     q = q * Dk ** -0.5
-    q, k, v, g, beta = (_acc(x.transpose(1, 2)) for x in (q, k, v, g, beta))
+    q, k, v, g, beta = (to_acc(x.transpose(1, 2)) for x in (q, k, v, g, beta))
     return q, k, v, g, beta
 
 
@@ -128,34 +123,18 @@ def causal_conv1d_silu(x_BTC, weight_CW, cu_seqlens=None):
     B, T, C = x_BTC.shape
     W = weight_CW.shape[-1]
     if cu_seqlens is None:
-        y = F.conv1d(F.pad(_acc(x_BTC).transpose(1, 2), (W - 1, 0)), _acc(weight_CW)[:, None], groups=C)
+        y = F.conv1d(F.pad(to_acc(x_BTC).transpose(1, 2), (W - 1, 0)), to_acc(weight_CW)[:, None], groups=C)
         return F.silu(y).transpose(1, 2).to(x_BTC.dtype)
     cu = check_cu_seqlens(cu_seqlens, B * T)
-    x = _acc(x_BTC.reshape(B * T, C))
+    x = to_acc(x_BTC.reshape(B * T, C))
     pos = torch.arange(B * T, device=x.device)
     start = torch.repeat_interleave(torch.tensor(cu[:-1], device=x.device), torch.tensor(
         [b - a for a, b in zip(cu, cu[1:])], device=x.device))
     y = torch.zeros_like(x)
     for s in range(W):  # tap s reads the token s steps back, inside the same sequence only
         shifted = F.pad(x, (0, 0, s, 0))[:B * T]
-        y = y + shifted * (pos - s >= start)[:, None] * _acc(weight_CW[:, W - 1 - s])
+        y = y + shifted * (pos - s >= start)[:, None] * to_acc(weight_CW[:, W - 1 - s])
     return F.silu(y).reshape(B, T, C).to(x_BTC.dtype)
-
-
-class GatedRMSNorm(nn.Module):
-    """weight * rmsnorm(x) * silu(gate), as transformers' Qwen3_5RMSNormGated (fp32 inside)."""
-
-    def __init__(self, dim: int, eps: float = 1e-6):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x, gate):
-        dtype = x.dtype
-        h = _acc(x)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight * h.to(dtype) * F.silu(_acc(gate))).to(dtype)
-
 
 @register("linear_attention", "torch_chunked", kind="baseline", twin="fla")
 class ChunkedGatedDeltaNet(nn.Module):
@@ -202,7 +181,7 @@ class ChunkedGatedDeltaNet(nn.Module):
         k = k.reshape(B, T, self.num_k_heads, self.head_k_dim)
         v = v.reshape(B, T, self.num_v_heads, self.head_v_dim)
         beta = self.in_proj_b(x_BTD).sigmoid()
-        g = -_acc(self.A_log).exp() * F.softplus(_acc(self.in_proj_a(x_BTD)) + self.dt_bias)
+        g = -to_acc(self.A_log).exp() * F.softplus(to_acc(self.in_proj_a(x_BTD)) + self.dt_bias)
         o = self.rule(q, k, v, g, beta, cu_seqlens)  # [B, T, HV, Dv]
         z = self.in_proj_z(x_BTD).reshape(B, T, self.num_v_heads, self.head_v_dim)
         return self.out_proj(self.norm(o, z).reshape(B, T, self.value_dim))

@@ -12,23 +12,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from bumblebee.norms import RMSNorm
 from bumblebee.registry import resolve
-
-
-class RMSNorm(nn.Module):
-    """RMSNorm in fp32, cast back before the weight (transformers' Qwen/Llama order)."""
-
-    def __init__(self, dim: int, eps: float = 1e-6):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x):
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
-
 
 def rope_inv_freq(head_dim: int, rope: dict) -> tuple[torch.Tensor, float]:
     """Inverse frequencies and the cos/sin scale for a `rope_parameters` dict."""

@@ -27,6 +27,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from bumblebee.checks import check_cu_seqlens, check_gdn_config
+from bumblebee.norms import GatedRMSNorm, to_acc
 from bumblebee.registry import register, resolve
 
 
@@ -108,24 +109,6 @@ def fla_backward_ok() -> bool:
         return importlib.util.find_spec("tilelang") is not None
 
 
-def _acc(x):
-    """x in fp32, or in its own dtype when wider (float64 references)."""
-    return x.to(torch.promote_types(x.dtype, torch.float32))
-
-
-class _GatedRMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-6):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x, gate):
-        dtype = x.dtype
-        h = _acc(x)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight * h.to(dtype) * F.silu(_acc(gate))).to(dtype)
-
-
 @register("linear_attention", "fla", kind="primitive", twin="torch_chunked", default=True)
 class FLAGatedDeltaNet(nn.Module):
     """Gated DeltaNet on flash-linear-attention's chunked kernels (CUDA); the twin's math elsewhere."""
@@ -143,7 +126,7 @@ class FLAGatedDeltaNet(nn.Module):
                                 padding=conv_kernel_size - 1)
         self.dt_bias = nn.Parameter(torch.ones(num_v_heads))
         self.A_log = nn.Parameter(torch.log(torch.empty(num_v_heads).uniform_(0.01, 16)))
-        self.norm = _GatedRMSNorm(head_v_dim, eps)
+        self.norm = GatedRMSNorm(head_v_dim, eps)
         self.out_proj = nn.Linear(self.value_dim, hidden_size, bias=False)
         self.in_proj_qkv = nn.Linear(hidden_size, self.conv_dim, bias=False)
         self.in_proj_z = nn.Linear(hidden_size, self.value_dim, bias=False)
@@ -167,7 +150,7 @@ class FLAGatedDeltaNet(nn.Module):
             check_cu_seqlens(cu_seqlens, B * T)
         qkv = self.in_proj_qkv(x_BTD)
         beta = self.in_proj_b(x_BTD).sigmoid()
-        g = -_acc(self.A_log).exp() * F.softplus(_acc(self.in_proj_a(x_BTD)) + self.dt_bias)
+        g = -to_acc(self.A_log).exp() * F.softplus(to_acc(self.in_proj_a(x_BTD)) + self.dt_bias)
         if self._fast(x_BTD):
             o = self._fla(qkv, g, beta, cu_seqlens, B, T)
         else:  # the twin's torch math (fla's kernels need a GPU)

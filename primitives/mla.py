@@ -29,23 +29,11 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from bumblebee.checks import check_cu_seqlens, check_mla_config, check_mla_inputs
+from bumblebee.norms import RMSNorm
 from bumblebee.registry import register
 
 _CUDA_ORDER = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
                SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-
-
-class _RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-6):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x):
-        dtype = x.dtype
-        x = x.float()
-        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)).to(dtype)
-
 
 def _segments(cu_seqlens, n_tokens) -> tuple[tuple[int, int], ...]:
     cu = check_cu_seqlens(cu_seqlens, n_tokens)  # one host sync per forward
@@ -109,10 +97,10 @@ class FlashMLA(nn.Module):
             self.q_proj = nn.Linear(dim, n_heads * self.qk_dim, bias=False)
         else:
             self.q_a_proj = nn.Linear(dim, q_lora_rank, bias=bias)
-            self.q_a_layernorm = _RMSNorm(q_lora_rank)
+            self.q_a_layernorm = RMSNorm(q_lora_rank)
             self.q_b_proj = nn.Linear(q_lora_rank, n_heads * self.qk_dim, bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(dim, kv_lora_rank + qk_rope_head_dim, bias=bias)
-        self.kv_a_layernorm = _RMSNorm(kv_lora_rank)
+        self.kv_a_layernorm = RMSNorm(kv_lora_rank)
         self.kv_b_proj = nn.Linear(kv_lora_rank, n_heads * (qk_nope_head_dim + v_head_dim), bias=False)
         self.o_proj = nn.Linear(n_heads * v_head_dim, dim, bias=bias)
 

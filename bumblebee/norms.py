@@ -1,0 +1,41 @@
+"""RMS norms shared by models, primitives and their twins (all of which may import this core module).
+
+`RMSNorm`: rmsnorm(x) in fp32, cast back, then the weight (transformers' Qwen/Llama/DeepSeek order).
+`GatedRMSNorm`: weight * rmsnorm(x) * silu(gate), as transformers' Qwen3_5RMSNormGated (fp32 inside).
+`to_acc`: x in fp32, or in its own dtype when wider (float64 references stay float64).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+def to_acc(x):
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class GatedRMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x, gate):
+        dtype = x.dtype
+        h = to_acc(x)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight * h.to(dtype) * F.silu(to_acc(gate))).to(dtype)
