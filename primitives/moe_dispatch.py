@@ -26,9 +26,9 @@ variable BUMBLEBEE_FUSED_PERMUTE=on) runs U, G and S as fused Triton kernels on 
 (`kernels/moe_permute_fused.py`: gather, weight and sum in one pass; not yet measured, off by default).
 
 Delayed wgrad of C > 1 chunks, chosen per call from host-known row counts (`_wgrad_by_gather`):
-either every chunk's wgrad inputs go into one expert-major buffer (x in the forward, dh, a and g
-after each chunk's dgrad) and one GEMM per weight runs, or one GEMM per chunk plus C - 1
-weight-sized adds; whichever moves fewer bytes.
+either every chunk's wgrad inputs are written into chunk-major buffers (x in the forward, dh, a and
+g with each chunk's dgrad), regrouped by expert with one gather each and one GEMM per weight runs,
+or one GEMM per chunk plus C - 1 weight-sized adds; whichever moves fewer bytes.
 
 The whole layer is one autograd function whose tensors go through `save_for_backward`, so it runs
 inside `torch.utils.checkpoint` (the recomputed forward repeats the same collectives on every rank).
