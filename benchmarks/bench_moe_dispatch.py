@@ -10,14 +10,18 @@ Per shape it also times the twin's four all_to_alls alone (same splits, same byt
     hidden fraction of the all_to_all = (t_twin - t_chunked) / t_all_to_all_alone
 (the twin runs communication and compute back to back, so t_twin - t_a2a is its compute time).
 Where megatron-core imports, its MoEAlltoAllTokenDispatcher (same experts) is timed as an anchor.
-C = 2 under full recompute (torch.utils.checkpoint over the layer) is timed at one size, and one
-C = 2 layer at 16K tokens is profiled; its kernel timeline (compute and comm streams) is drawn.
+C = 1 (the primitive's kernels, no overlap) separates the overlap from kernel gains; unequal chunk
+sizes (1, 2, 1) and (1, 2) shorten the exposed first/last exchanges; C = 2 and (1, 2) are repeated
+with 0, 16 and 32 SMs carved out of the overlapped grouped GEMMs for NCCL (the primitive's SM_CARVEOUT). C = 2 under full recompute
+(torch.utils.checkpoint over the layer) is timed at one size. One C = 2 and one twin layer are
+profiled at 16K and 4K tokens (kernel totals, stream occupancy); the 16K C = 2 timeline is drawn.
 
 Writes DIR/moe_dispatch.json, DIR/moe_dispatch_trace.png (and the raw chrome trace).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -30,10 +34,14 @@ import torch.distributed as dist
 
 from bumblebee import registry
 from bumblebee.models.moe import GroupedExperts
+from bumblebee.primitives import moe_dispatch as moe_dispatch_primitive
 
 D, E, K, I = 2048, 256, 8, 512
 TOKENS = [4096, 8192, 16384, 32768, 65536]
-CHUNKS = [2, 3, 4]
+CHUNKS = [1, 2, 3, 4]  # C = 1: the primitive's kernels without overlap (separates overlap from kernel gains)
+UNEQUAL = [(1, 2, 1), (1, 2)]  # smaller first/last chunks shorten the exchanges that stay exposed
+CARVEOUTS = [0, 16, 32]  # SMs the overlapped grouped GEMMs leave to NCCL (the primitive's SM_CARVEOUT)
+CARVEOUT_CHUNKS = [2, (1, 2)]
 WARMUP, ITERS = 3, 10
 SINGLES: list = []
 ANCHOR = {4096: 7.8, 8192: 8.5, 16384: 12.9, 32768: 18.5, 65536: 24.0}  # published speedup %, no-chunk -> chunked
@@ -54,6 +62,27 @@ def make_experts(group, device):
         ex.gate_up_proj.normal_(0, 0.02)
         ex.down_proj.normal_(0, 0.02)
     return ex
+
+
+def spec_name(chunks) -> str:
+    return f"c{chunks}" if isinstance(chunks, int) else "-".join(map(str, chunks))
+
+
+def chunk_configs():
+    """(name, chunks, SM carveout) of every chunked row: the default carveout, then the sweep."""
+    out = [(spec_name(c), c, None) for c in CHUNKS + UNEQUAL]
+    return out + [(f"{spec_name(c)}_sm{sm}", c, sm) for sm in CARVEOUTS for c in CARVEOUT_CHUNKS]
+
+
+@contextlib.contextmanager
+def carveout(sm):
+    """The primitive's SM_CARVEOUT set to sm for the block (None: leave the default)."""
+    prev = moe_dispatch_primitive.SM_CARVEOUT
+    moe_dispatch_primitive.SM_CARVEOUT = prev if sm is None else sm
+    try:
+        yield
+    finally:
+        moe_dispatch_primitive.SM_CARVEOUT = prev
 
 
 def timed(step, group):
@@ -101,6 +130,49 @@ def top_kernels(prof, n=25):
     rows.sort(key=lambda r: -r[1])
     total = sum(r[1] for r in rows)
     return {"total_kernel_ms": total, "top": [[k[:90], round(ms, 3), c] for k, ms, c in rows[:n]]}
+
+
+def stream_stats(trace_json: Path):
+    """From a chrome trace: span of all kernels and per-stream summed kernel time (NCCL apart), ms."""
+    ks = [e for e in json.loads(trace_json.read_text())["traceEvents"] if e.get("cat") == "kernel" and "dur" in e]
+    if not ks:
+        return {}
+    busy: dict = {}
+    grids = sorted({str(e["args"].get("grid")) for e in ks if "nccl" in e["name"].lower()})
+    for e in ks:
+        key = f"stream {e['args'].get('stream', 0)} {'nccl' if 'nccl' in e['name'].lower() else 'compute'}"
+        busy[key] = busy.get(key, 0.0) + e["dur"] / 1e3
+    span = (max(e["ts"] + e["dur"] for e in ks) - min(e["ts"] for e in ks)) / 1e3
+    return {"kernel_span_ms": round(span, 3), "kernel_ms_by_stream": {k: round(v, 3) for k, v in busy.items()},
+            "nccl_kernel_grids": grids}
+
+
+def profile_layer(step, rank, out: Path, picture=False):
+    """One profiled step after two warm-ups (every rank runs it): top kernels and stream occupancy on
+    rank 0; with `picture`, rank 0 also writes the chrome trace and its timeline picture."""
+    from torch.profiler import ProfilerActivity, profile
+    for _ in range(2):
+        step()
+    torch.cuda.synchronize()
+    dist.barrier()
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        step()
+        torch.cuda.synchronize()
+    res = top_kernels(prof)
+    if rank == 0:
+        tj = out / ("moe_dispatch_trace.json" if picture else "profile_tmp_trace.json")
+        prof.export_chrome_trace(str(tj))
+        res.update(stream_stats(tj))
+        if picture:
+            try:
+                trace_picture(tj, out / "moe_dispatch_trace.png",
+                              "chunked dispatch, C = 2, 16K tokens/rank, EP = 2: forward then backward")
+            except Exception as e:  # noqa: BLE001
+                print(f"trace picture failed: {e}", flush=True)
+        else:
+            tj.unlink()
+    dist.barrier()
+    return res
 
 
 def a2a_alone(x, idx, group, EP):
@@ -239,13 +311,18 @@ def main():
         row = {"tokens_per_rank": N, "ep": EP}
         row["all_to_all_alone_ms"] = timed(a2a_alone(x, idx, group, EP), group)
         row["twin_ms"] = timed(layer_step("all_to_all", x, w, idx, experts), group)
-        for c in CHUNKS:
-            row[f"chunked_c{c}_ms"] = timed(layer_step("chunked", x, w, idx, experts, chunks=c), group)
-        best = min(CHUNKS, key=lambda c: row[f"chunked_c{c}_ms"])
-        row["best_chunks"] = best
-        row["speedup_pct"] = {c: 100 * (row["twin_ms"] / row[f"chunked_c{c}_ms"] - 1) for c in CHUNKS}
-        row["hidden_a2a_fraction"] = {c: (row["twin_ms"] - row[f"chunked_c{c}_ms"]) / row["all_to_all_alone_ms"]
-                                      for c in CHUNKS}
+        names = []
+        for name, c, sm in chunk_configs():
+            with carveout(sm):
+                row[f"chunked_{name}_ms"] = timed(layer_step("chunked", x, w, idx, experts, chunks=c), group)
+            names.append(name)
+        row["best_chunks"] = min(names, key=lambda n: row[f"chunked_{n}_ms"])
+        row["speedup_pct"] = {n: 100 * (row["twin_ms"] / row[f"chunked_{n}_ms"] - 1) for n in names}
+        row["hidden_a2a_fraction"] = {n: (row["twin_ms"] - row[f"chunked_{n}_ms"]) / row["all_to_all_alone_ms"]
+                                      for n in names}
+        # overlap alone: the same kernels at C = 1 against C chunks
+        row["hidden_a2a_fraction_vs_c1"] = {n: (row["chunked_c1_ms"] - row[f"chunked_{n}_ms"])
+                                            / row["all_to_all_alone_ms"] for n in names if n != "c1"}
         row["exposed_a2a_fraction_of_twin"] = row["all_to_all_alone_ms"] / row["twin_ms"]
         row["anchor_speedup_pct"] = ANCHOR.get(N)
         if N == 16384:
@@ -264,35 +341,14 @@ def main():
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
 
-    # one profiled C = 2 layer at 16K tokens (both ranks run it; rank 0 writes the trace)
-    x, w, idx = inputs(16384, rank, device)
-    step = layer_step("chunked", x, w, idx, experts, chunks=2)
-    for _ in range(2):
-        step()
-    torch.cuda.synchronize()
-    dist.barrier()
-    from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
-        step()
-        torch.cuda.synchronize()
-    breakdown = {"chunked_c2": top_kernels(prof)}
-    if rank == 0:  # the picture before another profiler runs: a new profiler clears these events
-        tj = out / "moe_dispatch_trace.json"
-        prof.export_chrome_trace(str(tj))
-        try:
-            trace_picture(tj, out / "moe_dispatch_trace.png",
-                          "chunked dispatch, C = 2, 16K tokens/rank, EP = 2: forward then backward")
-        except Exception as e:  # noqa: BLE001
-            print(f"trace picture failed: {e}", flush=True)
-    twin = layer_step("all_to_all", x, w, idx, experts)  # the twin's kernels, for the breakdown
-    for _ in range(2):
-        twin()
-    torch.cuda.synchronize()
-    dist.barrier()
-    with profile(activities=[ProfilerActivity.CUDA]) as tprof:
-        twin()
-        torch.cuda.synchronize()
-    breakdown["twin"] = top_kernels(tprof)
+    breakdown = {}
+    for N in (16384, 4096):  # 16K: the picture; 4K: where chunking loses most
+        x, w, idx = inputs(N, rank, device)
+        for name, c in (("chunked_c2", 2), ("twin", None)):
+            impl = "all_to_all" if c is None else "chunked"
+            breakdown[f"{name}_{N // 1024}K"] = profile_layer(layer_step(impl, x, w, idx, experts, chunks=c), rank, out,
+                                                            picture=(N == 16384 and c == 2))
+        del x, w, idx
     if rank == 0:
         result = {
             "slot": "moe_dispatch", "device": torch.cuda.get_device_name(), "gpus": EP,
@@ -300,12 +356,15 @@ def main():
             "date": datetime.date.today().isoformat(),
             "cuda_device_max_connections": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"),
             "nccl_high_priority_stream": not args.nccl_normal_priority,
+            "nccl_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("NCCL_")},
+            "chunked_fused_permute": moe_dispatch_primitive.FUSED_PERMUTE,
+            "chunked_sm_carveout_default": moe_dispatch_primitive.SM_CARVEOUT,
             "shape": {"hidden": D, "experts": E, "experts_per_rank": E // EP, "top_k": K, "expert_width": I,
                       "dtype": "bfloat16", "routing": "uniform random top-8"},
             "iterations": {"warmup": WARMUP, "timed": ITERS, "statistic": "median"},
             "check_chunked_vs_twin_rel_err": check,
             "rows": rows,
-            "kernel_breakdown_16K_rank0": breakdown,
+            "kernel_breakdown_rank0": breakdown,
         }
         (out / "moe_dispatch.json").write_text(json.dumps(result, indent=1))
     dist.barrier()
@@ -333,8 +392,10 @@ def smoke():
         w, idx = torch.topk(torch.softmax(torch.randn(N, E, generator=g), -1), K, dim=-1)
         row = {"tokens": N, "a2a": timed(a2a_alone(x, idx, group, EP), group),
                "twin": timed(layer_step("all_to_all", x, w, idx, experts), group),
-               "c2": timed(layer_step("chunked", x, w, idx, experts, chunks=2), group),
                "c2_recompute": timed(layer_step("chunked", x, w, idx, experts, chunks=2, recompute=True), group)}
+        for name, c, sm in chunk_configs():
+            with carveout(sm):
+                row[name] = timed(layer_step("chunked", x, w, idx, experts, chunks=c), group)
         step, why = megatron_step(x, w, idx, experts, group, rank, EP)
         row["megatron"] = timed(step, group) if step is not None else why
         if rank == 0:

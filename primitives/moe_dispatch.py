@@ -2,7 +2,8 @@
 
 Same function as `baselines/moe_dispatch.py:all_to_all_dispatch` (the no-chunk twin): experts
 sharded over `experts.ep_group`, dropless. The layer's N local tokens are split into C chunks
-(`chunks=C`, default 2, or a sequence of relative sizes for unequal chunks). One count exchange
+(`chunks=C`, or a sequence of relative sizes for unequal chunks; default (1, 2): two chunks, the
+first one third of the tokens). One count exchange
 for all chunks up front (the one host sync), then a pipeline, on CUDA with communication on its
 own stream ("comm", one per device) ordered against the compute stream by events:
 
@@ -22,8 +23,10 @@ un-permute is a gather and a sum over K, no atomics, deterministic. Chunks are c
 ranges and the copies sort by chunk * E + expert, so chunk c's copies are one range of the sorted
 order and U/S write disjoint rows of the output. On the CPU (gloo) there are no streams: the same
 chunk schedule runs in issue order, sequentially. `FUSED_PERMUTE = "on"` (or the environment
-variable BUMBLEBEE_FUSED_PERMUTE=on) runs U, G and S as fused Triton kernels on CUDA
-(`kernels/moe_permute_fused.py`: gather, weight and sum in one pass; not yet measured, off by default).
+variable BUMBLEBEE_FUSED_PERMUTE=off for the torch path) runs U, G and S as fused Triton kernels on
+CUDA (`kernels/moe_permute_fused.py`: gather, weight and sum in one pass). Chunk 0's gather P0 is
+issued before the count exchange's host sync, so the GPU works while the host waits. `SM_CARVEOUT`
+(environment BUMBLEBEE_EP_SM_CARVEOUT) leaves that many SMs to NCCL during the overlapped GEMMs.
 
 Delayed wgrad of C > 1 chunks, chosen per call from host-known row counts (`_wgrad_by_gather`):
 either every chunk's wgrad inputs are written into chunk-major buffers (x in the forward, dh, a and
@@ -45,6 +48,7 @@ L = E/EP local experts, R rows received, I expert width, C chunks.
 from __future__ import annotations
 
 
+import contextlib
 import os
 import weakref
 
@@ -61,18 +65,46 @@ from bumblebee.registry import register
 
 _AGREED = weakref.WeakKeyDictionary()  # experts -> the config its first-call agreement check passed
 _COMM_STREAMS: dict = {}
+DEFAULT_CHUNKS = (1, 2)  # measured ahead of (1, 1) at 8K-64K tokens/rank, EP = 2 (NOTES_moe_dispatch.md)
 WGRAD = "auto"  # delayed wgrad of several chunks: "auto" (by bytes), "gather" (one GEMM) or "add" (per chunk)
 _HEAD = 5  # header words per message: local token count, bad-shape flag, bad-index flag, E, chunking
 
 
 def _fused_permute_from_env() -> str:
-    return os.environ.get("BUMBLEBEE_FUSED_PERMUTE", "off").strip().lower()
+    return os.environ.get("BUMBLEBEE_FUSED_PERMUTE", "on").strip().lower()
 
 
-# U, G and S through the fused Triton kernels of `kernels/moe_permute_fused.py`: "off" or "on".
-# Default "off" until it is measured on a GPU; the environment variable BUMBLEBEE_FUSED_PERMUTE=on
-# (read at import) turns it on for the unedited benchmark.
+# U, G and S through the fused Triton kernels of `kernels/moe_permute_fused.py`: "on" or "off".
+# "on" by default (measured: 3.3 ms less per layer at 16K tokens/rank, NOTES_moe_dispatch.md);
+# the environment variable BUMBLEBEE_FUSED_PERMUTE=off (read at import) selects the torch path.
 FUSED_PERMUTE = _fused_permute_from_env()
+
+
+def _carveout_from_env() -> int:
+    return int(os.environ.get("BUMBLEBEE_EP_SM_CARVEOUT", "0"))
+
+
+# SMs the grouped GEMMs leave free while chunks overlap with NCCL (torch's SM carveout, read by the
+# cutlass grouped GEMM and cuBLAS): a persistent GEMM sized to every SM runs its blocks in two waves
+# when NCCL kernels hold some SMs. 0 = off. Environment: BUMBLEBEE_EP_SM_CARVEOUT.
+SM_CARVEOUT = _carveout_from_env()
+
+
+@contextlib.contextmanager
+def _sm_carveout(active: bool, device):
+    n = SM_CARVEOUT
+    if not active or not n or not hasattr(torch._C, "_set_sm_carveout_experimental"):
+        yield
+        return
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    if not isinstance(n, int) or not 0 <= n < sms:
+        raise ValueError(f"SM_CARVEOUT must be an int in [0, {sms}) for this GPU, got {n!r}")
+    prev = torch._C._get_sm_carveout_experimental()
+    torch._C._set_sm_carveout_experimental(n)
+    try:
+        yield
+    finally:
+        torch._C._set_sm_carveout_experimental(prev)
 
 
 def _permute_fns(t: torch.Tensor):
@@ -95,8 +127,8 @@ def chunk_bounds(n: int, spec: tuple) -> list:
 
 
 def _chunk_spec(chunks) -> tuple:
-    if chunks is None:
-        return (1, 1)
+    if chunks is None:  # two chunks, the first half the size of the second: its dispatch and
+        return DEFAULT_CHUNKS  # combine-backward stay exposed, so they are the short ones
     if isinstance(chunks, int):
         if chunks < 1:
             raise ValueError(f"chunks must be >= 1, got {chunks}")
@@ -155,10 +187,11 @@ class _Schedule:
         self.keep.clear()
 
 
-def _exchange_counts(x_ND, weights_NK, indices_NK, E, spec, group, EP):
+def _exchange_counts(x_ND, weights_NK, indices_NK, E, spec, group, EP, early=None):
     """Sorted copy order, the host view of every chunk's splits (the one host sync), and the device
     indices of every active chunk, computed in one go: the regroup destinations, tokens per expert
-    and their offsets."""
+    and their offsets. `early(order_M, copy_bounds)` is issued before the host sync (device work
+    that needs no host counts keeps the GPU busy while the host waits); its result is returned."""
     N, K = indices_NK.shape
     L, C = E // EP, len(spec)
     shape_bad = x_ND.dim() != 2 or x_ND.shape[0] != N or weights_NK.shape != (N, K)
@@ -176,6 +209,7 @@ def _exchange_counts(x_ND, weights_NK, indices_NK, E, spec, group, EP):
     else:
         recv = torch.empty_like(msg)
         dist.all_to_all_single(recv, msg, group=group)
+    head_start = early(order_M, [b * K for b in bounds]) if early is not None else None
     host = torch.cat([msg.reshape(-1), recv.reshape(-1)]).tolist()  # the one host sync
     W = _HEAD + C * L
     sent = [host[r * W:(r + 1) * W] for r in range(EP)]
@@ -197,6 +231,7 @@ def _exchange_counts(x_ND, weights_NK, indices_NK, E, spec, group, EP):
         recv_SL = [row[_HEAD + c * L:_HEAD + (c + 1) * L] for row in got]
         R = sum(sum(r) for r in recv_SL)
         plan.append(dict(
+            chunk=c,
             tokens=(bounds[c], bounds[c + 1]),
             copies=(bounds[c] * K, bounds[c + 1] * K),  # the chunk's range in sorted order and in token order
             in_splits=[sum(row[_HEAD + c * L:_HEAD + (c + 1) * L]) for row in sent],
@@ -212,7 +247,7 @@ def _exchange_counts(x_ND, weights_NK, indices_NK, E, spec, group, EP):
     src_R = torch.cat([inverse_index(dest_R[p["rows"][0]:p["rows"][1]]) for p in plan]) if plan else dest_R
     counts_CL = recv_CSL.sum(1)
     offs_CL = torch.cumsum(counts_CL, 1, dtype=torch.int32)
-    return order_M, inv_M, plan, dest_R, src_R, counts_CL, offs_CL
+    return order_M, inv_M, plan, dest_R, src_R, counts_CL, offs_CL, head_start
 
 
 def _wgrad_by_gather(plan, D, I, L) -> bool:
@@ -231,16 +266,20 @@ class _ChunkedEP(torch.autograd.Function):
     def forward(ctx, x_ND, weights_NK, w1_L2ID, w2_LDI, indices_NK, E, spec, group, mode):
         ctx.permute = _permute_fns(x_ND)  # one function set for the forward and its backward
         EP = dist.get_world_size(group) if group is not None else 1
-        order_M, inv_M, plan, dest_R, src_R, counts_CL, offs_CL = _exchange_counts(
-            x_ND, weights_NK, indices_NK, E, spec, group, EP)
         K = indices_NK.shape[1]
+
+        def first_gather(order_M, copy_bounds):  # chunk 0's P, issued before the host sync
+            return x_ND.index_select(0, order_M[copy_bounds[0]:copy_bounds[1]] // K)
+        order_M, inv_M, plan, dest_R, src_R, counts_CL, offs_CL, x0 = _exchange_counts(
+            x_ND, weights_NK, indices_NK, E, spec, group, EP, early=first_gather)
         token_M = order_M // K
         sched = _Schedule(x_ND.device, group)
         out_ND = torch.empty_like(x_ND)  # every token is in an active chunk: all rows get written
 
         def dispatch(p):  # P: gather the chunk's copies, then D: send them
             a, b = p["copies"]
-            return sched.all_to_all(x_ND.index_select(0, token_M[a:b]), p["out_splits"], p["in_splits"])
+            x_MD = x0 if p["chunk"] == 0 else x_ND.index_select(0, token_M[a:b])
+            return sched.all_to_all(x_MD, p["out_splits"], p["in_splits"])
 
         L, I2, D = w1_L2ID.shape
         gather = len(plan) > 1 and _wgrad_by_gather(plan, D, I2 // 2, L)
@@ -248,6 +287,7 @@ class _ChunkedEP(torch.autograd.Function):
         # gather mode: every chunk's wgrad x lands in one chunk-major buffer, regrouped by expert for the wgrad
         x_cm = x_ND.new_empty(R, D) if gather else torch.empty(0, device=x_ND.device)
         disp = [dispatch(plan[0])] if plan else []
+        overlap = sched.cuda and len(plan) > 1  # GEMMs run next to NCCL kernels
         xs, hs, comb = [], [], []
         for c, p in enumerate(plan):
             if c + 1 < len(plan):  # next chunk's dispatch goes ahead of this chunk's combine on comm
@@ -258,7 +298,8 @@ class _ChunkedEP(torch.autograd.Function):
             dest, src = dest_R[r0:r1], src_R[r0:r1]
             tpe = TokensPerExpert(counts_CL[c], p["tpe"], offs_CL[c])
             x_e = torch.index_select(x_RD, 0, src, out=x_cm[r0:r1]) if gather else x_RD.index_select(0, src)
-            y_e, (x_e, h_e, _, _) = expert_forward(x_e, tpe, w1_L2ID, w2_LDI, mode)
+            with _sm_carveout(overlap, x_ND.device):
+                y_e, (x_e, h_e, _, _) = expert_forward(x_e, tpe, w1_L2ID, w2_LDI, mode)
             comb.append(sched.all_to_all(y_e.index_select(0, dest), p["in_splits"], p["out_splits"]))
             if not gather:
                 xs.append(x_e)
@@ -300,6 +341,7 @@ class _ChunkedEP(torch.autograd.Function):
 
         L = w1.shape[0]
         gather = ctx.gather
+        overlap = sched.cuda and n > 1
         if gather:  # the other wgrad inputs of every chunk, written chunk-major as they appear
             R = x_cm.shape[0]
             I = w2.shape[-1]
@@ -314,13 +356,14 @@ class _ChunkedEP(torch.autograd.Function):
             r0, r1 = p["rows"]
             dest, src = dest_R[r0:r1], src_R[r0:r1]
             tpe = TokensPerExpert(counts_CL[c], p["tpe"], offs_CL[c])
-            if gather:
-                g_e = torch.index_select(g_RD, 0, src, out=g_cm[r0:r1])
-                dx_e, _ = expert_dgrad(g_e, (None, hs[c], tpe, ctx.grouped), w1, w2, dh_out=dh_cm[r0:r1],
-                                       a_out=a_cm[r0:r1])
-            else:
-                dx_e, job = expert_dgrad(g_RD.index_select(0, src), (xs[c], hs[c], tpe, ctx.grouped), w1, w2)
-                jobs.append(job)
+            with _sm_carveout(overlap, g_ND.device):
+                if gather:
+                    g_e = torch.index_select(g_RD, 0, src, out=g_cm[r0:r1])
+                    dx_e, _ = expert_dgrad(g_e, (None, hs[c], tpe, ctx.grouped), w1, w2, dh_out=dh_cm[r0:r1],
+                                           a_out=a_cm[r0:r1])
+                else:
+                    dx_e, job = expert_dgrad(g_RD.index_select(0, src), (xs[c], hs[c], tpe, ctx.grouped), w1, w2)
+                    jobs.append(job)
             db.append(sched.all_to_all(dx_e.index_select(0, dest), p["in_splits"], p["out_splits"]))
         # W: the wgrad of every chunk after the last dgrad, while the tail dispatch-backward runs
         if gather:  # regroup the chunk-major buffers by expert (gathers), one GEMM per weight
@@ -330,7 +373,8 @@ class _ChunkedEP(torch.autograd.Function):
             del g_cm, dh_cm, a_cm
         dw1 = dw2 = None
         for job in jobs:
-            a1, a2 = expert_wgrad(job)
+            with _sm_carveout(overlap, g_ND.device):  # next to the tail dispatch-backward
+                a1, a2 = expert_wgrad(job)
             dw1, dw2 = (a1, a2) if dw1 is None else (dw1.add_(a1), dw2.add_(a2))
         if dw1 is None:
             dw1, dw2 = torch.zeros_like(w1), torch.zeros_like(w2)

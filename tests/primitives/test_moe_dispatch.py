@@ -462,9 +462,14 @@ def _nccl_worker(rank, world, port, out_dir):
                             device_id=torch.device("cuda", rank))
     try:
         res = {}
-        for s_, pattern in enumerate(["random", "zero_experts", "rank_gets_nothing", "all_to_one_rank"]):
-            res.update(compare_case(dist.group.WORLD, pattern, 1001 + 37 * rank, 16, 4, [1, 2, 3, 4, (1, 3)], seed=s_,
-                                    grouped_mm="auto", d=128, i=64, device="cuda", dtype=torch.bfloat16))
+        for sm in (0, 16):  # the overlapped GEMMs on all SMs, then with 16 left to NCCL
+            chunked_mod.SM_CARVEOUT = sm
+            for s_, pattern in enumerate(["random", "zero_experts", "rank_gets_nothing", "all_to_one_rank"]):
+                case = compare_case(dist.group.WORLD, pattern, 1001 + 37 * rank, 16, 4, [1, 2, 3, 4, (1, 3)], seed=s_,
+                                    grouped_mm="auto", d=128, i=64, device="cuda", dtype=torch.bfloat16)
+                res.update({f"sm{sm} {k}": v for k, v in case.items()})
+            # the carveout is scoped to the primitive's GEMMs: the process setting is back to unset
+            res[f"sm{sm} carveout left set"] = float(torch._C._get_sm_carveout_experimental() is not None)
         torch.save(res, Path(out_dir) / f"nccl-{rank}.pt")
     finally:
         dist.destroy_process_group()

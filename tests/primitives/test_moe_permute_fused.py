@@ -210,10 +210,10 @@ def test_switch_picks_functions(monkeypatch):
     monkeypatch.setattr(chunked_mod, "FUSED_PERMUTE", "yes")
     with pytest.raises(ValueError, match="FUSED_PERMUTE"):
         chunked_mod._permute_fns(x)
-    monkeypatch.setenv("BUMBLEBEE_FUSED_PERMUTE", "On")
-    assert chunked_mod._fused_permute_from_env() == "on"
-    monkeypatch.delenv("BUMBLEBEE_FUSED_PERMUTE")
+    monkeypatch.setenv("BUMBLEBEE_FUSED_PERMUTE", "Off")
     assert chunked_mod._fused_permute_from_env() == "off"
+    monkeypatch.delenv("BUMBLEBEE_FUSED_PERMUTE")
+    assert chunked_mod._fused_permute_from_env() == "on"
 
 
 @pytest.mark.gpu
