@@ -4,7 +4,9 @@ Every rank holds the full compute parameters (bf16, or fp32) and a full fp32 gra
 "main grads": a hook adds each parameter's gradient into it and frees the parameter's own). At
 `step()` every parameter's gradient is reduce-scattered over the data-parallel mesh (each rank gets
 the mean over ranks of its dim-0 chunk), the rank's fp32 master chunk and Adam moments are updated,
-and the updated chunks are all-gathered back into the full compute parameters. With `ep_mesh`,
+and the updated chunks are all-gathered back into the full compute parameters. Chunks follow
+DTensor's Shard(0) split (ceil(rows / n) per rank, the last ranks fewer or none) where n does not
+divide dim 0 (Qwen3.5-MoE's [1, D] shared-expert gate); those collectives run on zero-padded buffers. With `ep_mesh`,
 expert parameters (this rank's E/ep experts) are sharded, reduced and gathered over efsdp only,
 their gradient divided by the whole mesh size like every other. Per rank:
 2P (bf16 params) + 4P (fp32 grads) + 12P/n (fp32 master + Adam) bytes.
@@ -17,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from bumblebee.registry import register
-from bumblebee.sharding import TrainState, check_args, named_params, shard_rows
+from bumblebee.sharding import TrainState, check_args, chunk_rows, named_params, shard_rows
 
 warnings.filterwarnings("ignore", message=r".*is deprecated\. Please use `torch\.distributed\.")
 
@@ -30,12 +32,16 @@ class Zero1State(TrainState):
         self._params = named_params(model)
         self.full_shapes = {name: self.global_shape(name, p) for name, p in self._params.items()}
         self._shard = {name: self.shard_group(name) for name in self._params}  # (group, size, rank)
+        # rows per rank (Shard(0)'s split); the collectives move n * chunk rows, the tail padded with zeros
+        self._chunk = {name: chunk_rows(p.shape[0], self._shard[name][1]) for name, p in self._params.items()}
         with torch.no_grad():
             self._masters = {name: shard_rows(p.detach(), *self._shard[name][1:]).to(torch.float32, copy=True)
                              for name, p in self._params.items()}
             model.to(self.compute_dtype)  # keeps tied parameters tied
-        self.main_grads = {name: torch.zeros(p.shape, dtype=torch.float32, device=p.device)
-                           for name, p in self._params.items()}
+        self._padded_grads = {name: torch.zeros((self._chunk[name] * self._shard[name][1], *p.shape[1:]),
+                                                dtype=torch.float32, device=p.device)
+                              for name, p in self._params.items()}
+        self.main_grads = {name: g[:self._params[name].shape[0]] for name, g in self._padded_grads.items()}
         self._hooks = [p.register_post_accumulate_grad_hook(self._accumulate(name))
                        for name, p in self._params.items()]
         self.optimizer = self._make_optimizer(list(self._masters.values()))
@@ -57,10 +63,10 @@ class Zero1State(TrainState):
         n = self.mesh.size()
         out, works = [], []
         for name, m in self._masters.items():  # queued together, then waited on: one batch of work
-            g = torch.empty_like(m)
+            g = m.new_empty((self._chunk[name], *m.shape[1:]))
             group = self._shard[name][0]
-            works.append(dist.reduce_scatter_tensor(g, self.main_grads[name], group=group, async_op=True))
-            out.append(g)
+            works.append(dist.reduce_scatter_tensor(g, self._padded_grads[name], group=group, async_op=True))
+            out.append(g[:m.shape[0]])  # this rank's real rows (fewer, or none, at an uneven tail)
         for w in works:
             w.wait()
         for m, g in zip(self._masters.values(), out):
@@ -70,11 +76,22 @@ class Zero1State(TrainState):
 
     @torch.no_grad()
     def after_update(self):
-        sent = {name: self._masters[name].to(p.dtype) for name, p in self._params.items()}  # alive until waited
-        works = [dist.all_gather_into_tensor(p.data, sent[name], group=self._shard[name][0], async_op=True)
-                 for name, p in self._params.items()]
+        sent, recv, works = {}, {}, []  # alive until waited
+        for name, p in self._params.items():
+            m, c, n = self._masters[name], self._chunk[name], self._shard[name][1]
+            if c * n == p.shape[0]:  # even split: gather straight into the parameter
+                sent[name], recv[name] = m.to(p.dtype), p.data
+            else:
+                sent[name] = p.new_zeros((c, *p.shape[1:]))
+                sent[name][:m.shape[0]] = m
+                recv[name] = p.new_empty((c * n, *p.shape[1:]))
+            works.append(dist.all_gather_into_tensor(recv[name], sent[name], group=self._shard[name][0],
+                                                     async_op=True))
         for w in works:
             w.wait()
+        for name, p in self._params.items():
+            if recv[name] is not p.data:
+                p.data.copy_(recv[name][:p.shape[0]])
         for m in self._masters.values():
             m.grad = None
 

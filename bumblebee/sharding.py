@@ -54,14 +54,14 @@ def check_args(model, mesh, *, optimizer, lr, betas, eps, weight_decay, mixed_pr
         raise ValueError(f"reshard_after_forward must be a bool, got {reshard_after_forward!r}")
     n = mesh.size()
     experts = getattr(getattr(model, "config", None), "num_experts", None)
-    ep = efsdp = 1
+    ep = 1
     if ep_mesh is not None:
         names = tuple(ep_mesh.mesh_dim_names or ())
         if ep_mesh.ndim != 2 or set(names) != {"efsdp", "ep"}:
             raise ValueError(f"ep_mesh must be a 2-D DeviceMesh with dims ('efsdp', 'ep'), got dims {names}")
         if ep_mesh.size() != n:
             raise ValueError(f"ep_mesh covers {ep_mesh.size()} ranks but mesh covers {n}: they must be the same ranks")
-        ep, efsdp = ep_mesh["ep"].size(), ep_mesh["efsdp"].size()
+        ep = ep_mesh["ep"].size()
         if not experts:
             raise ValueError(f"ep_mesh of size {ep} given, but the model {type(model).__name__} has no experts")
         if experts % ep:
@@ -74,10 +74,8 @@ def check_args(model, mesh, *, optimizer, lr, betas, eps, weight_decay, mixed_pr
     for name, p in named_params(model).items():
         if isinstance(p, DTensor):
             raise ValueError(f"parameter {name} is already sharded (a DTensor): apply state sharding once")
-        k = efsdp if (ep_mesh is not None and is_expert(name)) else n
-        if p.dim() == 0 or p.shape[0] % k:
-            raise ValueError(f"mesh of size {k} does not divide parameter {name} of shape {tuple(p.shape)} "
-                             f"on dim 0; pick a mesh size that divides {p.shape[0] if p.dim() else 'a scalar'}")
+        if p.dim() == 0:  # dim 0 is what gets sharded (unevenly where the mesh does not divide it)
+            raise ValueError(f"parameter {name} is a scalar: state sharding splits dim 0; make it shape [1]")
 
 
 def is_expert(name: str) -> bool:
@@ -85,10 +83,17 @@ def is_expert(name: str) -> bool:
     return ".experts." in name
 
 
+def chunk_rows(rows: int, n: int) -> int:
+    """Rows per rank under Shard(0) (torch.chunk's split: ceil(rows / n); the last ranks may get fewer
+    or none). Times n, it is the padded row count the collectives move."""
+    return -(-rows // n)
+
+
 def shard_rows(t: torch.Tensor, n: int, r: int) -> torch.Tensor:
-    """Rank r's dim-0 chunk of t (a view), as DTensor's Shard(0) places it when n divides dim 0."""
-    rows = t.shape[0] // n
-    return t[r * rows:(r + 1) * rows]
+    """Rank r's dim-0 chunk of t (a view, possibly empty), where DTensor's Shard(0) and FSDP2 place it,
+    also when n does not divide dim 0."""
+    c = chunk_rows(t.shape[0], n)
+    return t[min(r * c, t.shape[0]):min((r + 1) * c, t.shape[0])]
 
 
 class TrainState:

@@ -124,6 +124,8 @@ class GroupedExperts(nn.Module):
     [E/EP, ...] and the `moe_dispatch` slot (all_to_all or chunked) moves tokens to their owners.
     """
 
+    accepts_with_weights = True  # forward(x, with_weights=fn): see forward
+
     def __init__(self, num_experts, dim, hidden, grouped_mm="auto", *, ep_group=None):
         super().__init__()
         if grouped_mm not in ("auto", "always", "never"):
@@ -144,7 +146,12 @@ class GroupedExperts(nn.Module):
         return (x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
                 and self.dim % 8 == 0 and self.hidden % 8 == 0)
 
-    def forward(self, x_MD, tokens_per_expert_E):
+    def forward(self, x_MD, tokens_per_expert_E=None, *, with_weights=None):
+        """Grouped experts over x_MD; or, with `with_weights`, return `with_weights(gate_up_proj,
+        down_proj)`: a dispatcher that computes the experts itself (chunked) still runs inside this
+        module's forward, so module hooks (FSDP2's unshard, reshard and gradient reduce-scatter) apply."""
+        if with_weights is not None:
+            return with_weights(self.gate_up_proj, self.down_proj)
         if x_MD.shape[0] == 0:
             return x_MD.new_zeros(0, self.dim) + 0 * self.down_proj.sum()  # keep the graph connected
         if self._use_grouped_mm(x_MD):

@@ -408,9 +408,14 @@ def chunked_dispatch(x_ND, weights_NK, indices_NK, experts, num_experts, *, chun
         raise ValueError(f"num_experts={num_experts} is not divisible by the ep group size {EP}")
     if indices_NK.dim() != 2:
         raise ValueError(f"indices must be [N, K], got shape {tuple(indices_NK.shape)}")
-    w1, w2 = experts.gate_up_proj, experts.down_proj
-    if w1.shape[0] != num_experts // EP or w2.shape[0] != num_experts // EP:
-        raise ValueError(f"experts hold {w1.shape[0]} experts; expected num_experts / ep size = {num_experts // EP}")
-    w1, w2 = w1.to(x_ND.dtype), w2.to(x_ND.dtype)
+    L = experts.gate_up_proj.shape[0]
+    if L != num_experts // EP or experts.down_proj.shape[0] != num_experts // EP:
+        raise ValueError(f"experts hold {L} experts; expected num_experts / ep size = {num_experts // EP}")
     mode = getattr(experts, "grouped_mm", "auto")
-    return _ChunkedEP.apply(x_ND, weights_NK, w1, w2, indices_NK, num_experts, spec, group, mode)
+
+    def run(w1, w2):  # inside the experts' forward: FSDP2 has unsharded w1, w2 here
+        w1, w2 = w1.to(x_ND.dtype), w2.to(x_ND.dtype)
+        return _ChunkedEP.apply(x_ND, weights_NK, w1, w2, indices_NK, num_experts, spec, group, mode)
+    if getattr(experts, "accepts_with_weights", False):  # GroupedExperts: run inside its forward (FSDP2 hooks)
+        return experts(x_ND, with_weights=run)
+    return run(experts.gate_up_proj, experts.down_proj)
