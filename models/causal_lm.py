@@ -70,6 +70,12 @@ class CausalLM(HFCheckpointMixin, nn.Module):
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype the layers compute in (RoPE tables follow it): the head's. FSDP2 keeps the head
+        unsharded in the root unit, in its compute dtype, during the forward; the embedding is a unit
+        of its own whose parameter reads as the fp32 master between its own forwards."""
+        return self.lm_head.weight.dtype
+
     def set_recompute(self, enabled: bool = True):
         """Full activation recompute: every decoder layer reruns its forward in the backward."""
         self.model.recompute = enabled

@@ -202,7 +202,7 @@ class DeepseekV3ForCausalLM(CausalLM):
         if cu_seqlens is not None:
             segment_ids, position_ids, labels = self.packed_inputs(input_ids, labels, position_ids, cu_seqlens)
         position_ids = self.check_inputs(input_ids, labels, position_ids)
-        cos, sin = self.model.rotary_emb(position_ids, self.model.embed_tokens.weight.dtype)
+        cos, sin = self.model.rotary_emb(position_ids, self.compute_dtype())
         hidden, router_logits = self.model(input_ids, cos, sin, cu_seqlens)
         out = self.lm_outputs(hidden, labels, return_logits, MTPCausalLMOutput())
         self.add_mtp_loss(out, hidden, input_ids, labels, cos, sin, cu_seqlens, segment_ids)

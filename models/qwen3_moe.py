@@ -101,7 +101,7 @@ class Qwen3MoeForCausalLM(CausalLM):
         """Logits [B, T, V] when labels is None (or return_logits); aux_loss and router_logits when
         output_router_logits (default: the config's), the loss then including coef * aux_loss."""
         position_ids = self.check_inputs(input_ids, labels, position_ids)
-        cos, sin = self.model.rotary_emb(position_ids, self.model.embed_tokens.weight.dtype)
+        cos, sin = self.model.rotary_emb(position_ids, self.compute_dtype())
         hidden, router_logits = self.model(input_ids, cos, sin)
         out = self.lm_outputs(hidden, labels, return_logits, moe.MoECausalLMOutput())
         return self.add_aux_loss(out, router_logits, output_router_logits)

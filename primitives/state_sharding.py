@@ -9,7 +9,9 @@ weights, the optimizer updates them in place); `MixedPrecisionPolicy` all-gather
 compute and reduce-scatters gradients in fp32. Forward and backward prefetch are set explicitly
 (next block in forward, previous block in backward). With `ep_mesh` (dims efsdp x ep, experts
 already split over ep by `bumblebee.models.moe.shard_experts`) each block's experts are a nested
-unit sharded over efsdp only, dense parameters over the whole mesh. Per rank: 16P/n bytes of state
+unit sharded over efsdp only (MTP blocks' experts too), dense parameters over the whole mesh. MTP
+depths stay in the root unit (the loss calls their head norm outside their forward); their experts
+are nested units, so the root holds only their dense part unsharded. Per rank: 16P/n bytes of state
 (4 master + 4 grad + 8 Adam) plus the unsharded bf16 parameters of the units in flight.
 """
 from __future__ import annotations
@@ -33,14 +35,18 @@ class FSDP2State(TrainState):
         inner = model.model
         tied = getattr(model.config, "tie_word_embeddings", False)
         units = []
+        if ep_mesh is not None:
+            # this rank's E/ep experts, sharded over the ranks holding the same experts: every MoE
+            # block's, the decoder layers' and the MTP blocks' alike (inside the root unit they would
+            # be sharded over ranks that hold other experts)
+            for experts in [getattr(m, "experts", None) for m in model.modules()]:
+                if isinstance(experts, torch.nn.Module):
+                    fully_shard(experts, mesh=ep_mesh["efsdp"], mp_policy=mp,
+                                reshard_after_forward=reshard_after_forward)
         if not tied:  # a tied embedding is the head's weight: it lives in the root unit
             units.append(fully_shard(inner.embed_tokens, mesh=mesh, mp_policy=mp,
                                      reshard_after_forward=reshard_after_forward))
         for layer in inner.layers:
-            experts = getattr(getattr(layer, "mlp", None), "experts", None)
-            if ep_mesh is not None and experts is not None:
-                # this rank's E/ep experts, sharded over the ranks holding the same experts
-                fully_shard(experts, mesh=ep_mesh["efsdp"], mp_policy=mp, reshard_after_forward=reshard_after_forward)
             units.append(fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward))
         # the root (final norm, head) is needed again right at the start of the backward: keep it
         fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False)

@@ -104,18 +104,21 @@ def _apply(variant, *, seed=0, config=None, mixed_precision="fp32", **kw):
     return fn(model, mesh, mixed_precision=mixed_precision, grad_clip=CLIP, reshard_after_forward=raf, **HP, **kw)
 
 
-EP_VARIANTS = {  # Qwen3-MoE tiny with EP = 2: name -> (state sharding, moe_dispatch)
-    "moe_ep_fsdp2": ("fsdp2", "all_to_all"),
-    "moe_ep_zero1": ("zero1", "all_to_all"),
+EP_VARIANTS = {  # EP = 2: name -> (state sharding, moe_dispatch, model)
+    "moe_ep_fsdp2": ("fsdp2", "all_to_all", MOE),
+    "moe_ep_zero1": ("zero1", "all_to_all", MOE),
     # chunked computes the experts from their weights: FSDP2 must still unshard and reduce them
-    "moe_ep_chunked_fsdp2": ("fsdp2", "chunked"),
+    "moe_ep_chunked_fsdp2": ("fsdp2", "chunked", MOE),
+    # Qwen3.5-MoE's MTP block has experts too: they must be sharded over efsdp, not the whole mesh
+    "q35_ep_chunked_fsdp2": ("fsdp2", "chunked", Q35),
+    "q35_ep_zero1": ("zero1", "chunked", Q35),
 }
 
 
 def _apply_ep(variant, mesh, ep_mesh, seed=0):
     from bumblebee.models import moe
-    impl, dispatch = EP_VARIANTS[variant]
-    model = models.build(MOE, impl={"moe_dispatch": dispatch}, seed=seed, device=mesh.device_type)
+    impl, dispatch, name = EP_VARIANTS[variant]
+    model = models.build(MODELS[name], impl={"moe_dispatch": dispatch}, seed=seed, device=mesh.device_type)
     moe.shard_experts(model, ep_mesh["ep"].get_group())
     fn = registry.resolve("state_sharding", impl)
     return fn(model, mesh, ep_mesh=ep_mesh, mixed_precision="fp32", grad_clip=CLIP, **HP)
@@ -288,7 +291,8 @@ def one_rank(mesh, out: Path):
 def bf16_runs(mesh, out: Path):
     """bf16 compute (FSDP2's MixedPrecisionPolicy; ZeRO-1's bf16 params), fp32 masters."""
     res = {}
-    for variant in ("fsdp2", "zero1", "moe_fsdp2"):
+    # q35moe_fsdp2: recompute, an MTP block in the root unit, RoPE tables in the compute dtype
+    for variant in ("fsdp2", "zero1", "moe_fsdp2", "q35moe_fsdp2"):
         state = _apply(variant, mesh=mesh, mixed_precision="bf16")
         res[variant] = _train(state, mesh, SAVE_AT)
         state.save(out / f"bf16-{mesh.device_type}-{variant}")
@@ -379,9 +383,10 @@ def test_four_ranks_match_reference(four, ref, variant):
 @pytest.mark.parametrize("variant", list(EP_VARIANTS))
 @pytest.mark.parametrize("world", [2, 4])
 def test_expert_parallel_matches_reference(two, four, refs, variant, world):
+    ref = refs[EP_VARIANTS[variant][2]]
     for rank in (two if world == 2 else four):
-        _close(rank[variant], refs[MOE])
-        assert rank[variant]["zeros"] == refs[MOE]["zeros"]
+        _close(rank[variant], ref)
+        assert rank[variant]["zeros"] == ref["zeros"]
 
 
 @pytest.mark.parametrize("key,world", [("load-moe_ep-into-zero1", 4), ("load-moe_ep", 1)])
