@@ -22,9 +22,10 @@ the recompute not counted) and the executed rate (4x, recompute counted), peak a
 Forward FLOPs per token: 2 x every matmul weight a token passes through (the routed experts scaled by
 top-k / E; the router, the shared expert and its gate, DeltaNet projections and its short conv, the
 LM head; not the embedding), plus causal attention 2 x heads x head_dim x S per full-attention
-layer (QK^T and PV over S/2 keys on average), plus 4 x value heads x d_k x d_v per DeltaNet layer
-(state update and read-out of the recurrent form; the chunked kernels' intra-chunk work is not
-counted).
+layer and MTP block (QK^T and PV over S/2 keys on average), plus 4 x value heads x d_k x d_v per
+DeltaNet layer (state update and read-out of the recurrent form; the chunked kernels' intra-chunk
+work is not counted). The config's MTP depth (one full-attention MoE block, and the head once more)
+is part of the step and of the count.
 
 Writes DIR/composed_step.json (rows so far, rewritten after each length).
 """
@@ -49,17 +50,19 @@ IMPL = {"linear_attention": "fla", "attention": "sdpa", "cross_entropy": "linear
 
 
 def forward_flops_per_token(model, hf: dict, seq_len: int) -> dict:
-    """The formula of the module docstring, from the unsharded model's parameters and its config."""
+    """The formula of the module docstring, from the unsharded model's parameters and its config.
+    MTP depths count like decoder layers (a full-attention block each) and use the head once more."""
     E, k = hf["num_experts"], hf["num_experts_per_tok"]
-    weights = 0.0
+    c = model.config
+    mtp = getattr(c, "mtp_num_hidden_layers", 0) or 0
+    weights = mtp * model.lm_head.weight.numel()  # the shared head, once per MTP depth
     for name, p in model.named_parameters():
         if p.dim() < 2 or "embed_tokens" in name:
             continue
         routed = ".experts." in name and p.dim() == 3 and p.shape[0] == E
         weights += p.numel() * (k / E if routed else 1.0)
-    types = model.config.layer_types
-    c = model.config
-    attn = 2 * c.num_attention_heads * c.head_dim * seq_len * types.count("full_attention")
+    types = c.layer_types
+    attn = 2 * c.num_attention_heads * c.head_dim * seq_len * (types.count("full_attention") + mtp)
     delta = 4 * c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim \
         * types.count("linear_attention")
     return {"matmul_weights": weights, "total": 2 * weights + attn + delta, "attention": attn, "deltanet": delta}
@@ -121,7 +124,7 @@ def measure(state, seq_len, args, device, rank, world) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--seq-lens", default="32768,65536,131072,262144")
+    ap.add_argument("--seq-lens", default="32768,65536,131072,196608")
     ap.add_argument("--ep", type=int, default=0, help="expert parallel size (default: the world size)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=3)
