@@ -53,7 +53,9 @@ def check_args(model, mesh, *, optimizer, lr, betas, eps, weight_decay, mixed_pr
     if not isinstance(reshard_after_forward, bool):
         raise ValueError(f"reshard_after_forward must be a bool, got {reshard_after_forward!r}")
     n = mesh.size()
-    experts = getattr(getattr(model, "config", None), "num_experts", None)
+    # routed experts per MoE block, from the expert modules (configs name it num_experts or n_routed_experts)
+    counts = {m.num_experts for m in model.modules() if hasattr(m, "num_local_experts")}
+    experts = max(counts) if counts else None
     ep = 1
     if ep_mesh is not None:
         names = tuple(ep_mesh.mesh_dim_names or ())

@@ -2,7 +2,7 @@
 
 Each multi-rank scenario runs once per module (a spawn costs seconds on a 2-core CPU): a 2-rank
 run trains both twins for 10 steps (dense, tied, Qwen3-MoE, Qwen3.5-MoE with a [1, D] parameter
-sharded unevenly, Qwen3-MoE with EP = 2, bf16), saves
+sharded unevenly, EP = 2 with Qwen3-MoE, Qwen3.5-MoE and DeepSeek-V3 with MTP, bf16), saves
 checkpoints, exports HF weights, resumes and skips a non-finite step; a 4-rank run trains both
 twins (EP = 2 x efsdp = 2 too, and a vocabulary 4 does not divide) and loads the 2-rank checkpoints (resharding, and across twins); a
 1-rank run loads them again (2 -> 1, EP = 2 -> EP = 1) and checks the refusals (another model,
@@ -22,9 +22,11 @@ import torch.multiprocessing as mp
 
 from bumblebee import models, registry
 
-CFG, MOE, TIED, Q35, ODD = "qwen3-tiny", "qwen3-moe-tiny", "tied", "qwen3.5-moe-tiny", "odd-vocab"
+CFG, MOE, TIED, Q35, ODD, DSV3 = ("qwen3-tiny", "qwen3-moe-tiny", "tied", "qwen3.5-moe-tiny", "odd-vocab",
+                                  "deepseek-v3-mtp-tiny")
 MODELS = {CFG: CFG, MOE: MOE, TIED: {**models.NAMED[CFG], "tie_word_embeddings": True}, Q35: Q35,
-          ODD: {**models.NAMED[CFG], "vocab_size": 1022}}  # 4 ranks: rows 256, 256, 256, 254
+          ODD: {**models.NAMED[CFG], "vocab_size": 1022},  # 4 ranks: rows 256, 256, 256, 254
+          DSV3: {**models.NAMED["deepseek-v3-tiny"], "num_nextn_predict_layers": 1}}  # MLA, aux-free router, MTP
 STEPS, SAVE_AT, B, T = 10, 5, 4, 13
 HP = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 CLIP = 1.0  # the tiny model's grad norm starts near 2: clipping is active in early steps
@@ -112,6 +114,7 @@ EP_VARIANTS = {  # EP = 2: name -> (state sharding, moe_dispatch, model)
     # Qwen3.5-MoE's MTP block has experts too: they must be sharded over efsdp, not the whole mesh
     "q35_ep_chunked_fsdp2": ("fsdp2", "chunked", Q35),
     "q35_ep_zero1": ("zero1", "chunked", Q35),
+    "dsv3_ep_chunked_fsdp2": ("fsdp2", "chunked", DSV3),
 }
 
 
@@ -315,7 +318,7 @@ def ref():
 @pytest.fixture(scope="module")
 def refs(ref):
     return {CFG: ref, MOE: reference(config=MOE), TIED: reference(config=TIED), Q35: reference(config=Q35),
-            ODD: reference(config=ODD)}
+            ODD: reference(config=ODD), DSV3: reference(config=DSV3)}
 
 
 @pytest.fixture(scope="module")
