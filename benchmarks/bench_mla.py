@@ -24,7 +24,9 @@ executed rate, counting d_v = 192.
 Layout sweep (`CORE_VARIANTS`): `core_cudnn` q/k/v contiguous [B, H, T, d]; `core_bshd` transposed
 views of contiguous [B, T, H, d]; `core_primitive` exactly what `FlashMLA._core` hands SDPA (q a
 concatenation of nope and RoPE'd rope parts, k a concatenation with the shared rope key broadcast,
-v a strided slice of the kv_b_proj output, assembly included in the timing); `core_prealloc` the
+v a strided slice of the kv_b_proj output, assembly included in the timing); `core_primitive_fused`
+the same with the assembly as one Triton kernel each way (`kernels/mla_rope.py`, what `_core` runs
+with BUMBLEBEE_MLA_FUSED_ROPE=on, which also switches the `flash_*` layers); `core_prealloc` the
 same with q and k written into preallocated [B, T, H, 192] buffers; `core_cudnn_pad_v` v zero-padded
 to 192 ([B, H, T, d] as core_cudnn); `core_flash_pad_v` the flash backend (it refuses 192/128) with
 v padded to 192, BSHD views. The padded variants slice the output back to 128 before the backward.
@@ -57,8 +59,8 @@ DSV3 = dict(dim=7168, n_heads=128, q_lora_rank=1536, kv_lora_rank=512, qk_nope_h
 SMOKE = dict(dim=64, n_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
              v_head_dim=8)
 IMPLS = ("flash_lean", "flash_plain", "naive", "megatron", "megatron_up_proj_recompute")
-CORE_VARIANTS = ("core_cudnn", "core_bshd", "core_primitive", "core_prealloc", "core_cudnn_pad_v",
-                 "core_flash_pad_v")
+CORE_VARIANTS = ("core_cudnn", "core_bshd", "core_primitive", "core_primitive_fused", "core_prealloc",
+                 "core_cudnn_pad_v", "core_flash_pad_v")
 FLOP_FORMULA = "useful causal fwd+bwd FLOPs = 3 * H * T^2 * (d_qk + d_v), d_qk 192, d_v 128, H 128"
 OUT = Path(os.environ.get("BENCH_OUT", Path(__file__).parent / "results"))
 RESULTS: dict = {"cases": []}
@@ -248,6 +250,7 @@ def _core_fn(variant, T):
     """(fn) running forward + backward of one core variant at DeepSeek-V3 head sizes."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    from bumblebee.kernels.mla_rope import assemble_qk
     from bumblebee.primitives.mla import rope_pairs
 
     s = CFG["sizes"]
@@ -260,7 +263,7 @@ def _core_fn(variant, T):
     def leaf(*shape):
         return torch.randn(*shape, device=dev, dtype=dt, requires_grad=True)
 
-    if variant in ("core_primitive", "core_prealloc"):
+    if variant in ("core_primitive", "core_primitive_fused", "core_prealloc"):
         q_full, kv_full, k_pe = leaf(1, T, H, dqk), leaf(1, T, H, nope + dv), leaf(1, T, 1, R)
         cos, sin = _rope(T, R)
         grad = torch.randn(1, T, H, dv, device=dev, dtype=dt).transpose(1, 2)  # as o_proj's input gives it
@@ -268,7 +271,9 @@ def _core_fn(variant, T):
         def qkv():
             q_nope, q_pe = q_full.split([nope, R], dim=-1)
             k_nope, v = kv_full.split([nope, dv], dim=-1)
-            if variant == "core_primitive":
+            if variant == "core_primitive_fused":  # as _core with FUSED_ROPE = "on"
+                q, k = assemble_qk(q_full, k_nope, k_pe[:, :, 0], cos, sin, True)
+            elif variant == "core_primitive":
                 q = torch.cat((q_nope, rope_pairs(q_pe, cos, sin, True)), dim=-1)
                 k = torch.cat((k_nope, rope_pairs(k_pe, cos, sin, True).expand(1, T, H, R)), dim=-1)
             else:
@@ -411,6 +416,9 @@ def summarize():
             if "saved_activation_MB" in plain:
                 s["lean_saved_over_plain"] = lean["saved_activation_MB"] / plain["saved_activation_MB"]
             s["lean_extra_time"] = lean["median_ms"] / plain["median_ms"] - 1
+        if (key, "core_primitive_fused") in by and (key, "core_primitive") in by:
+            s["fused_rope_time_ratio_core"] = (by[(key, "core_primitive_fused")]["median_ms"]
+                                               / by[(key, "core_primitive")]["median_ms"])
         if (key, "flash_lean_pad_v") in by and (key, "flash_lean") in by:
             s["pad_v_time_ratio_lean"] = by[(key, "flash_lean_pad_v")]["median_ms"] / by[(key, "flash_lean")]["median_ms"]
         for ref in ("naive", "megatron", "megatron_up_proj_recompute"):
@@ -433,11 +441,12 @@ def write_results(path=None):
         megatron_version = megatron.core.__version__
     except Exception:  # not installed, or fails to import
         megatron_version = None
+    from bumblebee.primitives.mla import FUSED_ROPE as mla_fused_rope
     path = Path(path or OUT / "mla.json")
     path.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.update(device=torch.cuda.get_device_name() if _cuda() else "cpu (smoke)", torch=torch.__version__,
                    triton=triton_version, megatron_core=megatron_version,
-                   cudnn=torch.backends.cudnn.version() if _cuda() else None,
+                   cudnn=torch.backends.cudnn.version() if _cuda() else None, mla_fused_rope=mla_fused_rope,
                    date=datetime.date.today().isoformat(), shapes=CFG["sizes"], dtype=str(CFG["dtype"]),
                    flop_formula=FLOP_FORMULA)
     summarize()

@@ -15,12 +15,16 @@ Same parameters, names and math as the twin `bumblebee.baselines.mla.NaiveMLA`; 
 - `pad_v` (per module, default off): v zero-padded to the q/k head dim inside SDPA, the extra output
   columns dropped; same result, for a backend whose equal-head-dim kernel outruns its 192/128 one
   (measured in benchmarks/bench_mla.py, benchmarks/NOTES_mla.md).
+- `FUSED_ROPE` (default "off"; environment BUMBLEBEE_MLA_FUSED_ROPE=on): the Q/K assembly (split,
+  RoPE, concatenations, rope-key broadcast) as one Triton kernel each way (`kernels/mla_rope.py`),
+  on CUDA (or under TRITON_INTERPRET=1); q and k keep the projections' dtype.
 
 Shape legend: B batch, T tokens, D model width, H heads, R rope dim, N = B*T.
 """
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import torch.nn as nn
@@ -29,11 +33,29 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from bumblebee.checks import check_cu_seqlens, check_mla_config, check_mla_inputs
+from bumblebee.kernels import mla_rope as _fused_rope
 from bumblebee.norms import RMSNorm
 from bumblebee.registry import register
 
 _CUDA_ORDER = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
                SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def _fused_rope_from_env() -> str:
+    return os.environ.get("BUMBLEBEE_MLA_FUSED_ROPE", "off").strip().lower()
+
+
+# The Q/K assembly through `kernels/mla_rope.py` (one pass each way): "on" or "off". "off" by default
+# until measured on a GPU (bench_mla.py `core_primitive_fused`); BUMBLEBEE_MLA_FUSED_ROPE (read at import).
+FUSED_ROPE = _fused_rope_from_env()
+
+
+def _use_fused_rope(t: torch.Tensor) -> bool:
+    """True when FUSED_ROPE is "on" and Triton runs on t (CUDA, or TRITON_INTERPRET=1)."""
+    if FUSED_ROPE not in ("off", "on"):
+        raise ValueError(f"FUSED_ROPE must be 'off' or 'on', got {FUSED_ROPE!r}")
+    return FUSED_ROPE == "on" and _fused_rope.use_triton(t)
+
 
 def _segments(cu_seqlens, n_tokens) -> tuple[tuple[int, int], ...]:
     cu = check_cu_seqlens(cu_seqlens, n_tokens)  # one host sync per forward
@@ -113,23 +135,27 @@ class FlashMLA(nn.Module):
         q_src = x_BTD if self.q_lora_rank is None else self.q_a_layernorm(self.q_a_proj(x_BTD))
         c_kv, k_rope = self.kv_a_proj_with_mqa(x_BTD).split([self.kv_lora_rank, self.rope_dim], dim=-1)
         c_kv = self.kv_a_layernorm(c_kv)
+        fused = _use_fused_rope(x_BTD)  # decided once: the lean backward's recompute takes the same path
         if self.lean_backward and torch.is_grad_enabled():
-            o = checkpoint(self._core, q_src, c_kv, k_rope, cos, sin, segments,
+            o = checkpoint(self._core, q_src, c_kv, k_rope, cos, sin, segments, fused,
                            use_reentrant=False, context_fn=_LEAN_CONTEXT)
         else:
-            o = self._core(q_src, c_kv, k_rope, cos, sin, segments)
+            o = self._core(q_src, c_kv, k_rope, cos, sin, segments, fused)
         return self.o_proj(o)
 
-    def _core(self, q_src, c_kv, k_rope, cos, sin, segments):
+    def _core(self, q_src, c_kv, k_rope, cos, sin, segments, fused=False):
         """Up-projections, RoPE, attention: latents -> [B, T, H*v]."""
         B, T, _ = c_kv.shape
         H = self.n_heads
         q = (self.q_proj if self.q_lora_rank is None else self.q_b_proj)(q_src).view(B, T, H, self.qk_dim)
-        q_nope, q_rope = q.split([self.nope, self.rope_dim], dim=-1)
         k_nope, v = self.kv_b_proj(c_kv).view(B, T, H, self.nope + self.v_dim).split([self.nope, self.v_dim], dim=-1)
-        q = torch.cat((q_nope, rope_pairs(q_rope, cos, sin, self.rope_interleave)), dim=-1)
-        k_rope = rope_pairs(k_rope[:, :, None], cos, sin, self.rope_interleave)
-        k = torch.cat((k_nope, k_rope.expand(B, T, H, self.rope_dim)), dim=-1)
+        if fused:
+            q, k = _fused_rope.assemble_qk(q, k_nope, k_rope, cos, sin, self.rope_interleave)
+        else:
+            q_nope, q_rope = q.split([self.nope, self.rope_dim], dim=-1)
+            q = torch.cat((q_nope, rope_pairs(q_rope, cos, sin, self.rope_interleave)), dim=-1)
+            k_rope = rope_pairs(k_rope[:, :, None], cos, sin, self.rope_interleave)
+            k = torch.cat((k_nope, k_rope.expand(B, T, H, self.rope_dim)), dim=-1)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, T, d]
         if segments is None:
             o = sdpa_causal(q, k, v, self.softmax_scale, self.pad_v)
