@@ -27,7 +27,8 @@ DeltaNet layer (state update and read-out of the recurrent form; the chunked ker
 work is not counted). The config's MTP depth (one full-attention MoE block, and the head once more)
 is part of the step and of the count.
 
-Writes DIR/composed_step.json (rows so far, rewritten after each length).
+Writes DIR/composed_step.json (rows so far, rewritten after each length); with --profile-len S, also
+the top kernels of one profiled step at S (rank 0's view; the profile does not enter the timings).
 """
 from __future__ import annotations
 
@@ -121,6 +122,26 @@ def measure(state, seq_len, args, device, rank, world) -> dict:
             "step_times_ms": [round(t, 2) for t in times]}
 
 
+def profile_step(state, seq_len, device, rank, n=30) -> dict:
+    """One profiled step (after the timed ones): the n kernels with the most device time on this rank,
+    [name, ms, calls], and the total; every rank runs it (collectives inside)."""
+    from torch.profiler import ProfilerActivity, profile
+    g = torch.Generator(device=device).manual_seed(200 + rank)
+    ids = torch.randint(0, state.model.config.vocab_size, (1, seq_len), device=device, generator=g)
+    cuda = device.type == "cuda"  # the CPU smoke ranks host ops by their CPU time instead
+    dist.barrier()
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        state.model(ids, labels=ids).loss.backward()
+        state.step()
+        _sync(device)
+    state.zero_grad()
+    rows = [(e.key, (e.self_device_time_total if cuda else e.self_cpu_time_total) / 1e3, e.count)
+            for e in prof.key_averages()]
+    rows = sorted((r for r in rows if r[1] > 0), key=lambda r: -r[1])
+    return {"seq_len": seq_len, "kernel_ms_total": sum(r[1] for r in rows),
+            "top": [[k[:100], round(ms, 2), c] for k, ms, c in rows[:n]]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=4)
@@ -129,6 +150,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    ap.add_argument("--profile-len", type=int, default=0,
+                    help="also profile one step at this length (one of --seq-lens) and store its top kernels")
     ap.add_argument("--cpu-smoke", action="store_true", help="gloo, qwen3.5-moe-tiny, fp32: checks the script")
     args = ap.parse_args()
 
@@ -177,6 +200,10 @@ def main() -> None:
         row["executed_tflops_per_gpu"] = 4 * f["total"] * s / (row["median_ms"] / 1e3) / 1e12
         row["attention_share_of_flops"] = f["attention"] / f["total"]
         report["rows"].append(row)
+        if s == args.profile_len:
+            report["profile"] = profile_step(state, s, device, rank)
+            if rank == 0:
+                print(json.dumps({"profile_top": report["profile"]["top"][:5]}), flush=True)
         if rank == 0:
             print(json.dumps(row), flush=True)
             if not args.cpu_smoke:
