@@ -123,6 +123,7 @@ def _apply_ep(variant, mesh, ep_mesh, seed=0):
     impl, dispatch, name = EP_VARIANTS[variant]
     model = models.build(MODELS[name], impl={"moe_dispatch": dispatch}, seed=seed, device=mesh.device_type)
     moe.shard_experts(model, ep_mesh["ep"].get_group())
+    model.set_recompute(dispatch == "chunked")  # as the composed step runs it: the collectives repeat
     fn = registry.resolve("state_sharding", impl)
     return fn(model, mesh, ep_mesh=ep_mesh, mixed_precision="fp32", grad_clip=CLIP, **HP)
 
