@@ -166,6 +166,8 @@ def main() -> None:
         device, name, impl, mixed = torch.device("cuda", local), MODEL, IMPL, "bf16"
         lens = [int(s) for s in args.seq_lens.split(",")]
     ep = args.ep or world
+    if world % ep:
+        raise ValueError(f"--ep {ep} must divide the world size {world}")
     from torch.distributed.device_mesh import init_device_mesh
     mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp",))
     ep_mesh = init_device_mesh(device.type, (world // ep, ep), mesh_dim_names=("efsdp", "ep"))
