@@ -44,7 +44,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from bench_state_sharding import build_on_device
+from bench_state_sharding import _sync, build_on_device
+from timing import matmul_tflops
 
 MODEL = "qwen3.5-35b-a3b"
 IMPL = {"linear_attention": "fla", "attention": "sdpa", "cross_entropy": "linear_ce", "moe_dispatch": "chunked"}
@@ -67,25 +68,6 @@ def forward_flops_per_token(model, hf: dict, seq_len: int) -> dict:
     delta = 4 * c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim \
         * types.count("linear_attention")
     return {"matmul_weights": weights, "total": 2 * weights + attn + delta, "attention": attn, "deltanet": delta}
-
-
-def matmul_tflops(device, n=8192):
-    if device.type != "cuda":
-        return None
-    a, b = (torch.randn(n, n, device=device, dtype=torch.bfloat16) for _ in range(2))
-    for _ in range(3):
-        a @ b
-    torch.cuda.synchronize(device)
-    t0 = time.perf_counter()
-    for _ in range(10):
-        a @ b
-    torch.cuda.synchronize(device)
-    return 2 * n ** 3 * 10 / (time.perf_counter() - t0) / 1e12
-
-
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def measure(state, seq_len, args, device, rank, world) -> dict:
@@ -171,7 +153,7 @@ def main() -> None:
     from torch.distributed.device_mesh import init_device_mesh
     mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp",))
     ep_mesh = init_device_mesh(device.type, (world // ep, ep), mesh_dim_names=("efsdp", "ep"))
-    rate = matmul_tflops(device)
+    rate = matmul_tflops(device=device) if device.type == "cuda" else None
 
     from bumblebee import registry
     from bumblebee.models import moe

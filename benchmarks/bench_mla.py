@@ -48,7 +48,7 @@ from unittest import mock
 
 import pytest
 import torch
-from timing import median_ms
+from timing import matmul_tflops, median_ms
 import torch.nn.functional as F
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -73,13 +73,6 @@ def _cuda():
 
 def _time_ms(fn, iters=10, warmup=3):
     return median_ms(fn, iters, warmup, cuda=_cuda())
-
-
-def matmul_tflops(n=8192):
-    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    ms = _time_ms(lambda: a @ b, iters=20)
-    return 2 * n ** 3 / ms / 1e9
 
 
 def core_flops(T, H=128, dqk=192, dv=128):

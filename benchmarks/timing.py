@@ -34,3 +34,10 @@ def median_ms(fn, iters=10, warmup=3, peak=None, cuda=None):
     if peak is not None:
         peak["peak_MB"] = (torch.cuda.max_memory_allocated() - base) / 2 ** 20 if cuda else None
     return statistics.median(times)
+
+
+def matmul_tflops(n=8192, device="cuda"):
+    """bf16 n^3 matmul rate (TFLOP/s), the reference the benchmarks' floors and rates are read against."""
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    return 2 * n ** 3 / median_ms(lambda: a @ b, iters=20) / 1e9
