@@ -4,14 +4,15 @@
 
 One MoE layer's dispatch + SwiGLU experts + combine, forward and backward, in bf16, with
 Qwen3.5-35B-A3B sizes: hidden 2048, 256 experts (128 per rank), top-8, expert width 512; tokens per
-rank 4K, 8K, 16K, 32K, 64K, uniform random routing (fixed seed, the same for every
+rank 4K, 8K, 16K, 24K, 32K, 64K, uniform random routing (fixed seed, the same for every
 implementation). Fixed iteration counts on every rank (no adaptive timing around collectives).
 Per shape it also times the twin's four all_to_alls alone (same splits, same bytes) and derives
     hidden fraction of the all_to_all = (t_twin - t_chunked) / t_all_to_all_alone
 (the twin runs communication and compute back to back, so t_twin - t_a2a is its compute time).
 Where megatron-core imports, its MoEAlltoAllTokenDispatcher (same experts) is timed as an anchor.
 C = 1 (the primitive's kernels, no overlap) separates the overlap from kernel gains; unequal chunk
-sizes (1, 2, 1) and (1, 2) shorten the exposed first/last exchanges; C = 2 and (1, 2) are repeated
+sizes (1, 2, 1) and (1, 2) shorten the exposed first/last exchanges; "auto" is the primitive's
+default (one chunk below AUTO_MIN_TOKENS tokens on every rank, else (1, 2)); C = 2 and (1, 2) are repeated
 with 0, 16 and 32 SMs carved out of the overlapped grouped GEMMs for NCCL (the primitive's SM_CARVEOUT). C = 2 under full recompute
 (torch.utils.checkpoint over the layer) is timed at one size. One C = 2 and one twin layer are
 profiled at 16K and 4K tokens (kernel totals, stream occupancy); the 16K C = 2 timeline is drawn.
@@ -37,9 +38,10 @@ from bumblebee.models.moe import GroupedExperts
 from bumblebee.primitives import moe_dispatch as moe_dispatch_primitive
 
 D, E, K, I = 2048, 256, 8, 512
-TOKENS = [4096, 8192, 16384, 32768, 65536]
+TOKENS = [4096, 8192, 16384, 24576, 32768, 65536]
 CHUNKS = [1, 2, 3, 4]  # C = 1: the primitive's kernels without overlap (separates overlap from kernel gains)
 UNEQUAL = [(1, 2, 1), (1, 2)]  # smaller first/last chunks shorten the exchanges that stay exposed
+DEFAULT = ["auto"]  # the primitive's default
 CARVEOUTS = [0, 16, 32]  # SMs the overlapped grouped GEMMs leave to NCCL (the primitive's SM_CARVEOUT)
 CARVEOUT_CHUNKS = [2, (1, 2)]
 WARMUP, ITERS = 3, 10
@@ -65,12 +67,14 @@ def make_experts(group, device):
 
 
 def spec_name(chunks) -> str:
+    if isinstance(chunks, str):
+        return chunks
     return f"c{chunks}" if isinstance(chunks, int) else "-".join(map(str, chunks))
 
 
 def chunk_configs():
     """(name, chunks, SM carveout) of every chunked row: the default carveout, then the sweep."""
-    out = [(spec_name(c), c, None) for c in CHUNKS + UNEQUAL]
+    out = [(spec_name(c), c, None) for c in CHUNKS + UNEQUAL + DEFAULT]
     return out + [(f"{spec_name(c)}_sm{sm}", c, sm) for sm in CARVEOUTS for c in CARVEOUT_CHUNKS]
 
 
@@ -359,6 +363,9 @@ def main():
             "nccl_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("NCCL_")},
             "chunked_fused_permute": moe_dispatch_primitive.FUSED_PERMUTE,
             "chunked_sm_carveout_default": moe_dispatch_primitive.SM_CARVEOUT,
+            "chunked_default": {"chunks": moe_dispatch_primitive.DEFAULT_CHUNKS,
+                                "auto_chunks": moe_dispatch_primitive.AUTO_CHUNKS,
+                                "auto_min_tokens": moe_dispatch_primitive.AUTO_MIN_TOKENS},
             "shape": {"hidden": D, "experts": E, "experts_per_rank": E // EP, "top_k": K, "expert_width": I,
                       "dtype": "bfloat16", "routing": "uniform random top-8"},
             "iterations": {"warmup": WARMUP, "timed": ITERS, "statistic": "median"},

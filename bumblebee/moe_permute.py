@@ -47,6 +47,20 @@ def copy_order(flat_M: torch.Tensor, num_keys: int, copy_bounds=None):
     return order_M, inv_M, counts
 
 
+def chunk_counts(flat_M: torch.Tensor, num_keys: int, copy_bounds) -> torch.Tensor:
+    """Copies per (chunk, key) as `copy_order` counts them, without sorting: [C, num_keys] int64.
+    Integer scatter-adds are exact in any order; no host sync."""
+    M, dev = flat_M.numel(), flat_M.device
+    pos_M = torch.arange(M, device=dev)
+    chunk_M = torch.zeros(M, dtype=torch.int64, device=dev)
+    for b in list(copy_bounds)[1:-1]:
+        chunk_M += pos_M >= b
+    C = len(copy_bounds) - 1
+    counts = torch.zeros(C * num_keys, dtype=torch.int64, device=dev)
+    counts.scatter_add_(0, chunk_M * num_keys + flat_M.reshape(-1), torch.ones_like(chunk_M))
+    return counts.view(C, num_keys)
+
+
 def _exclusive_cumsum(t):
     return t.cumsum(-1) - t
 

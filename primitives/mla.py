@@ -15,9 +15,10 @@ Same parameters, names and math as the twin `bumblebee.baselines.mla.NaiveMLA`; 
 - `pad_v` (per module, default off): v zero-padded to the q/k head dim inside SDPA, the extra output
   columns dropped; same result, for a backend whose equal-head-dim kernel outruns its 192/128 one
   (measured in benchmarks/bench_mla.py, benchmarks/NOTES_mla.md).
-- `FUSED_ROPE` (default "off"; environment BUMBLEBEE_MLA_FUSED_ROPE=on): the Q/K assembly (split,
-  RoPE, concatenations, rope-key broadcast) as one Triton kernel each way (`kernels/mla_rope.py`),
-  on CUDA (or under TRITON_INTERPRET=1); q and k keep the projections' dtype.
+- `FUSED_ROPE` (default "on"; environment BUMBLEBEE_MLA_FUSED_ROPE=off for the torch path): the Q/K
+  assembly (split, RoPE, concatenations, rope-key broadcast) as one Triton kernel each way
+  (`kernels/mla_rope.py`), on CUDA (or under TRITON_INTERPRET=1) when cos/sin need no gradient;
+  q and k keep the projections' dtype.
 
 Shape legend: B batch, T tokens, D model width, H heads, R rope dim, N = B*T.
 """
@@ -42,18 +43,22 @@ _CUDA_ORDER = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
 
 
 def _fused_rope_from_env() -> str:
-    return os.environ.get("BUMBLEBEE_MLA_FUSED_ROPE", "off").strip().lower()
+    return os.environ.get("BUMBLEBEE_MLA_FUSED_ROPE", "on").strip().lower()
 
 
-# The Q/K assembly through `kernels/mla_rope.py` (one pass each way): "on" or "off". "off" by default
-# until measured on a GPU (bench_mla.py `core_primitive_fused`); BUMBLEBEE_MLA_FUSED_ROPE (read at import).
+# The Q/K assembly through `kernels/mla_rope.py` (one pass each way): "on" or "off". "on" by default
+# (measured on an H200: the core step 18% faster at 4K, 5% at 16K, NOTES_mla.md);
+# BUMBLEBEE_MLA_FUSED_ROPE=off (read at import) selects the torch path.
 FUSED_ROPE = _fused_rope_from_env()
 
 
-def _use_fused_rope(t: torch.Tensor) -> bool:
-    """True when FUSED_ROPE is "on" and Triton runs on t (CUDA, or TRITON_INTERPRET=1)."""
+def _use_fused_rope(t: torch.Tensor, cos=None, sin=None) -> bool:
+    """True when FUSED_ROPE is "on", Triton runs on t (CUDA, or TRITON_INTERPRET=1) and cos/sin need
+    no gradient (the kernels give them none; the torch path does)."""
     if FUSED_ROPE not in ("off", "on"):
         raise ValueError(f"FUSED_ROPE must be 'off' or 'on', got {FUSED_ROPE!r}")
+    if any(c is not None and c.requires_grad for c in (cos, sin)):
+        return False
     return FUSED_ROPE == "on" and _fused_rope.use_triton(t)
 
 
@@ -135,7 +140,7 @@ class FlashMLA(nn.Module):
         q_src = x_BTD if self.q_lora_rank is None else self.q_a_layernorm(self.q_a_proj(x_BTD))
         c_kv, k_rope = self.kv_a_proj_with_mqa(x_BTD).split([self.kv_lora_rank, self.rope_dim], dim=-1)
         c_kv = self.kv_a_layernorm(c_kv)
-        fused = _use_fused_rope(x_BTD)  # decided once: the lean backward's recompute takes the same path
+        fused = _use_fused_rope(x_BTD, cos, sin)  # decided once: the lean backward's recompute takes the same path
         if self.lean_backward and torch.is_grad_enabled():
             o = checkpoint(self._core, q_src, c_kv, k_rope, cos, sin, segments, fused,
                            use_reentrant=False, context_fn=_LEAN_CONTEXT)

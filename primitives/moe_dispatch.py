@@ -2,8 +2,10 @@
 
 Same function as `baselines/moe_dispatch.py:all_to_all_dispatch` (the no-chunk twin): experts
 sharded over `experts.ep_group`, dropless. The layer's N local tokens are split into C chunks
-(`chunks=C`, or a sequence of relative sizes for unequal chunks; default (1, 2): two chunks, the
-first one third of the tokens). One count exchange
+(`chunks=C`, or a sequence of relative sizes for unequal chunks; default "auto": two chunks of
+relative sizes (1, 2), the first one third of the tokens, where the ep group's largest token count
+is >= AUTO_MIN_TOKENS, else one chunk, decided alike on every rank from the count exchange). One
+count exchange
 for all chunks up front (the one host sync), then a pipeline, on CUDA with communication on its
 own stream ("comm", one per device) ordered against the compute stream by events:
 
@@ -59,13 +61,16 @@ from bumblebee.distributed import agree_once
 from bumblebee.kernels import moe_permute_fused as _fused
 from bumblebee.kernels.expert_gemm import (TokensPerExpert, WgradJob, expert_dgrad, expert_forward, expert_wgrad,
                                            use_grouped_mm)
-from bumblebee.moe_permute import (copy_order, expert_major_index, inverse_index, regroup_index, sum_copies,
+from bumblebee.moe_permute import (chunk_counts, copy_order, expert_major_index, inverse_index, regroup_index, sum_copies,
                                    unpermute, unpermute_grads)
 from bumblebee.registry import register
 
 _AGREED = weakref.WeakKeyDictionary()  # experts -> the config its first-call agreement check passed
 _COMM_STREAMS: dict = {}
-DEFAULT_CHUNKS = (1, 2)  # measured ahead of (1, 1) at 8K-64K tokens/rank, EP = 2 (NOTES_moe_dispatch.md)
+DEFAULT_CHUNKS = "auto"  # or an int / relative sizes, as `chunks=`
+# "auto": AUTO_CHUNKS where the ep group's largest token count is >= AUTO_MIN_TOKENS, else one chunk.
+# Measured at EP = 2 (NOTES_moe_dispatch.md): one chunk is faster up to 24K tokens/rank, (1, 2) from 32K.
+AUTO_CHUNKS, AUTO_MIN_TOKENS = (1, 2), 32768
 WGRAD = "auto"  # delayed wgrad of several chunks: "auto" (by bytes), "gather" (one GEMM) or "add" (per chunk)
 _HEAD = 5  # header words per message: local token count, bad-shape flag, bad-index flag, E, chunking
 
@@ -127,20 +132,24 @@ def chunk_bounds(n: int, spec: tuple) -> list:
 
 
 def _chunk_spec(chunks) -> tuple:
-    if chunks is None:  # two chunks, the first half the size of the second: its dispatch and
-        return DEFAULT_CHUNKS  # combine-backward stay exposed, so they are the short ones
+    """(relative chunk sizes the counts are exchanged in, auto: whether one chunk may replace them)."""
+    chunks = DEFAULT_CHUNKS if chunks is None else chunks
+    if isinstance(chunks, str):
+        if chunks != "auto":
+            raise ValueError(f"chunks must be 'auto', an int >= 1 or relative sizes, got {chunks!r}")
+        return AUTO_CHUNKS, True  # the first chunk the short one: its dispatch and combine-backward stay exposed
     if isinstance(chunks, int):
         if chunks < 1:
             raise ValueError(f"chunks must be >= 1, got {chunks}")
-        return (1,) * chunks
+        return (1,) * chunks, False
     spec = tuple(int(c) for c in chunks)
     if not spec or min(spec) < 1 or any(int(c) != c for c in chunks):
         raise ValueError(f"chunks must be an int >= 1 or a sequence of positive integer relative sizes, got {chunks}")
-    return spec
+    return spec, False
 
 
-def _spec_word(spec: tuple) -> int:
-    return hash(spec) & 0xFFFFFFFF
+def _spec_word(spec: tuple, auto: bool = False) -> int:
+    return hash(spec + ((0,) if auto else ())) & 0xFFFFFFFF  # (.., 0) is no explicit spec: sizes are >= 1
 
 
 class _Schedule:
@@ -187,21 +196,29 @@ class _Schedule:
         self.keep.clear()
 
 
-def _exchange_counts(x_ND, weights_NK, indices_NK, E, spec, group, EP, early=None):
+def _exchange_counts(x_ND, weights_NK, indices_NK, E, spec, group, EP, early=None, auto=False):
     """Sorted copy order, the host view of every chunk's splits (the one host sync), and the device
     indices of every active chunk, computed in one go: the regroup destinations, tokens per expert
     and their offsets. `early(order_M, copy_bounds)` is issued before the host sync (device work
-    that needs no host counts keeps the GPU busy while the host waits); its result is returned."""
+    that needs no host counts keeps the GPU busy while the host waits); its result is returned.
+    `auto`: below AUTO_MIN_TOKENS on every rank the chunks merge into one (counts summed, copies
+    re-sorted by expert), a decision every rank takes alike from the exchanged token counts."""
     N, K = indices_NK.shape
     L, C = E // EP, len(spec)
     shape_bad = x_ND.dim() != 2 or x_ND.shape[0] != N or weights_NK.shape != (N, K)
     flat_M = indices_NK.reshape(-1)
     bad_idx = ((flat_M < 0) | (flat_M >= E)).any()
     bounds = chunk_bounds(N, spec)
-    # chunks are contiguous in token order: sorting by chunk * E + expert keeps them apart
-    order_M, inv_M, counts_CE = copy_order(flat_M.clamp(0, E - 1), E, [b * K for b in bounds])
+    split = [b * K for b in bounds]
+    may_merge = auto and C > 1 and N < AUTO_MIN_TOKENS  # this rank's guess; merging needs every rank below
+    # chunks are contiguous in token order: sorting by chunk * E + expert keeps them apart; a rank that
+    # expects one chunk sorts by expert alone and counts the chunks' copies for the message
+    order_M, inv_M, counts_CE = copy_order(flat_M.clamp(0, E - 1), E, [0, N * K] if may_merge else split)
+    if may_merge:
+        counts_CE = chunk_counts(flat_M.clamp(0, E - 1), E, split)
     dev = order_M.device
-    head = torch.tensor([N, int(shape_bad), 0, E, _spec_word(spec)], dtype=torch.int64).to(dev, non_blocking=True)
+    word = _spec_word(spec, auto)
+    head = torch.tensor([N, int(shape_bad), 0, E, word], dtype=torch.int64).to(dev, non_blocking=True)
     msg = torch.cat([head.expand(EP, _HEAD), counts_CE.view(C, EP, L).transpose(0, 1).reshape(EP, C * L)], dim=1)
     msg[:, 2] = bad_idx
     if group is None:
@@ -209,38 +226,49 @@ def _exchange_counts(x_ND, weights_NK, indices_NK, E, spec, group, EP, early=Non
     else:
         recv = torch.empty_like(msg)
         dist.all_to_all_single(recv, msg, group=group)
-    head_start = early(order_M, [b * K for b in bounds]) if early is not None else None
+    head_start = early(order_M, [0, N * K] if may_merge else split) if early is not None else None
     host = torch.cat([msg.reshape(-1), recv.reshape(-1)]).tolist()  # the one host sync
     W = _HEAD + C * L
     sent = [host[r * W:(r + 1) * W] for r in range(EP)]
     got = [host[EP * W + s * W:EP * W + (s + 1) * W] for s in range(EP)]
     for s, row in enumerate(got):
-        if row[3] != E or row[4] != _spec_word(spec):  # changed after the first-call check, same message size
+        if row[3] != E or row[4] != word:  # changed after the first-call check, same message size
             raise ValueError(f"ranks of the ep group disagree on num_experts or chunks: rank {s} has "
-                             f"E={row[3]}, chunking {row[4]:#x}; this rank E={E}, chunking {_spec_word(spec):#x}")
+                             f"E={row[3]}, chunking {row[4]:#x}; this rank E={E}, chunking {word:#x}")
         if row[1] or row[2]:
             what = "inputs of mismatched shapes" if row[1] else f"expert indices outside [0, {E})"
             if s == (dist.get_rank(group) if group is not None else 0) and row[1]:
                 what += (f": x {tuple(x_ND.shape)}, weights {tuple(weights_NK.shape)}, "
                          f"indices {tuple(indices_NK.shape)}")
             raise ValueError(f"moe_dispatch: rank {s} of the ep group passed {what}")
+    recv_CSL = recv[:, _HEAD:].view(EP, C, L).transpose(0, 1)
+    exchanged = [[c] for c in range(C)]  # the exchanged chunks each chunk of the plan covers
+    if auto and C > 1 and max(row[0] for row in got) < AUTO_MIN_TOKENS:  # one chunk on every rank
+        recv_CSL = recv_CSL.sum(0, keepdim=True)
+        spec, C, bounds, exchanged = (1,), 1, [0, N], [list(range(C))]
+    elif may_merge:  # another rank holds more tokens: chunks after all, sorted chunk-major
+        order_M, inv_M, _ = copy_order(flat_M.clamp(0, E - 1), E, split)
+        head_start = None
+
+    def per_expert(row, cs):  # a message row's counts per local expert, summed over exchanged chunks cs
+        parts = [row[_HEAD + c * L:_HEAD + (c + 1) * L] for c in cs]
+        return parts[0] if len(parts) == 1 else list(map(sum, zip(*parts)))  # zip/map: host time is exposed
     # A chunk that is empty on every rank is dropped by every rank alike (clamps C to the tokens).
     active = [c for c in range(C) if any(b[c + 1] > b[c] for b in (chunk_bounds(row[0], spec) for row in got))]
     plan, rows = [], 0
     for c in active:
-        recv_SL = [row[_HEAD + c * L:_HEAD + (c + 1) * L] for row in got]
-        R = sum(sum(r) for r in recv_SL)
+        recv_SL = [per_expert(row, exchanged[c]) for row in got]
+        R = sum(map(sum, recv_SL))
         plan.append(dict(
             chunk=c,
             tokens=(bounds[c], bounds[c + 1]),
             copies=(bounds[c] * K, bounds[c + 1] * K),  # the chunk's range in sorted order and in token order
-            in_splits=[sum(row[_HEAD + c * L:_HEAD + (c + 1) * L]) for row in sent],
+            in_splits=[sum(per_expert(row, exchanged[c])) for row in sent],
             out_splits=[sum(r) for r in recv_SL],
-            tpe=[sum(r[e] for r in recv_SL) for e in range(L)],
+            tpe=list(map(sum, zip(*recv_SL))),
             rows=(rows, rows + R),  # the chunk's slice of dest_R
         ))
         rows += R
-    recv_CSL = recv[:, _HEAD:].view(EP, C, L).transpose(0, 1)
     if len(active) < C:
         recv_CSL = recv_CSL[active]
     dest_R = regroup_index(recv_CSL, rows)  # every chunk's (source, expert) -> (expert, source) rows
@@ -263,7 +291,7 @@ def _wgrad_by_gather(plan, D, I, L) -> bool:
 
 class _ChunkedEP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_ND, weights_NK, w1_L2ID, w2_LDI, indices_NK, E, spec, group, mode):
+    def forward(ctx, x_ND, weights_NK, w1_L2ID, w2_LDI, indices_NK, E, spec, group, mode, auto=False):
         ctx.permute = _permute_fns(x_ND)  # one function set for the forward and its backward
         EP = dist.get_world_size(group) if group is not None else 1
         K = indices_NK.shape[1]
@@ -271,14 +299,14 @@ class _ChunkedEP(torch.autograd.Function):
         def first_gather(order_M, copy_bounds):  # chunk 0's P, issued before the host sync
             return x_ND.index_select(0, order_M[copy_bounds[0]:copy_bounds[1]] // K)
         order_M, inv_M, plan, dest_R, src_R, counts_CL, offs_CL, x0 = _exchange_counts(
-            x_ND, weights_NK, indices_NK, E, spec, group, EP, early=first_gather)
+            x_ND, weights_NK, indices_NK, E, spec, group, EP, early=first_gather, auto=auto)
         token_M = order_M // K
         sched = _Schedule(x_ND.device, group)
         out_ND = torch.empty_like(x_ND)  # every token is in an active chunk: all rows get written
 
         def dispatch(p):  # P: gather the chunk's copies, then D: send them
             a, b = p["copies"]
-            x_MD = x0 if p["chunk"] == 0 else x_ND.index_select(0, token_M[a:b])
+            x_MD = x0 if p["chunk"] == 0 and x0 is not None else x_ND.index_select(0, token_M[a:b])
             return sched.all_to_all(x_MD, p["out_splits"], p["in_splits"])
 
         L, I2, D = w1_L2ID.shape
@@ -386,7 +414,7 @@ class _ChunkedEP(torch.autograd.Function):
             sum_copies_fn(dx_MD, inv_M[a:b] - a, K, out=gx_ND[t0:t1])
         sched.finish()
         gw_NK = gw_M.index_select(0, inv_M).view_as(weights_NK).to(weights_NK.dtype) if need_w else None
-        return gx_ND, gw_NK, dw1, dw2, None, None, None, None, None
+        return gx_ND, gw_NK, dw1, dw2, None, None, None, None, None, None
 
 
 @register("moe_dispatch", "chunked", kind="primitive", twin="all_to_all")
@@ -398,12 +426,12 @@ def chunked_dispatch(x_ND, weights_NK, indices_NK, experts, num_experts, *, chun
     group = getattr(experts, "ep_group", None)
     EP = dist.get_world_size(group) if group is not None else 1
     group = group if EP > 1 else None
-    spec = _chunk_spec(chunks)
+    spec, auto = _chunk_spec(chunks)
     K = indices_NK.shape[1] if indices_NK.dim() == 2 else -1
     agree_once(experts, group, x_ND.device, {
         "impl (all_to_all=1, chunked=2)": 2, "num_experts": num_experts, "ep size": EP, "top_k": K,
         "model width": x_ND.shape[-1] if x_ND.dim() == 2 else -1, "chunk count": len(spec),
-        "chunk sizes": _spec_word(spec)}, _AGREED)
+        "chunk sizes": _spec_word(spec, auto)}, _AGREED)
     if num_experts % EP:
         raise ValueError(f"num_experts={num_experts} is not divisible by the ep group size {EP}")
     if indices_NK.dim() != 2:
@@ -415,7 +443,7 @@ def chunked_dispatch(x_ND, weights_NK, indices_NK, experts, num_experts, *, chun
 
     def run(w1, w2):  # inside the experts' forward: FSDP2 has unsharded w1, w2 here
         w1, w2 = w1.to(x_ND.dtype), w2.to(x_ND.dtype)
-        return _ChunkedEP.apply(x_ND, weights_NK, w1, w2, indices_NK, num_experts, spec, group, mode)
+        return _ChunkedEP.apply(x_ND, weights_NK, w1, w2, indices_NK, num_experts, spec, group, mode, auto)
     if getattr(experts, "accepts_with_weights", False):  # GroupedExperts: run inside its forward (FSDP2 hooks)
         return experts(x_ND, with_weights=run)
     return run(experts.gate_up_proj, experts.down_proj)

@@ -115,7 +115,7 @@ def module_cases():
         return f
 
     fused._assemble, fused._grads = counted("forward", fused._assemble), counted("backward", fused._grads)
-    errs, counts = {}, {}
+    errs, counts, prev = {}, {}, mla_mod.FUSED_ROPE
     for lean in (True, False):
         for v, variant in enumerate(({}, {"rope_interleave": False, "q_lora_rank": None})):
             for packed in (False, True):
@@ -134,7 +134,7 @@ def module_cases():
                 got, _ = run(prim, x, cos, sin, cu, g)
                 errs[tag] = max(rel(a, b) for a, b in zip(got, want))
                 counts[tag] = {k: calls[k] - before[k] for k in calls}
-    mla_mod.FUSED_ROPE = "off"
+    mla_mod.FUSED_ROPE = prev
     return errs, counts
 
 
@@ -186,13 +186,16 @@ def test_switch(monkeypatch):
     assert not mla_mod._use_fused_rope(x)
     monkeypatch.setattr(mla_mod, "FUSED_ROPE", "on")  # CPU tensors: only under the interpreter
     assert mla_mod._use_fused_rope(x) == fused.INTERPRET
+    cs = torch.zeros(1, 2, 4)
+    assert mla_mod._use_fused_rope(x, cs, cs) == fused.INTERPRET
+    assert not mla_mod._use_fused_rope(x, cs.requires_grad_(), cs)  # the torch path gives cos its gradient
     monkeypatch.setattr(mla_mod, "FUSED_ROPE", "yes")
     with pytest.raises(ValueError, match="FUSED_ROPE"):
         mla_mod._use_fused_rope(x)
     monkeypatch.setenv("BUMBLEBEE_MLA_FUSED_ROPE", " On")
     assert mla_mod._fused_rope_from_env() == "on"
     monkeypatch.delenv("BUMBLEBEE_MLA_FUSED_ROPE")
-    assert mla_mod._fused_rope_from_env() == "off"
+    assert mla_mod._fused_rope_from_env() == "on"  # the default
 
 
 def test_bad_input():

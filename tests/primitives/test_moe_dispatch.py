@@ -252,6 +252,8 @@ def bad_inputs(group):
     attempt("chunked/chunk count", lambda: chunked(x, w, idx, fresh(), E, chunks=2 + r))
     attempt("chunked/chunk sizes", lambda: chunked(x, w, idx, fresh(), E, chunks=(1, 1 + r)))
     attempt("chunked/zero chunks", lambda: chunked(x, w, idx, fresh(), E, chunks=0))
+    attempt("chunked/auto vs sizes", lambda: chunked(x, w, idx, fresh(), E, chunks="auto" if r == 0 else (1, 2)))
+    attempt("chunked/bad word", lambda: chunked(x, w, idx, fresh(), E, chunks="two"))
     mixed = registry.resolve("moe_dispatch", "all_to_all" if r == 0 else "chunked")
     attempt("mixed/implementations", lambda: mixed(x, w, idx, fresh(), E))
     shard = fresh()
@@ -267,6 +269,28 @@ def bad_inputs(group):
 
 # ---- multi-rank harness -----------------------------------------------------------------------------
 
+def auto_chunking(group):
+    """chunks="auto" with the threshold below, between and above the ranks' token counts (23 + 4 r;
+    between: a rank that guessed one chunk re-sorts when another rank decides for two):
+    {threshold: (max error vs the twin, exchanges this rank issued in forward + backward)}."""
+    r = dist.get_rank(group) if group is not None else 0
+    W = dist.get_world_size(group) if group is not None else 1
+    out, calls, orig, threshold0 = {}, [0], chunked_mod._Schedule.all_to_all, chunked_mod.AUTO_MIN_TOKENS
+
+    def counted(self, *a, **k):
+        calls[0] += 1
+        return orig(self, *a, **k)
+    chunked_mod._Schedule.all_to_all = counted
+    try:
+        for threshold in (0, 25, 10 ** 6):
+            chunked_mod.AUTO_MIN_TOKENS, calls[0] = threshold, 0
+            errs = compare_case(group, "random", 23 + 4 * r, 4 * W, 2, ["auto"], seed=11)
+            out[threshold] = (errs["random/chunks=auto"], calls[0])
+    finally:
+        chunked_mod._Schedule.all_to_all, chunked_mod.AUTO_MIN_TOKENS = orig, threshold0
+    return out
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -279,7 +303,8 @@ def _worker(rank, world, port, out_dir, with_model):
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
     try:
         group = dist.group.WORLD
-        result = {"numerics": numerics(group), "bad": bad_inputs(group) if world > 1 else {}}
+        result = {"numerics": numerics(group), "bad": bad_inputs(group) if world > 1 else {},
+                  "auto": auto_chunking(group)}
         if with_model:
             result["model"] = model_level(group)
         torch.save(result, Path(out_dir) / f"moe-{world}-{rank}.pt")
@@ -313,6 +338,18 @@ def test_multi_rank_matches_twin_and_local(runs, world):
         assert not bad, (r, bad)
 
 
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_auto_chunking_follows_the_largest_rank(runs, world):
+    """Two chunks (8 exchanges) on every rank once any rank holds >= AUTO_MIN_TOKENS tokens, else one
+    (4 exchanges); equal to the twin either way."""
+    for r, res in enumerate(runs[world]):
+        auto = res["auto"]
+        largest = 23 + 4 * (world - 1)
+        for threshold, (err, exchanges) in auto.items():
+            assert err < TOL_TWIN, (r, threshold, err)
+            assert exchanges == (8 if largest >= threshold else 4), (r, threshold, exchanges)
+
+
 def test_sharded_block_and_recompute(runs):
     for r, res in enumerate(runs[2]):
         m = res["model"]
@@ -328,6 +365,7 @@ def test_bad_input_raises_on_every_rank(runs, world):
         "indivisible": "not divisible", "expert count": "disagree on num_experts", "index range": "outside",
         "shapes": "rank 1 of the ep group passed", "sharded": "needs all experts on this rank", "chunk count": "disagree on chunk count", "chunk sizes": "disagree on chunk sizes",
         "chunk sizes later": "disagree on num_experts or chunks", "implementations": "disagree on impl",
+        "auto vs sizes": "disagree on chunk sizes", "bad word": "chunks must be 'auto'",
     }
     for r, errs in enumerate(r["bad"] for r in runs[world]):
         for label, msg in errs.items():
@@ -383,6 +421,7 @@ def test_permutation_helpers_match_plain_torch():
     idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(N)])
     bounds = [0, 10, 10, 30, N]  # an empty chunk in the middle
     order, inv, counts = mp_.copy_order(idx.reshape(-1), E, [b * K for b in bounds])
+    assert torch.equal(mp_.chunk_counts(idx.reshape(-1), E, [b * K for b in bounds]), counts)
     chunk = torch.repeat_interleave(torch.arange(4), torch.tensor([10, 0, 20, 7]) * K)
     key = chunk * E + idx.reshape(-1)
     assert torch.equal(order, torch.argsort(key, stable=True))

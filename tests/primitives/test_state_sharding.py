@@ -124,6 +124,9 @@ def _apply_ep(variant, mesh, ep_mesh, seed=0):
     model = models.build(MODELS[name], impl={"moe_dispatch": dispatch}, seed=seed, device=mesh.device_type)
     moe.shard_experts(model, ep_mesh["ep"].get_group())
     model.set_recompute(dispatch == "chunked")  # as the composed step runs it: the collectives repeat
+    for block in model.modules():  # two chunks, as "auto" picks at long context (these batches are short)
+        if isinstance(block, moe.MoEBlock):
+            block.dispatch_chunks = (1, 2)
     fn = registry.resolve("state_sharding", impl)
     return fn(model, mesh, ep_mesh=ep_mesh, mixed_precision="fp32", grad_clip=CLIP, **HP)
 

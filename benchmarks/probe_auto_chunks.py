@@ -1,0 +1,38 @@
+"""Probe: the chunked primitive's default ("auto", one chunk below AUTO_MIN_TOKENS) against an explicit
+C = 1, timed alternately on the same inputs (so order and allocator state cannot favour either), at
+EP = 2 with bench_moe_dispatch.py's layer. Prints one JSON line per size on rank 0.
+
+    torchrun --nproc_per_node 2 benchmarks/probe_auto_chunks.py
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import statistics
+
+import torch
+import torch.distributed as dist
+from bench_moe_dispatch import inputs, layer_step, make_experts, timed
+
+
+def main():
+    dist.init_process_group("nccl", timeout=datetime.timedelta(minutes=5))
+    rank = dist.get_rank()
+    torch.cuda.set_device(rank)
+    group, device = dist.group.WORLD, torch.device("cuda", rank)
+    experts = make_experts(group, device)
+    for N in (4096, 16384, 24576):
+        x, w, idx = inputs(N, rank, device)
+        runs = {"c1": [], "auto": [], "twin": []}
+        for _ in range(4):
+            for name, chunks in (("c1", 1), ("auto", "auto"), ("twin", None)):
+                impl = "all_to_all" if name == "twin" else "chunked"
+                runs[name].append(timed(layer_step(impl, x, w, idx, experts, chunks=chunks), group))
+        if rank == 0:
+            print(json.dumps({"tokens_per_rank": N, **{k: [round(t, 3) for t in v] for k, v in runs.items()},
+                              **{f"{k}_median": round(statistics.median(v), 3) for k, v in runs.items()}}), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
