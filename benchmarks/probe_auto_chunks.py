@@ -1,6 +1,7 @@
-"""Probe: the chunked primitive's default ("auto", one chunk below AUTO_MIN_TOKENS) against an explicit
-C = 1, timed alternately on the same inputs (so order and allocator state cannot favour either), at
-EP = 2 with bench_moe_dispatch.py's layer. Prints one JSON line per size on rank 0.
+"""Probe: the chunked primitive's default ("auto": one chunk below AUTO_MIN_TOKENS, else AUTO_CHUNKS)
+against explicit C = 1 and (1, 2) and the twin, timed alternately on the same inputs (so order and
+allocator state cannot favour any), at EP = 2 with bench_moe_dispatch.py's layer, around the
+threshold. Prints one JSON line per size on rank 0.
 
     torchrun --nproc_per_node 2 benchmarks/probe_auto_chunks.py
 """
@@ -21,11 +22,12 @@ def main():
     torch.cuda.set_device(rank)
     group, device = dist.group.WORLD, torch.device("cuda", rank)
     experts = make_experts(group, device)
-    for N in (4096, 16384, 24576):
+    configs = (("c1", 1), ("1-2", (1, 2)), ("auto", "auto"), ("twin", None))
+    for N in (8192, 16384, 32768, 49152, 65536):
         x, w, idx = inputs(N, rank, device)
-        runs = {"c1": [], "auto": [], "twin": []}
+        runs = {name: [] for name, _ in configs}
         for _ in range(4):
-            for name, chunks in (("c1", 1), ("auto", "auto"), ("twin", None)):
+            for name, chunks in configs:
                 impl = "all_to_all" if name == "twin" else "chunked"
                 runs[name].append(timed(layer_step(impl, x, w, idx, experts, chunks=chunks), group))
         if rank == 0:

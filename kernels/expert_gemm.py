@@ -11,6 +11,9 @@ the weight gradients like any op; with a `WgradStore` its backward computes only
 wgrad, and `store.backward_dw()` runs every queued wgrad later and accumulates into `.grad`
 (Megatron/TE's `backward_dw()` pattern), so a schedule can overlap it with communication.
 
+`fused=True` runs the SwiGLU elementwise as one Triton pass each way (`kernels/swiglu.py`; the
+chunked expert-parallel primitive asks for it, the twins keep the torch ops).
+
 Rows arrive grouped by expert (`tpe`: tokens per expert). On CUDA in bf16 with widths that meet
 its 16-byte stride rule the GEMMs are `torch._grouped_mm` (forward and dgrad as 2D x 3D, wgrad as
 2D x 2D with offsets on the reduced dimension, one launch each); elsewhere a loop over experts.
@@ -23,6 +26,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from bumblebee.kernels import swiglu as _swiglu
 
 
 @dataclass
@@ -77,12 +82,16 @@ def _gmm_wgrad(a, b, tpe, grouped, num_experts):
     return out
 
 
-def expert_forward(x_MD, tpe: TokensPerExpert, w1_E2ID, w2_EDI, mode="auto"):
+def expert_forward(x_MD, tpe: TokensPerExpert, w1_E2ID, w2_EDI, mode="auto", fused=False):
     """y [M, D] and what the backward needs: (x, h = x @ w1.T [M, 2I], tpe, grouped)."""
     grouped = use_grouped_mm(x_MD, w1_E2ID, w2_EDI, mode)
     h_M2I = _gmm(x_MD, w1_E2ID.transpose(-2, -1), tpe, grouped)
-    gate, up = h_M2I.chunk(2, dim=-1)
-    y_MD = _gmm(F.silu(gate) * up, w2_EDI.transpose(-2, -1), tpe, grouped)
+    if fused:
+        a_MI = _swiglu.swiglu(h_M2I)
+    else:
+        gate, up = h_M2I.chunk(2, dim=-1)
+        a_MI = F.silu(gate) * up
+    y_MD = _gmm(a_MI, w2_EDI.transpose(-2, -1), tpe, grouped)
     return y_MD, (x_MD, h_M2I, tpe, grouped)
 
 
@@ -97,18 +106,21 @@ class WgradJob:
     num_experts: int
 
 
-def expert_dgrad(g_MD, saved, w1_E2ID, w2_EDI, *, dh_out=None, a_out=None):
+def expert_dgrad(g_MD, saved, w1_E2ID, w2_EDI, *, dh_out=None, a_out=None, fused=False):
     """dx [M, D] now, and the job that computes the weight gradients later. dh_out [M, 2I] / a_out
     [M, I]: where to write the wgrad inputs dh and a (e.g. slices of a buffer shared by chunks)."""
     x_MD, h_M2I, tpe, grouped = saved
-    gate, up = h_M2I.chunk(2, dim=-1)
-    I = gate.shape[-1]
-    silu = F.silu(gate)
-    a_MI = torch.mul(silu, up, out=a_out) if a_out is not None else silu * up  # recomputed: the wgrad of w2 needs it
     da_MI = _gmm(g_MD, w2_EDI, tpe, grouped)
-    dh_M2I = torch.empty_like(h_M2I) if dh_out is None else dh_out  # [dgate | dup], each written in place: no cat
-    torch.mul(da_MI, silu, out=dh_M2I[:, I:])
-    torch.ops.aten.silu_backward.grad_input(da_MI * up, gate, grad_input=dh_M2I[:, :I])  # one fused kernel
+    if fused:  # a (recomputed: the wgrad of w2 needs it) and dh = [dgate | dup] in one pass
+        a_MI, dh_M2I = _swiglu.swiglu_grads(h_M2I, da_MI, dh_out=dh_out, a_out=a_out)
+    else:
+        gate, up = h_M2I.chunk(2, dim=-1)
+        I = gate.shape[-1]
+        silu = F.silu(gate)
+        a_MI = torch.mul(silu, up, out=a_out) if a_out is not None else silu * up
+        dh_M2I = torch.empty_like(h_M2I) if dh_out is None else dh_out  # [dgate | dup], each written in place
+        torch.mul(da_MI, silu, out=dh_M2I[:, I:])
+        torch.ops.aten.silu_backward.grad_input(da_MI * up, gate, grad_input=dh_M2I[:, :I])  # one fused kernel
     dx_MD = _gmm(dh_M2I, w1_E2ID, tpe, grouped)
     return dx_MD, WgradJob(x_MD, dh_M2I, a_MI, g_MD, tpe, grouped, w1_E2ID.shape[0])
 

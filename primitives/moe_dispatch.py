@@ -26,7 +26,8 @@ ranges and the copies sort by chunk * E + expert, so chunk c's copies are one ra
 order and U/S write disjoint rows of the output. On the CPU (gloo) there are no streams: the same
 chunk schedule runs in issue order, sequentially. `FUSED_PERMUTE = "on"` (or the environment
 variable BUMBLEBEE_FUSED_PERMUTE=off for the torch path) runs U, G and S as fused Triton kernels on
-CUDA (`kernels/moe_permute_fused.py`: gather, weight and sum in one pass). Chunk 0's gather P0 is
+CUDA (`kernels/moe_permute_fused.py`: gather, weight and sum in one pass); `FUSED_SWIGLU = "on"`
+(BUMBLEBEE_FUSED_SWIGLU=off) the experts' SwiGLU elementwise (`kernels/swiglu.py`). Chunk 0's gather P0 is
 issued before the count exchange's host sync, so the GPU works while the host waits. `SM_CARVEOUT`
 (environment BUMBLEBEE_EP_SM_CARVEOUT) leaves that many SMs to NCCL during the overlapped GEMMs.
 
@@ -59,6 +60,7 @@ import torch.distributed as dist
 
 from bumblebee.distributed import agree_once
 from bumblebee.kernels import moe_permute_fused as _fused
+from bumblebee.kernels import swiglu as _swiglu
 from bumblebee.kernels.expert_gemm import (TokensPerExpert, WgradJob, expert_dgrad, expert_forward, expert_wgrad,
                                            use_grouped_mm)
 from bumblebee.moe_permute import (chunk_counts, copy_order, expert_major_index, inverse_index, regroup_index, sum_copies,
@@ -69,20 +71,28 @@ _AGREED = weakref.WeakKeyDictionary()  # experts -> the config its first-call ag
 _COMM_STREAMS: dict = {}
 DEFAULT_CHUNKS = "auto"  # or an int / relative sizes, as `chunks=`
 # "auto": AUTO_CHUNKS where the ep group's largest token count is >= AUTO_MIN_TOKENS, else one chunk.
-# Measured at EP = 2 (NOTES_moe_dispatch.md): one chunk is faster up to 24K tokens/rank, (1, 2) from 32K.
-AUTO_CHUNKS, AUTO_MIN_TOKENS = (1, 2), 32768
+# Measured at EP = 2 with the fused kernels (NOTES_moe_dispatch.md): one chunk is faster up to 48K
+# tokens/rank, (1, 2) at 64K.
+AUTO_CHUNKS, AUTO_MIN_TOKENS = (1, 2), 65536
 WGRAD = "auto"  # delayed wgrad of several chunks: "auto" (by bytes), "gather" (one GEMM) or "add" (per chunk)
 _HEAD = 5  # header words per message: local token count, bad-shape flag, bad-index flag, E, chunking
 
 
+def _switch_from_env(var: str, default: str = "on") -> str:
+    return os.environ.get(var, default).strip().lower()
+
+
 def _fused_permute_from_env() -> str:
-    return os.environ.get("BUMBLEBEE_FUSED_PERMUTE", "on").strip().lower()
+    return _switch_from_env("BUMBLEBEE_FUSED_PERMUTE")
 
 
 # U, G and S through the fused Triton kernels of `kernels/moe_permute_fused.py`: "on" or "off".
 # "on" by default (measured: 3.3 ms less per layer at 16K tokens/rank, NOTES_moe_dispatch.md);
 # the environment variable BUMBLEBEE_FUSED_PERMUTE=off (read at import) selects the torch path.
 FUSED_PERMUTE = _fused_permute_from_env()
+# The experts' SwiGLU elementwise as one Triton pass each way (`kernels/swiglu.py`): "on" or "off";
+# BUMBLEBEE_FUSED_SWIGLU=off (read at import) selects the torch ops the twins run.
+FUSED_SWIGLU = _switch_from_env("BUMBLEBEE_FUSED_SWIGLU")
 
 
 def _carveout_from_env() -> int:
@@ -110,6 +120,13 @@ def _sm_carveout(active: bool, device):
         yield
     finally:
         torch._C._set_sm_carveout_experimental(prev)
+
+
+def _fused_swiglu(t: torch.Tensor) -> bool:
+    """True when FUSED_SWIGLU is "on" and Triton runs on t (CUDA, or TRITON_INTERPRET=1)."""
+    if FUSED_SWIGLU not in ("off", "on"):
+        raise ValueError(f"FUSED_SWIGLU must be 'off' or 'on', got {FUSED_SWIGLU!r}")
+    return FUSED_SWIGLU == "on" and _swiglu.use_triton(t)
 
 
 def _permute_fns(t: torch.Tensor):
@@ -293,6 +310,7 @@ class _ChunkedEP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_ND, weights_NK, w1_L2ID, w2_LDI, indices_NK, E, spec, group, mode, auto=False):
         ctx.permute = _permute_fns(x_ND)  # one function set for the forward and its backward
+        ctx.swiglu = swiglu = _fused_swiglu(x_ND)
         EP = dist.get_world_size(group) if group is not None else 1
         K = indices_NK.shape[1]
 
@@ -327,7 +345,7 @@ class _ChunkedEP(torch.autograd.Function):
             tpe = TokensPerExpert(counts_CL[c], p["tpe"], offs_CL[c])
             x_e = torch.index_select(x_RD, 0, src, out=x_cm[r0:r1]) if gather else x_RD.index_select(0, src)
             with _sm_carveout(overlap, x_ND.device):
-                y_e, (x_e, h_e, _, _) = expert_forward(x_e, tpe, w1_L2ID, w2_LDI, mode)
+                y_e, (x_e, h_e, _, _) = expert_forward(x_e, tpe, w1_L2ID, w2_LDI, mode, fused=swiglu)
             comb.append(sched.all_to_all(y_e.index_select(0, dest), p["in_splits"], p["out_splits"]))
             if not gather:
                 xs.append(x_e)
@@ -388,9 +406,10 @@ class _ChunkedEP(torch.autograd.Function):
                 if gather:
                     g_e = torch.index_select(g_RD, 0, src, out=g_cm[r0:r1])
                     dx_e, _ = expert_dgrad(g_e, (None, hs[c], tpe, ctx.grouped), w1, w2, dh_out=dh_cm[r0:r1],
-                                           a_out=a_cm[r0:r1])
+                                           a_out=a_cm[r0:r1], fused=ctx.swiglu)
                 else:
-                    dx_e, job = expert_dgrad(g_RD.index_select(0, src), (xs[c], hs[c], tpe, ctx.grouped), w1, w2)
+                    dx_e, job = expert_dgrad(g_RD.index_select(0, src), (xs[c], hs[c], tpe, ctx.grouped), w1, w2,
+                                             fused=ctx.swiglu)
                     jobs.append(job)
             db.append(sched.all_to_all(dx_e.index_select(0, dest), p["in_splits"], p["out_splits"]))
         # W: the wgrad of every chunk after the last dgrad, while the tail dispatch-backward runs

@@ -7,7 +7,7 @@ subprocess, `--interpret`): odd N, K in {1, 2, 8}, D not a multiple of the block
 blocks per row), `out=` row slices of a poisoned buffer, need_w False, empty inputs. The same
 subprocess spawns 2 gloo ranks (the interpreter covers CPU tensors, so the primitive picks the fused
 kernels there) and runs the chunked primitive with C = 2 and unequal chunks against the all_to_all
-twin, counting the fused calls. Tolerances: the fused error vs float64 at most 2x the torch path's
+twin, counting the fused calls (the experts' fused SwiGLU of kernels/swiglu.py included). Tolerances: the fused error vs float64 at most 2x the torch path's
 own error plus a small floor. bf16 runs on the GPU only (the interpreter computes bf16 wrongly).
 """
 from __future__ import annotations
@@ -129,7 +129,8 @@ def _ep_worker(rank, world, port, out_dir):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
-    calls = {"unpermute": 0, "unpermute_grads": 0, "sum_copies": 0}
+    from bumblebee.kernels import swiglu
+    calls = {"unpermute": 0, "unpermute_grads": 0, "sum_copies": 0, "swiglu": 0, "swiglu_grads": 0}
 
     def counted(name, fn):
         def f(*a, **k):
@@ -138,8 +139,9 @@ def _ep_worker(rank, world, port, out_dir):
         return f
 
     for name in calls:
-        setattr(fused, name, counted(name, getattr(fused, name)))
-    chunked_mod.FUSED_PERMUTE = "on"
+        mod = swiglu if name.startswith("swiglu") else fused
+        setattr(mod, name, counted(name, getattr(mod, name)))
+    chunked_mod.FUSED_PERMUTE = chunked_mod.FUSED_SWIGLU = "on"
     try:
         g = dist.group.WORLD
         res = {}
@@ -183,7 +185,8 @@ def test_kernels_under_triton_interpreter(interpreted):
 
 
 def test_chunked_ep2_fused_matches_twin_under_interpreter(interpreted):
-    """gloo EP = 2, C = 2 and chunks (1, 3), with the fused kernels (run by the interpreter)."""
+    """gloo EP = 2, C = 2 and chunks (1, 3), with the fused kernels (run by the interpreter), the
+    fused SwiGLU of the experts included."""
     for r, (errs, calls) in enumerate(zip(interpreted["ep"], interpreted["ep_calls"])):
         bad = {k: v for k, v in errs.items() if v > (1e-5 if "local" in k else 1e-6)}
         assert not bad, (r, bad)

@@ -1,0 +1,186 @@
+"""kernels/swiglu.py (the experts' fused SwiGLU elementwise) against float64 references and against
+the torch ops of kernels/expert_gemm.py (fused=False, what the twins run).
+
+The Triton kernels run under TRITON_INTERPRET=1 in fp32 and fp16 (this file as a script in a
+subprocess, `--interpret`): odd row counts, widths that are not a multiple of the block (and several
+column blocks per row), outputs into row slices of poisoned buffers, empty inputs; then the expert
+GEMMs' forward and dgrad with fused=True against fused=False. The chunked primitive with the switch on
+runs under the interpreter in tests/primitives/test_moe_permute_fused.py. bf16 runs on the GPU only.
+Tolerance: the fused error vs float64 at most 2x the torch path's own error plus a small floor.
+"""
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from bumblebee.kernels import expert_gemm
+from bumblebee.kernels import swiglu as fused
+from bumblebee.primitives import moe_dispatch as chunked_mod
+from tests.interpreter import run_under_interpreter
+
+FLOOR = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}
+CASES = [(1, 3), (37, 8), (5, 100), (129, 17), (3, 1500)]  # (M, I)
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / (b.double().norm() + 1e-30)).item()
+
+
+def inputs(M, I, dtype, seed, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    h = (torch.randn(M, 2 * I, generator=g) * 2).to(device, dtype)
+    da = torch.randn(M, I, generator=g).to(device, dtype)
+    return h, da
+
+
+def reference(h, da):
+    gate, up = h.double().chunk(2, dim=-1)
+    d = da.double()
+    sig = torch.sigmoid(gate)
+    a = gate * sig * up
+    return a, torch.cat([d * up * sig * (1 + gate * (1 - sig)), d * gate * sig], dim=-1)
+
+
+def torch_path(h, da):
+    """The twins' ops (kernels/expert_gemm.py with fused=False)."""
+    gate, up = h.chunk(2, dim=-1)
+    silu = F.silu(gate)
+    a = silu * up
+    dh = torch.empty_like(h)
+    I = gate.shape[-1]
+    torch.mul(da, silu, out=dh[:, I:])
+    torch.ops.aten.silu_backward.grad_input(da * up, gate, grad_input=dh[:, :I])
+    return a, dh
+
+
+def check(name, got, torch_got, want, dtype, fails):
+    e, e_t = rel(got, want), rel(torch_got, want)
+    if not (e <= 2 * e_t + FLOOR[dtype]) or not torch.isfinite(got).all():
+        fails.append(f"{name}: fused {e:.3g} vs torch {e_t:.3g}")
+    return e
+
+
+def kernel_cases(fails, dtypes=(torch.float32, torch.float16), device="cpu"):
+    errs = {}
+    for dtype in dtypes:
+        for i, (M, I) in enumerate(CASES):
+            tag = f"{str(dtype)[6:]}/M{M}I{I}"
+            h, da = inputs(M, I, dtype, seed=i, device=device)
+            a_r, dh_r = reference(h, da)
+            a_t, dh_t = torch_path(h, da)
+            errs[f"{tag}/a"] = check(f"{tag} a", fused.swiglu(h), a_t, a_r, dtype, fails)
+            # into row slices of poisoned buffers, as the chunked primitive's shared wgrad buffers
+            big_a = torch.full((M + 4, I), float("nan"), dtype=dtype, device=device)
+            big_dh = torch.full((M + 4, 2 * I), float("nan"), dtype=dtype, device=device)
+            a, dh = fused.swiglu_grads(h, da, dh_out=big_dh[1:1 + M], a_out=big_a[3:3 + M])
+            if a.data_ptr() != big_a[3:3 + M].data_ptr() or dh.data_ptr() != big_dh[1:1 + M].data_ptr():
+                fails.append(f"{tag}: outputs not written into the given slices")
+            if not (big_a[:3].isnan().all() and big_a[3 + M:].isnan().all() and big_dh[0].isnan().all()
+                    and big_dh[1 + M:].isnan().all()):
+                fails.append(f"{tag}: wrote outside the given slices")
+            errs[f"{tag}/a_bwd"] = check(f"{tag} a (backward)", a, a_t, a_r, dtype, fails)
+            errs[f"{tag}/dh"] = check(f"{tag} dh", dh, dh_t, dh_r, dtype, fails)
+            out = torch.full((M, I), float("nan"), dtype=dtype, device=device)
+            if fused.swiglu(h, out=out).data_ptr() != out.data_ptr() or out.isnan().any():
+                fails.append(f"{tag}: swiglu out= not filled")
+    for M, I in ((0, 8), (4, 0)):  # no rows, no width
+        h, da = inputs(M, I, torch.float32, seed=0, device=device)
+        a, dh = fused.swiglu_grads(h, da)
+        if fused.swiglu(h).shape != (M, I) or a.shape != (M, I) or dh.shape != (M, 2 * I):
+            fails.append(f"empty M={M} I={I}: shapes")
+    return errs
+
+
+def expert_cases(fails):
+    """expert_forward / expert_dgrad / expert_wgrad with fused=True against fused=False (fp32)."""
+    g = torch.Generator().manual_seed(5)
+    L, M, D, I = 3, 19, 12, 8
+    x, gy = torch.randn(M, D, generator=g), torch.randn(M, D, generator=g)
+    w1, w2 = torch.randn(L, 2 * I, D, generator=g) * 0.3, torch.randn(L, D, I, generator=g) * 0.3
+    tpe = expert_gemm.TokensPerExpert(torch.tensor([7, 0, 12]), [7, 0, 12])
+    outs = {}
+    for f in (False, True):
+        y, saved = expert_gemm.expert_forward(x, tpe, w1, w2, "never", fused=f)
+        dx, job = expert_gemm.expert_dgrad(gy, saved, w1, w2, fused=f)
+        outs[f] = [y, dx, *expert_gemm.expert_wgrad(job)]
+    errs = [rel(a, b) for a, b in zip(outs[True], outs[False])]
+    if max(errs) > 1e-6:
+        fails.append(f"expert GEMMs fused vs torch: {errs}")
+    return errs
+
+
+def _interpret_main():
+    assert fused.INTERPRET and fused.triton is not None
+    fails = []
+    fused.BLOCK_ELEMS = 64  # several row and column blocks at these small sizes
+    errs = kernel_cases(fails)
+    fused.BLOCK_ELEMS = 4096
+    kernel_cases(fails, dtypes=(torch.float32,))
+    expert_cases(fails)
+    print(json.dumps({"ok": True, "failures": fails, "errs": errs}))
+
+
+@pytest.fixture(scope="module")
+def interpreted():
+    pytest.importorskip("triton")
+    return run_under_interpreter(__file__)
+
+
+def test_kernels_under_triton_interpreter(interpreted):
+    assert not interpreted["failures"], interpreted["failures"]
+
+
+def test_torch_fallback_and_expert_gemms():
+    """CPU tensors without the interpreter: the wrappers run `*_torch` (the same math)."""
+    if fused.INTERPRET:
+        pytest.skip("this process runs the interpreter")
+    fails = []
+    kernel_cases(fails, dtypes=(torch.float32, torch.bfloat16))
+    expert_cases(fails)
+    assert not fails, fails
+
+
+def test_bad_input():
+    h = torch.randn(4, 6)
+    with pytest.raises(ValueError, match="h must be"):
+        fused.swiglu(torch.randn(4, 5))
+    with pytest.raises(ValueError, match="da must be"):
+        fused.swiglu_grads(h, torch.randn(4, 2))
+    with pytest.raises(ValueError, match="a_out must be"):
+        fused.swiglu_grads(h, torch.randn(4, 3), a_out=torch.empty(4, 3, dtype=torch.float64))
+
+
+def test_switch(monkeypatch):
+    x = torch.zeros(1)
+    monkeypatch.setattr(chunked_mod, "FUSED_SWIGLU", "off")
+    assert not chunked_mod._fused_swiglu(x)
+    monkeypatch.setattr(chunked_mod, "FUSED_SWIGLU", "on")  # CPU tensors: only under the interpreter
+    assert chunked_mod._fused_swiglu(x) == fused.INTERPRET
+    assert not chunked_mod._fused_swiglu(x.double())  # fp64 takes the torch path
+    monkeypatch.setattr(chunked_mod, "FUSED_SWIGLU", "1")
+    with pytest.raises(ValueError, match="FUSED_SWIGLU"):
+        chunked_mod._fused_swiglu(x)
+    monkeypatch.setenv("BUMBLEBEE_FUSED_SWIGLU", " OFF")
+    assert chunked_mod._switch_from_env("BUMBLEBEE_FUSED_SWIGLU") == "off"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_cuda_kernels(dtype):
+    fails = []
+    kernel_cases(fails, dtypes=(dtype,), device="cuda")
+    h, da = inputs(131072 // 8, 512, dtype, seed=9, device="cuda")  # a layer-like width
+    a_r, dh_r = reference(h, da)
+    a_t, dh_t = torch_path(h, da)
+    a, dh = fused.swiglu_grads(h, da)
+    check("layer a", a, a_t, a_r, dtype, fails)
+    check("layer dh", dh, dh_t, dh_r, dtype, fails)
+    assert not fails, fails
+
+
+if __name__ == "__main__" and "--interpret" in sys.argv:
+    _interpret_main()
