@@ -11,8 +11,8 @@ the weight gradients like any op; with a `WgradStore` its backward computes only
 wgrad, and `store.backward_dw()` runs every queued wgrad later and accumulates into `.grad`
 (Megatron/TE's `backward_dw()` pattern), so a schedule can overlap it with communication.
 
-`fused=True` runs the SwiGLU elementwise as one Triton pass each way (`kernels/swiglu.py`; the
-chunked expert-parallel primitive asks for it, the twins keep the torch ops).
+`swiglu=` / `swiglu_grads=` replace the SwiGLU elementwise torch ops with fused functions (the
+chunked expert-parallel primitive passes `kernels/swiglu.py`'s; the twins keep the torch ops).
 
 Rows arrive grouped by expert (`tpe`: tokens per expert). On CUDA in bf16 with widths that meet
 its 16-byte stride rule the GEMMs are `torch._grouped_mm` (forward and dgrad as 2D x 3D, wgrad as
@@ -26,8 +26,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-
-from bumblebee.kernels import swiglu as _swiglu
 
 
 @dataclass
@@ -82,12 +80,13 @@ def _gmm_wgrad(a, b, tpe, grouped, num_experts):
     return out
 
 
-def expert_forward(x_MD, tpe: TokensPerExpert, w1_E2ID, w2_EDI, mode="auto", fused=False):
-    """y [M, D] and what the backward needs: (x, h = x @ w1.T [M, 2I], tpe, grouped)."""
+def expert_forward(x_MD, tpe: TokensPerExpert, w1_E2ID, w2_EDI, mode="auto", swiglu=None):
+    """y [M, D] and what the backward needs: (x, h = x @ w1.T [M, 2I], tpe, grouped).
+    `swiglu(h) -> a`: a fused replacement for silu(gate) * up."""
     grouped = use_grouped_mm(x_MD, w1_E2ID, w2_EDI, mode)
     h_M2I = _gmm(x_MD, w1_E2ID.transpose(-2, -1), tpe, grouped)
-    if fused:
-        a_MI = _swiglu.swiglu(h_M2I)
+    if swiglu is not None:
+        a_MI = swiglu(h_M2I)
     else:
         gate, up = h_M2I.chunk(2, dim=-1)
         a_MI = F.silu(gate) * up
@@ -106,13 +105,14 @@ class WgradJob:
     num_experts: int
 
 
-def expert_dgrad(g_MD, saved, w1_E2ID, w2_EDI, *, dh_out=None, a_out=None, fused=False):
+def expert_dgrad(g_MD, saved, w1_E2ID, w2_EDI, *, dh_out=None, a_out=None, swiglu_grads=None):
     """dx [M, D] now, and the job that computes the weight gradients later. dh_out [M, 2I] / a_out
-    [M, I]: where to write the wgrad inputs dh and a (e.g. slices of a buffer shared by chunks)."""
+    [M, I]: where to write the wgrad inputs dh and a (e.g. slices of a buffer shared by chunks).
+    `swiglu_grads(h, da, dh_out=, a_out=) -> (a, dh)`: a fused replacement for the torch ops."""
     x_MD, h_M2I, tpe, grouped = saved
     da_MI = _gmm(g_MD, w2_EDI, tpe, grouped)
-    if fused:  # a (recomputed: the wgrad of w2 needs it) and dh = [dgate | dup] in one pass
-        a_MI, dh_M2I = _swiglu.swiglu_grads(h_M2I, da_MI, dh_out=dh_out, a_out=a_out)
+    if swiglu_grads is not None:  # a (recomputed: the wgrad of w2 needs it) and dh = [dgate | dup]
+        a_MI, dh_M2I = swiglu_grads(h_M2I, da_MI, dh_out=dh_out, a_out=a_out)
     else:
         gate, up = h_M2I.chunk(2, dim=-1)
         I = gate.shape[-1]

@@ -8,7 +8,7 @@ dh = [dgate | dup] from da = g @ w2:
   swiglu_grads(h, da, dh_out, a_out)  a, dup = da * silu(gate),
                                       dgate = da * up * sig(gate) * (1 + gate (1 - sig(gate)))
 
-The torch path (`expert_gemm` with fused=False, what the twins run) spends two kernels forward and
+The torch path (`expert_gemm` without `swiglu=`, what the twins run) spends two kernels forward and
 five backward, each a full pass over [M, I] (the gate/up halves are strided views, so PyTorch takes
 its slow non-vectorized elementwise path for them): forward reads 2 M I twice-over and writes an
 [M, I] intermediate; backward writes three [M, I] intermediates. Fused, in elements of [M, I]:

@@ -310,7 +310,7 @@ class _ChunkedEP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_ND, weights_NK, w1_L2ID, w2_LDI, indices_NK, E, spec, group, mode, auto=False):
         ctx.permute = _permute_fns(x_ND)  # one function set for the forward and its backward
-        ctx.swiglu = swiglu = _fused_swiglu(x_ND)
+        ctx.swiglu = swiglu = _fused_swiglu(x_ND)  # the experts' SwiGLU through kernels/swiglu.py
         EP = dist.get_world_size(group) if group is not None else 1
         K = indices_NK.shape[1]
 
@@ -345,7 +345,8 @@ class _ChunkedEP(torch.autograd.Function):
             tpe = TokensPerExpert(counts_CL[c], p["tpe"], offs_CL[c])
             x_e = torch.index_select(x_RD, 0, src, out=x_cm[r0:r1]) if gather else x_RD.index_select(0, src)
             with _sm_carveout(overlap, x_ND.device):
-                y_e, (x_e, h_e, _, _) = expert_forward(x_e, tpe, w1_L2ID, w2_LDI, mode, fused=swiglu)
+                y_e, (x_e, h_e, _, _) = expert_forward(x_e, tpe, w1_L2ID, w2_LDI, mode,
+                                                       swiglu=_swiglu.swiglu if swiglu else None)
             comb.append(sched.all_to_all(y_e.index_select(0, dest), p["in_splits"], p["out_splits"]))
             if not gather:
                 xs.append(x_e)
@@ -388,6 +389,7 @@ class _ChunkedEP(torch.autograd.Function):
         L = w1.shape[0]
         gather = ctx.gather
         overlap = sched.cuda and n > 1
+        act_grads = _swiglu.swiglu_grads if ctx.swiglu else None
         if gather:  # the other wgrad inputs of every chunk, written chunk-major as they appear
             R = x_cm.shape[0]
             I = w2.shape[-1]
@@ -406,10 +408,10 @@ class _ChunkedEP(torch.autograd.Function):
                 if gather:
                     g_e = torch.index_select(g_RD, 0, src, out=g_cm[r0:r1])
                     dx_e, _ = expert_dgrad(g_e, (None, hs[c], tpe, ctx.grouped), w1, w2, dh_out=dh_cm[r0:r1],
-                                           a_out=a_cm[r0:r1], fused=ctx.swiglu)
+                                           a_out=a_cm[r0:r1], swiglu_grads=act_grads)
                 else:
                     dx_e, job = expert_dgrad(g_RD.index_select(0, src), (xs[c], hs[c], tpe, ctx.grouped), w1, w2,
-                                             fused=ctx.swiglu)
+                                             swiglu_grads=act_grads)
                     jobs.append(job)
             db.append(sched.all_to_all(dx_e.index_select(0, dest), p["in_splits"], p["out_splits"]))
         # W: the wgrad of every chunk after the last dgrad, while the tail dispatch-backward runs

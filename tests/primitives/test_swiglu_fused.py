@@ -1,10 +1,10 @@
 """kernels/swiglu.py (the experts' fused SwiGLU elementwise) against float64 references and against
-the torch ops of kernels/expert_gemm.py (fused=False, what the twins run).
+the torch ops of kernels/expert_gemm.py (without `swiglu=`, what the twins run).
 
 The Triton kernels run under TRITON_INTERPRET=1 in fp32 and fp16 (this file as a script in a
 subprocess, `--interpret`): odd row counts, widths that are not a multiple of the block (and several
 column blocks per row), outputs into row slices of poisoned buffers, empty inputs; then the expert
-GEMMs' forward and dgrad with fused=True against fused=False. The chunked primitive with the switch on
+GEMMs' forward and dgrad with the fused functions passed in against the torch ops. The chunked primitive with the switch on
 runs under the interpreter in tests/primitives/test_moe_permute_fused.py. bf16 runs on the GPU only.
 Tolerance: the fused error vs float64 at most 2x the torch path's own error plus a small floor.
 """
@@ -46,7 +46,7 @@ def reference(h, da):
 
 
 def torch_path(h, da):
-    """The twins' ops (kernels/expert_gemm.py with fused=False)."""
+    """The twins' ops (kernels/expert_gemm.py without `swiglu=`)."""
     gate, up = h.chunk(2, dim=-1)
     silu = F.silu(gate)
     a = silu * up
@@ -96,7 +96,7 @@ def kernel_cases(fails, dtypes=(torch.float32, torch.float16), device="cpu"):
 
 
 def expert_cases(fails):
-    """expert_forward / expert_dgrad / expert_wgrad with fused=True against fused=False (fp32)."""
+    """expert_forward / expert_dgrad / expert_wgrad with the fused functions against the torch ops (fp32)."""
     g = torch.Generator().manual_seed(5)
     L, M, D, I = 3, 19, 12, 8
     x, gy = torch.randn(M, D, generator=g), torch.randn(M, D, generator=g)
@@ -104,8 +104,8 @@ def expert_cases(fails):
     tpe = expert_gemm.TokensPerExpert(torch.tensor([7, 0, 12]), [7, 0, 12])
     outs = {}
     for f in (False, True):
-        y, saved = expert_gemm.expert_forward(x, tpe, w1, w2, "never", fused=f)
-        dx, job = expert_gemm.expert_dgrad(gy, saved, w1, w2, fused=f)
+        y, saved = expert_gemm.expert_forward(x, tpe, w1, w2, "never", swiglu=fused.swiglu if f else None)
+        dx, job = expert_gemm.expert_dgrad(gy, saved, w1, w2, swiglu_grads=fused.swiglu_grads if f else None)
         outs[f] = [y, dx, *expert_gemm.expert_wgrad(job)]
     errs = [rel(a, b) for a, b in zip(outs[True], outs[False])]
     if max(errs) > 1e-6:
