@@ -25,7 +25,6 @@ Shape legend: B batch, T tokens, D model width, H heads, R rope dim, N = B*T.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import torch.nn as nn
@@ -33,6 +32,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from bumblebee import switches
 from bumblebee.checks import check_cu_seqlens, check_mla_config, check_mla_inputs
 from bumblebee.kernels import mla_rope as _fused_rope
 from bumblebee.norms import RMSNorm
@@ -43,7 +43,7 @@ _CUDA_ORDER = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
 
 
 def _fused_rope_from_env() -> str:
-    return os.environ.get("BUMBLEBEE_MLA_FUSED_ROPE", "on").strip().lower()
+    return switches.from_env("BUMBLEBEE_MLA_FUSED_ROPE")
 
 
 # The Q/K assembly through `kernels/mla_rope.py` (one pass each way): "on" or "off". "on" by default
@@ -55,11 +55,9 @@ FUSED_ROPE = _fused_rope_from_env()
 def _use_fused_rope(t: torch.Tensor, cos=None, sin=None) -> bool:
     """True when FUSED_ROPE is "on", Triton runs on t (CUDA, or TRITON_INTERPRET=1) and cos/sin need
     no gradient (the kernels give them none; the torch path does)."""
-    if FUSED_ROPE not in ("off", "on"):
-        raise ValueError(f"FUSED_ROPE must be 'off' or 'on', got {FUSED_ROPE!r}")
-    if any(c is not None and c.requires_grad for c in (cos, sin)):
+    if not switches.is_on("FUSED_ROPE", FUSED_ROPE) or any(c is not None and c.requires_grad for c in (cos, sin)):
         return False
-    return FUSED_ROPE == "on" and _fused_rope.use_triton(t)
+    return _fused_rope.use_triton(t)
 
 
 def _segments(cu_seqlens, n_tokens) -> tuple[tuple[int, int], ...]:

@@ -58,6 +58,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
+from bumblebee import switches
 from bumblebee.distributed import agree_once
 from bumblebee.kernels import moe_permute_fused as _fused
 from bumblebee.kernels import swiglu as _swiglu
@@ -78,12 +79,8 @@ WGRAD = "auto"  # delayed wgrad of several chunks: "auto" (by bytes), "gather" (
 _HEAD = 5  # header words per message: local token count, bad-shape flag, bad-index flag, E, chunking
 
 
-def _switch_from_env(var: str, default: str = "on") -> str:
-    return os.environ.get(var, default).strip().lower()
-
-
 def _fused_permute_from_env() -> str:
-    return _switch_from_env("BUMBLEBEE_FUSED_PERMUTE")
+    return switches.from_env("BUMBLEBEE_FUSED_PERMUTE")
 
 
 # U, G and S through the fused Triton kernels of `kernels/moe_permute_fused.py`: "on" or "off".
@@ -92,7 +89,7 @@ def _fused_permute_from_env() -> str:
 FUSED_PERMUTE = _fused_permute_from_env()
 # The experts' SwiGLU elementwise as one Triton pass each way (`kernels/swiglu.py`): "on" or "off";
 # BUMBLEBEE_FUSED_SWIGLU=off (read at import) selects the torch ops the twins run.
-FUSED_SWIGLU = _switch_from_env("BUMBLEBEE_FUSED_SWIGLU")
+FUSED_SWIGLU = switches.from_env("BUMBLEBEE_FUSED_SWIGLU")
 
 
 def _carveout_from_env() -> int:
@@ -124,17 +121,13 @@ def _sm_carveout(active: bool, device):
 
 def _fused_swiglu(t: torch.Tensor) -> bool:
     """True when FUSED_SWIGLU is "on" and Triton runs on t (CUDA, or TRITON_INTERPRET=1)."""
-    if FUSED_SWIGLU not in ("off", "on"):
-        raise ValueError(f"FUSED_SWIGLU must be 'off' or 'on', got {FUSED_SWIGLU!r}")
-    return FUSED_SWIGLU == "on" and _swiglu.use_triton(t)
+    return switches.is_on("FUSED_SWIGLU", FUSED_SWIGLU) and _swiglu.use_triton(t)
 
 
 def _permute_fns(t: torch.Tensor):
     """(unpermute, unpermute_grads, sum_copies) for this call: the fused kernels when FUSED_PERMUTE
     is "on" and Triton runs on t (CUDA, or TRITON_INTERPRET=1), else the torch ones."""
-    if FUSED_PERMUTE not in ("off", "on"):
-        raise ValueError(f"FUSED_PERMUTE must be 'off' or 'on', got {FUSED_PERMUTE!r}")
-    if FUSED_PERMUTE == "on" and _fused.use_triton(t):
+    if switches.is_on("FUSED_PERMUTE", FUSED_PERMUTE) and _fused.use_triton(t):
         return _fused.unpermute, _fused.unpermute_grads, _fused.sum_copies
     return unpermute, unpermute_grads, sum_copies
 

@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from bumblebee import switches
 from bumblebee.kernels import expert_gemm
 from bumblebee.kernels import swiglu as fused
 from bumblebee.primitives import moe_dispatch as chunked_mod
@@ -165,7 +166,7 @@ def test_switch(monkeypatch):
     with pytest.raises(ValueError, match="FUSED_SWIGLU"):
         chunked_mod._fused_swiglu(x)
     monkeypatch.setenv("BUMBLEBEE_FUSED_SWIGLU", " OFF")
-    assert chunked_mod._switch_from_env("BUMBLEBEE_FUSED_SWIGLU") == "off"
+    assert switches.from_env("BUMBLEBEE_FUSED_SWIGLU") == "off"
 
 
 @pytest.mark.gpu
