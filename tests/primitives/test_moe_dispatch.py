@@ -286,9 +286,31 @@ def auto_chunking(group):
             chunked_mod.AUTO_MIN_TOKENS, calls[0] = threshold, 0
             errs = compare_case(group, "random", 23 + 4 * r, 4 * W, 2, ["auto"], seed=11)
             out[threshold] = (errs["random/chunks=auto"], calls[0])
+            out[f"recompute/{threshold}"] = auto_under_recompute(group)
     finally:
         chunked_mod._Schedule.all_to_all, chunked_mod.AUTO_MIN_TOKENS = orig, threshold0
     return out
+
+
+def auto_under_recompute(group):
+    """chunks="auto" inside torch.utils.checkpoint against the same call without it: the recomputed
+    forward takes the same decision and repeats the same collectives. Max relative difference."""
+    W, r = (dist.get_world_size(group), dist.get_rank(group)) if group is not None else (1, 0)
+    E, K, N = 4 * W, 2, 23 + 4 * r
+    g = torch.Generator().manual_seed(77 + r)
+    x, w, g_out = torch.randn(N, D, generator=g), torch.rand(N, K, generator=g), torch.randn(N, D, generator=g)
+    idx = routes("random", N, E, K, W, r, g)
+    shard = local_shard(full_experts(E, 3, "never", D, I), group)
+    fn = registry.resolve("moe_dispatch", "chunked")
+
+    def run(recompute):
+        xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()
+        shard.zero_grad()
+        f = lambda a, b: fn(a, b, idx, shard, E, chunks="auto")  # noqa: E731
+        y = torch.utils.checkpoint.checkpoint(f, xx, ww, use_reentrant=False) if recompute else f(xx, ww)
+        (y * g_out).sum().backward()
+        return [y.detach(), xx.grad, ww.grad, shard.gate_up_proj.grad.clone(), shard.down_proj.grad.clone()]
+    return max(rel(a, b) for a, b in zip(run(True), run(False)))
 
 
 def _free_port() -> int:
@@ -341,11 +363,15 @@ def test_multi_rank_matches_twin_and_local(runs, world):
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_auto_chunking_follows_the_largest_rank(runs, world):
     """Two chunks (8 exchanges) on every rank once any rank holds >= AUTO_MIN_TOKENS tokens, else one
-    (4 exchanges); equal to the twin either way."""
+    (4 exchanges); equal to the twin either way, and unchanged under activation recompute."""
     for r, res in enumerate(runs[world]):
         auto = res["auto"]
         largest = 23 + 4 * (world - 1)
-        for threshold, (err, exchanges) in auto.items():
+        for threshold, value in auto.items():
+            if isinstance(threshold, str):  # "recompute/<threshold>": checkpointed vs not
+                assert value < TOL_TWIN, (r, threshold, value)
+                continue
+            err, exchanges = value
             assert err < TOL_TWIN, (r, threshold, err)
             assert exchanges == (8 if largest >= threshold else 4), (r, threshold, exchanges)
 
