@@ -17,6 +17,10 @@ with 0, 16 and 32 SMs carved out of the overlapped grouped GEMMs for NCCL (the p
 (torch.utils.checkpoint over the layer) is timed at one size. One C = 2 and one twin layer are
 profiled at 16K and 4K tokens (kernel totals, stream occupancy); the 16K C = 2 timeline is drawn.
 
+`--rounds R` times the twin and every chunking interleaved (R rounds, each row once per round, the
+iterations spread over the rounds), so that a row's place in the run order does not favour it; the
+default (1) times them one after the other, as the committed EP = 2 results were.
+
 Writes DIR/moe_dispatch.json, DIR/moe_dispatch_trace.png (and the raw chrome trace).
 """
 from __future__ import annotations
@@ -91,8 +95,25 @@ def carveout(sm):
 
 def timed(step, group):
     """Median ms of `step` over ITERS after WARMUP; every rank runs the same count."""
+    return statistics.median(step_times(step, group, WARMUP, ITERS))
+
+
+def interleaved(steps: dict, group, rounds: int) -> dict:
+    """{name: median ms} of several steps timed in `rounds` rounds, every step once per round in the
+    same order (ITERS spread over the rounds), so that run order and allocator state weigh on all alike."""
+    times = {name: [] for name in steps}
+    per_round = -(-ITERS // rounds)
+    for r in range(rounds):
+        for name, (step, sm) in steps.items():
+            with carveout(sm):
+                times[name] += step_times(step, group, WARMUP if r == 0 else 1, per_round)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def step_times(step, group, warmup, iters):
+    """ms of each of `iters` calls of `step` after `warmup` calls; every rank runs the same count."""
     times = []
-    for i in range(WARMUP + ITERS):
+    for i in range(warmup + iters):
         dist.barrier(group=group)
         if torch.cuda.is_available():
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -105,9 +126,9 @@ def timed(step, group):
             t = time.perf_counter()
             step()
             ms = 1e3 * (time.perf_counter() - t)
-        if i >= WARMUP:
+        if i >= warmup:
             times.append(ms)
-    return statistics.median(times)
+    return times
 
 
 def layer_step(name, x, w, idx, experts, chunks=None, recompute=False):
@@ -287,6 +308,8 @@ def main():
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     ap.add_argument("--no-megatron", action="store_true")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="time the twin and every chunking interleaved, in this many rounds (1: one after the other)")
     ap.add_argument("--nccl-normal-priority", action="store_true", help="NCCL streams at normal priority")
     ap.add_argument("--smoke", action="store_true", help="CPU gloo, tiny shapes, fp32: checks the script runs")
     args = ap.parse_args()
@@ -314,12 +337,16 @@ def main():
         x, w, idx = inputs(N, rank, device)
         row = {"tokens_per_rank": N, "ep": EP}
         row["all_to_all_alone_ms"] = timed(a2a_alone(x, idx, group, EP), group)
-        row["twin_ms"] = timed(layer_step("all_to_all", x, w, idx, experts), group)
-        names = []
-        for name, c, sm in chunk_configs():
-            with carveout(sm):
-                row[f"chunked_{name}_ms"] = timed(layer_step("chunked", x, w, idx, experts, chunks=c), group)
-            names.append(name)
+        steps = {"twin_ms": (layer_step("all_to_all", x, w, idx, experts), None)}
+        steps.update({f"chunked_{name}_ms": (layer_step("chunked", x, w, idx, experts, chunks=c), sm)
+                      for name, c, sm in chunk_configs()})
+        if args.rounds > 1:
+            row.update(interleaved(steps, group, args.rounds))
+        else:  # one after the other, each WARMUP + ITERS calls
+            for key, (step, sm) in steps.items():
+                with carveout(sm):
+                    row[key] = timed(step, group)
+        names = [name for name, _, _ in chunk_configs()]
         row["best_chunks"] = min(names, key=lambda n: row[f"chunked_{n}_ms"])
         row["speedup_pct"] = {n: 100 * (row["twin_ms"] / row[f"chunked_{n}_ms"] - 1) for n in names}
         row["hidden_a2a_fraction"] = {n: (row["twin_ms"] - row[f"chunked_{n}_ms"]) / row["all_to_all_alone_ms"]
@@ -368,7 +395,7 @@ def main():
                                 "auto_min_tokens": moe_dispatch_primitive.AUTO_MIN_TOKENS},
             "shape": {"hidden": D, "experts": E, "experts_per_rank": E // EP, "top_k": K, "expert_width": I,
                       "dtype": "bfloat16", "routing": "uniform random top-8"},
-            "iterations": {"warmup": WARMUP, "timed": ITERS, "statistic": "median"},
+            "iterations": {"warmup": WARMUP, "timed": ITERS, "statistic": "median", "rounds": args.rounds},
             "check_chunked_vs_twin_rel_err": check,
             "rows": rows,
             "kernel_breakdown_rank0": breakdown,
@@ -403,6 +430,9 @@ def smoke():
         for name, c, sm in chunk_configs():
             with carveout(sm):
                 row[name] = timed(layer_step("chunked", x, w, idx, experts, chunks=c), group)
+        row.update({f"interleaved_{k}": v for k, v in interleaved(  # the --rounds path
+            {"twin": (layer_step("all_to_all", x, w, idx, experts), None),
+             "c1": (layer_step("chunked", x, w, idx, experts, chunks=1), None)}, group, 2).items()})
         step, why = megatron_step(x, w, idx, experts, group, rank, EP)
         row["megatron"] = timed(step, group) if step is not None else why
         if rank == 0:
