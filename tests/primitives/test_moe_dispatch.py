@@ -287,6 +287,9 @@ def auto_chunking(group):
             errs = compare_case(group, "random", 23 + 4 * r, 4 * W, 2, ["auto"], seed=11)
             out[threshold] = (errs["random/chunks=auto"], calls[0])
             out[f"recompute/{threshold}"] = auto_under_recompute(group)
+        chunked_mod.AUTO_MIN_TOKENS = 25  # even ranks hold no token, odd ranks 30: two chunks everywhere
+        errs = compare_case(group, "random", 30 * (r % 2), 4 * W, 2, ["auto"], seed=12)
+        out["empty ranks"] = errs["random/chunks=auto"]
     finally:
         chunked_mod._Schedule.all_to_all, chunked_mod.AUTO_MIN_TOKENS = orig, threshold0
     return out
@@ -368,7 +371,7 @@ def test_auto_chunking_follows_the_largest_rank(runs, world):
         auto = res["auto"]
         largest = 23 + 4 * (world - 1)
         for threshold, value in auto.items():
-            if isinstance(threshold, str):  # "recompute/<threshold>": checkpointed vs not
+            if isinstance(threshold, str):  # "recompute/<threshold>" (checkpointed vs not), "empty ranks"
                 assert value < TOL_TWIN, (r, threshold, value)
                 continue
             err, exchanges = value
