@@ -10,10 +10,10 @@ dh = [dgate | dup] from da = g @ w2:
 
 The torch path (`expert_gemm` without `swiglu=`, what the twins run) spends two kernels forward and
 five backward, each a full pass over [M, I] (the gate/up halves are strided views, so PyTorch takes
-its slow non-vectorized elementwise path for them): forward reads 2 M I twice-over and writes an
-[M, I] intermediate; backward writes three [M, I] intermediates. Fused, in elements of [M, I]:
-forward reads 2 and writes 1; backward reads 3 (h, da) and writes 3 (a, dh). At 16K tokens/rank
-of Qwen3.5-35B-A3B (M ~ 131072, I = 512, bf16) that is 0.40 + 0.81 GB per layer.
+its slow non-vectorized elementwise path for them). In elements of [M, I]: forward 5 (silu reads
+gate and writes s; the product reads s and up and writes a), backward ~16 (silu, a, two products,
+silu_backward). Fused: forward reads 2 and writes 1; backward reads 3 (h, da) and writes 3 (a, dh).
+At 16K tokens/rank of Qwen3.5-35B-A3B (M ~ 131072, I = 512, bf16) that is 0.40 + 0.81 GB per layer.
 
 Precision: everything in fp32 (fp64 for fp64 inputs: those take the torch fallback), one rounding
 per output. The torch path rounds silu(gate) and da * up to the input dtype before the next
