@@ -26,6 +26,18 @@ from __future__ import annotations
 import torch
 
 
+def _chunk_keys(flat_M: torch.Tensor, num_keys: int, bounds: list) -> torch.Tensor:
+    """key = chunk * num_keys + expert per copy, chunk c holding copies [bounds[c], bounds[c + 1])."""
+    key_M = flat_M.reshape(-1)
+    if len(bounds) > 2:
+        pos_M = torch.arange(key_M.numel(), device=key_M.device)
+        chunk_M = torch.zeros_like(key_M)
+        for b in bounds[1:-1]:
+            chunk_M += pos_M >= b
+        key_M = chunk_M * num_keys + key_M
+    return key_M
+
+
 def copy_order(flat_M: torch.Tensor, num_keys: int, copy_bounds=None):
     """Stable sort of the copies by key = chunk * num_keys + expert; chunk c holds the copies
     [copy_bounds[c], copy_bounds[c + 1]) (token-major). Returns (order_M, inv_M, counts [C, num_keys]).
@@ -33,13 +45,7 @@ def copy_order(flat_M: torch.Tensor, num_keys: int, copy_bounds=None):
     M, dev = flat_M.numel(), flat_M.device
     bounds = [0, M] if copy_bounds is None else list(copy_bounds)
     C = len(bounds) - 1
-    key_M = flat_M.reshape(-1)
-    if C > 1:
-        pos_M = torch.arange(M, device=dev)
-        chunk_M = torch.zeros_like(key_M)
-        for b in bounds[1:-1]:
-            chunk_M += pos_M >= b
-        key_M = chunk_M * num_keys + key_M
+    key_M = _chunk_keys(flat_M, num_keys, bounds)
     sorted_M, order_M = torch.sort(key_M, stable=True)
     edges = torch.searchsorted(sorted_M, torch.arange(C * num_keys + 1, device=dev, dtype=sorted_M.dtype))
     counts = (edges[1:] - edges[:-1]).view(C, num_keys)
@@ -50,14 +56,10 @@ def copy_order(flat_M: torch.Tensor, num_keys: int, copy_bounds=None):
 def chunk_counts(flat_M: torch.Tensor, num_keys: int, copy_bounds) -> torch.Tensor:
     """Copies per (chunk, key) as `copy_order` counts them, without sorting: [C, num_keys] int64.
     Integer scatter-adds are exact in any order; no host sync."""
-    M, dev = flat_M.numel(), flat_M.device
-    pos_M = torch.arange(M, device=dev)
-    chunk_M = torch.zeros(M, dtype=torch.int64, device=dev)
-    for b in list(copy_bounds)[1:-1]:
-        chunk_M += pos_M >= b
     C = len(copy_bounds) - 1
-    counts = torch.zeros(C * num_keys, dtype=torch.int64, device=dev)
-    counts.scatter_add_(0, chunk_M * num_keys + flat_M.reshape(-1), torch.ones_like(chunk_M))
+    key_M = _chunk_keys(flat_M, num_keys, list(copy_bounds))
+    counts = torch.zeros(C * num_keys, dtype=torch.int64, device=flat_M.device)
+    counts.scatter_add_(0, key_M, torch.ones_like(key_M))
     return counts.view(C, num_keys)
 
 

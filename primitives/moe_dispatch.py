@@ -119,9 +119,12 @@ def _sm_carveout(active: bool, device):
         torch._C._set_sm_carveout_experimental(prev)
 
 
-def _fused_swiglu(t: torch.Tensor) -> bool:
-    """True when FUSED_SWIGLU is "on" and Triton runs on t (CUDA, or TRITON_INTERPRET=1)."""
-    return switches.is_on("FUSED_SWIGLU", FUSED_SWIGLU) and _swiglu.use_triton(t)
+def _swiglu_fns(t: torch.Tensor):
+    """(swiglu, swiglu_grads) of `kernels/swiglu.py` for the expert GEMMs when FUSED_SWIGLU is "on"
+    and Triton runs on t (CUDA, or TRITON_INTERPRET=1), else (None, None): the torch ops."""
+    if switches.is_on("FUSED_SWIGLU", FUSED_SWIGLU) and _swiglu.use_triton(t):
+        return _swiglu.swiglu, _swiglu.swiglu_grads
+    return None, None
 
 
 def _permute_fns(t: torch.Tensor):
@@ -218,14 +221,15 @@ def _exchange_counts(x_ND, weights_NK, indices_NK, E, spec, group, EP, early=Non
     shape_bad = x_ND.dim() != 2 or x_ND.shape[0] != N or weights_NK.shape != (N, K)
     flat_M = indices_NK.reshape(-1)
     bad_idx = ((flat_M < 0) | (flat_M >= E)).any()
+    keys_M = flat_M.clamp(0, E - 1)  # bad ids travel in the header; every rank raises after the exchange
     bounds = chunk_bounds(N, spec)
     split = [b * K for b in bounds]
     may_merge = auto and C > 1 and N < AUTO_MIN_TOKENS  # this rank's guess; merging needs every rank below
     # chunks are contiguous in token order: sorting by chunk * E + expert keeps them apart; a rank that
     # expects one chunk sorts by expert alone and counts the chunks' copies for the message
-    order_M, inv_M, counts_CE = copy_order(flat_M.clamp(0, E - 1), E, [0, N * K] if may_merge else split)
+    order_M, inv_M, counts_CE = copy_order(keys_M, E, [0, N * K] if may_merge else split)
     if may_merge:
-        counts_CE = chunk_counts(flat_M.clamp(0, E - 1), E, split)
+        counts_CE = chunk_counts(keys_M, E, split)
     dev = order_M.device
     word = _spec_word(spec, auto)
     head = torch.tensor([N, int(shape_bad), 0, E, word], dtype=torch.int64).to(dev, non_blocking=True)
@@ -257,7 +261,7 @@ def _exchange_counts(x_ND, weights_NK, indices_NK, E, spec, group, EP, early=Non
         recv_CSL = recv_CSL.sum(0, keepdim=True)
         spec, C, bounds, exchanged = (1,), 1, [0, N], [list(range(C))]
     elif may_merge:  # another rank holds more tokens: chunks after all, sorted chunk-major
-        order_M, inv_M, _ = copy_order(flat_M.clamp(0, E - 1), E, split)
+        order_M, inv_M, _ = copy_order(keys_M, E, split)
         head_start = None
 
     def per_expert(row, cs):  # a message row's counts per local expert, summed over exchanged chunks cs
@@ -303,7 +307,7 @@ class _ChunkedEP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_ND, weights_NK, w1_L2ID, w2_LDI, indices_NK, E, spec, group, mode, auto=False):
         ctx.permute = _permute_fns(x_ND)  # one function set for the forward and its backward
-        ctx.swiglu = swiglu = _fused_swiglu(x_ND)  # the experts' SwiGLU through kernels/swiglu.py
+        ctx.swiglu = _swiglu_fns(x_ND)  # one pair for the forward and its backward
         EP = dist.get_world_size(group) if group is not None else 1
         K = indices_NK.shape[1]
 
@@ -338,8 +342,7 @@ class _ChunkedEP(torch.autograd.Function):
             tpe = TokensPerExpert(counts_CL[c], p["tpe"], offs_CL[c])
             x_e = torch.index_select(x_RD, 0, src, out=x_cm[r0:r1]) if gather else x_RD.index_select(0, src)
             with _sm_carveout(overlap, x_ND.device):
-                y_e, (x_e, h_e, _, _) = expert_forward(x_e, tpe, w1_L2ID, w2_LDI, mode,
-                                                       swiglu=_swiglu.swiglu if swiglu else None)
+                y_e, (x_e, h_e, _, _) = expert_forward(x_e, tpe, w1_L2ID, w2_LDI, mode, swiglu=ctx.swiglu[0])
             comb.append(sched.all_to_all(y_e.index_select(0, dest), p["in_splits"], p["out_splits"]))
             if not gather:
                 xs.append(x_e)
@@ -382,7 +385,6 @@ class _ChunkedEP(torch.autograd.Function):
         L = w1.shape[0]
         gather = ctx.gather
         overlap = sched.cuda and n > 1
-        act_grads = _swiglu.swiglu_grads if ctx.swiglu else None
         if gather:  # the other wgrad inputs of every chunk, written chunk-major as they appear
             R = x_cm.shape[0]
             I = w2.shape[-1]
@@ -401,10 +403,10 @@ class _ChunkedEP(torch.autograd.Function):
                 if gather:
                     g_e = torch.index_select(g_RD, 0, src, out=g_cm[r0:r1])
                     dx_e, _ = expert_dgrad(g_e, (None, hs[c], tpe, ctx.grouped), w1, w2, dh_out=dh_cm[r0:r1],
-                                           a_out=a_cm[r0:r1], swiglu_grads=act_grads)
+                                           a_out=a_cm[r0:r1], swiglu_grads=ctx.swiglu[1])
                 else:
                     dx_e, job = expert_dgrad(g_RD.index_select(0, src), (xs[c], hs[c], tpe, ctx.grouped), w1, w2,
-                                             swiglu_grads=act_grads)
+                                             swiglu_grads=ctx.swiglu[1])
                     jobs.append(job)
             db.append(sched.all_to_all(dx_e.index_select(0, dest), p["in_splits"], p["out_splits"]))
         # W: the wgrad of every chunk after the last dgrad, while the tail dispatch-backward runs

@@ -158,13 +158,13 @@ def test_bad_input():
 def test_switch(monkeypatch):
     x = torch.zeros(1)
     monkeypatch.setattr(chunked_mod, "FUSED_SWIGLU", "off")
-    assert not chunked_mod._fused_swiglu(x)
+    assert chunked_mod._swiglu_fns(x) == (None, None)
     monkeypatch.setattr(chunked_mod, "FUSED_SWIGLU", "on")  # CPU tensors: only under the interpreter
-    assert chunked_mod._fused_swiglu(x) == fused.INTERPRET
-    assert not chunked_mod._fused_swiglu(x.double())  # fp64 takes the torch path
+    assert chunked_mod._swiglu_fns(x) == ((fused.swiglu, fused.swiglu_grads) if fused.INTERPRET else (None, None))
+    assert chunked_mod._swiglu_fns(x.double()) == (None, None)  # fp64 takes the torch path
     monkeypatch.setattr(chunked_mod, "FUSED_SWIGLU", "1")
     with pytest.raises(ValueError, match="FUSED_SWIGLU"):
-        chunked_mod._fused_swiglu(x)
+        chunked_mod._swiglu_fns(x)
     monkeypatch.setenv("BUMBLEBEE_FUSED_SWIGLU", " OFF")
     assert switches.from_env("BUMBLEBEE_FUSED_SWIGLU") == "off"
 
