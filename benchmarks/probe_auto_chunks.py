@@ -16,12 +16,17 @@ import torch.distributed as dist
 from bench_moe_dispatch import inputs, layer_step, make_experts, timed
 
 
-def main():
+def setup():
+    """NCCL over the world, this rank's GPU, and bench_moe_dispatch.py's experts: (rank, group, device, experts)."""
     dist.init_process_group("nccl", timeout=datetime.timedelta(minutes=5))
     rank = dist.get_rank()
     torch.cuda.set_device(rank)
     group, device = dist.group.WORLD, torch.device("cuda", rank)
-    experts = make_experts(group, device)
+    return rank, group, device, make_experts(group, device)
+
+
+def main():
+    rank, group, device, experts = setup()
     configs = (("c1", 1), ("1-2", (1, 2)), ("auto", "auto"), ("twin", None))
     for N in (8192, 16384, 32768, 49152, 65536):
         x, w, idx = inputs(N, rank, device)

@@ -23,44 +23,50 @@ S source ranks, L local experts, R received rows.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 
-def _chunk_keys(flat_M: torch.Tensor, num_keys: int, bounds: list) -> torch.Tensor:
-    """key = chunk * num_keys + expert per copy, chunk c holding copies [bounds[c], bounds[c + 1])."""
+@functools.lru_cache(maxsize=4)
+def _chunk_ids(M: int, bounds: tuple, scale: int, device: torch.device) -> torch.Tensor:
+    """scale * (chunk of each token-major copy), chunk c holding the copies [bounds[c], bounds[c + 1]).
+    Cached, read only: the MoE layers of a step ask for the same token count one after another (at
+    most 4 tensors of M int64 stay alive)."""
+    pos_M = torch.arange(M, device=device)
+    chunk_M = torch.zeros_like(pos_M)
+    for b in bounds[1:-1]:
+        chunk_M += pos_M >= b
+    return chunk_M * scale
+
+
+def _chunk_keys(flat_M: torch.Tensor, num_keys: int, bounds: list, chunk_major: bool = True) -> torch.Tensor:
+    """Per copy: chunk * num_keys + key (chunk_major), or key * C + chunk; chunk c holds the copies
+    [bounds[c], bounds[c + 1]). One kernel per call (the chunk ids are cached)."""
     key_M = flat_M.reshape(-1)
-    if len(bounds) > 2:
-        pos_M = torch.arange(key_M.numel(), device=key_M.device)
-        chunk_M = torch.zeros_like(key_M)
-        for b in bounds[1:-1]:
-            chunk_M += pos_M >= b
-        key_M = chunk_M * num_keys + key_M
-    return key_M
+    C = len(bounds) - 1
+    if C == 1:
+        return key_M
+    ids = _chunk_ids(key_M.numel(), tuple(bounds), num_keys if chunk_major else 1, key_M.device)
+    return torch.add(ids, key_M) if chunk_major else torch.add(ids, key_M, alpha=C)
 
 
-def copy_order(flat_M: torch.Tensor, num_keys: int, copy_bounds=None):
+def copy_order(flat_M: torch.Tensor, num_keys: int, copy_bounds=None, chunk_major: bool = True):
     """Stable sort of the copies by key = chunk * num_keys + expert; chunk c holds the copies
     [copy_bounds[c], copy_bounds[c + 1]) (token-major). Returns (order_M, inv_M, counts [C, num_keys]).
+    chunk_major=False sorts by expert * C + chunk: the order of a sort by expert alone (a stable sort
+    keeps each expert's copies in token order, and the chunks are token ranges), counted per chunk.
     flat_M must already lie in [0, num_keys). No host sync (bincount would sync on CUDA)."""
     M, dev = flat_M.numel(), flat_M.device
     bounds = [0, M] if copy_bounds is None else list(copy_bounds)
     C = len(bounds) - 1
-    key_M = _chunk_keys(flat_M, num_keys, bounds)
+    key_M = _chunk_keys(flat_M, num_keys, bounds, chunk_major)
     sorted_M, order_M = torch.sort(key_M, stable=True)
     edges = torch.searchsorted(sorted_M, torch.arange(C * num_keys + 1, device=dev, dtype=sorted_M.dtype))
-    counts = (edges[1:] - edges[:-1]).view(C, num_keys)
+    counts = edges[1:] - edges[:-1]
+    counts = counts.view(C, num_keys) if chunk_major else counts.view(num_keys, C).t().contiguous()
     inv_M = torch.empty_like(order_M).scatter_(0, order_M, torch.arange(M, device=dev))
     return order_M, inv_M, counts
-
-
-def chunk_counts(flat_M: torch.Tensor, num_keys: int, copy_bounds) -> torch.Tensor:
-    """Copies per (chunk, key) as `copy_order` counts them, without sorting: [C, num_keys] int64.
-    Integer scatter-adds are exact in any order; no host sync."""
-    C = len(copy_bounds) - 1
-    key_M = _chunk_keys(flat_M, num_keys, list(copy_bounds))
-    counts = torch.zeros(C * num_keys, dtype=torch.int64, device=flat_M.device)
-    counts.scatter_add_(0, key_M, torch.ones_like(key_M))
-    return counts.view(C, num_keys)
 
 
 def _exclusive_cumsum(t):

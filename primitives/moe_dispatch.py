@@ -4,10 +4,9 @@ Same function as `baselines/moe_dispatch.py:all_to_all_dispatch` (the no-chunk t
 sharded over `experts.ep_group`, dropless. The layer's N local tokens are split into C chunks
 (`chunks=C`, or a sequence of relative sizes for unequal chunks; default "auto": two chunks of
 relative sizes (1, 2), the first one third of the tokens, where the ep group's largest token count
-is >= AUTO_MIN_TOKENS, else one chunk, decided alike on every rank from the count exchange). One
-count exchange
-for all chunks up front (the one host sync), then a pipeline, on CUDA with communication on its
-own stream ("comm", one per device) ordered against the compute stream by events:
+is >= AUTO_MIN_TOKENS for the ep size, else one chunk, decided alike on every rank from the count
+exchange). One count exchange for all chunks up front (the one host sync), then a pipeline, on
+CUDA with communication on its own stream ("comm", one per device) ordered against the compute stream by events:
 
   forward   compute: P0 P1 | E0 | P2 E1 | P3 E2 ...      | U0 U1 U2 ...
             comm   :  D0   D1 C0   D2 C1   D3 C2 C3 ...
@@ -64,17 +63,19 @@ from bumblebee.kernels import moe_permute_fused as _fused
 from bumblebee.kernels import swiglu as _swiglu
 from bumblebee.kernels.expert_gemm import (TokensPerExpert, WgradJob, expert_dgrad, expert_forward, expert_wgrad,
                                            use_grouped_mm)
-from bumblebee.moe_permute import (chunk_counts, copy_order, expert_major_index, inverse_index, regroup_index, sum_copies,
+from bumblebee.moe_permute import (copy_order, expert_major_index, inverse_index, regroup_index, sum_copies,
                                    unpermute, unpermute_grads)
 from bumblebee.registry import register
 
 _AGREED = weakref.WeakKeyDictionary()  # experts -> the config its first-call agreement check passed
 _COMM_STREAMS: dict = {}
 DEFAULT_CHUNKS = "auto"  # or an int / relative sizes, as `chunks=`
-# "auto": AUTO_CHUNKS where the ep group's largest token count is >= AUTO_MIN_TOKENS, else one chunk.
-# Measured at EP = 2 with the fused kernels (NOTES_moe_dispatch.md): one chunk is faster up to 48K
-# tokens/rank, (1, 2) at 64K.
-AUTO_CHUNKS, AUTO_MIN_TOKENS = (1, 2), 65536
+# "auto": AUTO_CHUNKS where the ep group's largest token count is >= AUTO_MIN_TOKENS, else one chunk
+# (always one at EP = 1: nothing to overlap). Per ep size: the entry of the largest key <= EP (an
+# int: one threshold for every size). Measured with the fused kernels on H200s over NVLink
+# (NOTES_moe_dispatch.md): at EP = 2 one chunk is faster up to 48K tokens/rank, (1, 2) at 64K; at
+# EP = 4, where 3/4 of the copies leave the rank, (1, 2) wins from 16K. EP >= 8 takes EP = 4's (unmeasured).
+AUTO_CHUNKS, AUTO_MIN_TOKENS = (1, 2), {2: 65536, 4: 16384}
 WGRAD = "auto"  # delayed wgrad of several chunks: "auto" (by bytes), "gather" (one GEMM) or "add" (per chunk)
 _HEAD = 5  # header words per message: local token count, bad-shape flag, bad-index flag, E, chunking
 
@@ -92,25 +93,37 @@ FUSED_PERMUTE = _fused_permute_from_env()
 FUSED_SWIGLU = switches.from_env("BUMBLEBEE_FUSED_SWIGLU")
 
 
-def _carveout_from_env() -> int:
-    return int(os.environ.get("BUMBLEBEE_EP_SM_CARVEOUT", "0"))
+def _carveout_from_env():
+    v = os.environ.get("BUMBLEBEE_EP_SM_CARVEOUT", "auto")
+    return v if v == "auto" else int(v)
+
+
+def by_ep(table, EP: int) -> int:
+    """A per-ep-size setting: the entry of the largest key <= EP (the smallest key below it); an int
+    is one value for every size."""
+    if isinstance(table, int):
+        return table
+    return table[max((k for k in table if k <= EP), default=min(table))]
 
 
 # SMs the grouped GEMMs leave free while chunks overlap with NCCL (torch's SM carveout, read by the
 # cutlass grouped GEMM and cuBLAS): a persistent GEMM sized to every SM runs its blocks in two waves
-# when NCCL kernels hold some SMs. 0 = off. Environment: BUMBLEBEE_EP_SM_CARVEOUT.
+# when NCCL kernels hold some SMs. 0 = off; "auto" = AUTO_SM_CARVEOUT by ep size (as AUTO_MIN_TOKENS).
+# NCCL's all-to-all runs on 32 blocks at EP = 2 and 4; leaving it 32 SMs moved EP = 2 rows by +-0.6 ms
+# either way and sped the overlapped (1, 2) up by 4-9 points at EP = 4. Environment: BUMBLEBEE_EP_SM_CARVEOUT.
 SM_CARVEOUT = _carveout_from_env()
+AUTO_SM_CARVEOUT = {2: 0, 4: 32}
 
 
 @contextlib.contextmanager
-def _sm_carveout(active: bool, device):
-    n = SM_CARVEOUT
+def _sm_carveout(active: bool, device, EP: int):
+    n = by_ep(AUTO_SM_CARVEOUT, EP) if SM_CARVEOUT == "auto" else SM_CARVEOUT
     if not active or not n or not hasattr(torch._C, "_set_sm_carveout_experimental"):
         yield
         return
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     if not isinstance(n, int) or not 0 <= n < sms:
-        raise ValueError(f"SM_CARVEOUT must be an int in [0, {sms}) for this GPU, got {n!r}")
+        raise ValueError(f"SM_CARVEOUT must be 'auto' or an int in [0, {sms}) for this GPU, got {n!r}")
     prev = torch._C._get_sm_carveout_experimental()
     torch._C._set_sm_carveout_experimental(n)
     try:
@@ -214,8 +227,8 @@ def _exchange_counts(x_ND, weights_NK, indices_NK, E, spec, group, EP, early=Non
     indices of every active chunk, computed in one go: the regroup destinations, tokens per expert
     and their offsets. `early(order_M, copy_bounds)` is issued before the host sync (device work
     that needs no host counts keeps the GPU busy while the host waits); its result is returned.
-    `auto`: below AUTO_MIN_TOKENS on every rank the chunks merge into one (counts summed, copies
-    re-sorted by expert), a decision every rank takes alike from the exchanged token counts."""
+    `auto`: below AUTO_MIN_TOKENS (for this EP) on every rank the chunks merge into one (counts summed
+    on the device before the sync), a decision every rank takes alike from the exchanged token counts."""
     N, K = indices_NK.shape
     L, C = E // EP, len(spec)
     shape_bad = x_ND.dim() != 2 or x_ND.shape[0] != N or weights_NK.shape != (N, K)
@@ -224,12 +237,11 @@ def _exchange_counts(x_ND, weights_NK, indices_NK, E, spec, group, EP, early=Non
     keys_M = flat_M.clamp(0, E - 1)  # bad ids travel in the header; every rank raises after the exchange
     bounds = chunk_bounds(N, spec)
     split = [b * K for b in bounds]
-    may_merge = auto and C > 1 and N < AUTO_MIN_TOKENS  # this rank's guess; merging needs every rank below
+    min_tokens = by_ep(AUTO_MIN_TOKENS, EP) if EP > 1 else float("inf")
+    may_merge = auto and C > 1 and N < min_tokens  # this rank's guess; merging needs every rank below
     # chunks are contiguous in token order: sorting by chunk * E + expert keeps them apart; a rank that
-    # expects one chunk sorts by expert alone and counts the chunks' copies for the message
-    order_M, inv_M, counts_CE = copy_order(keys_M, E, [0, N * K] if may_merge else split)
-    if may_merge:
-        counts_CE = chunk_counts(keys_M, E, split)
+    # expects one chunk sorts by expert * C + chunk: the order of one chunk, counted per chunk for the message
+    order_M, inv_M, counts_CE = copy_order(keys_M, E, split, chunk_major=not may_merge)
     dev = order_M.device
     word = _spec_word(spec, auto)
     head = torch.tensor([N, int(shape_bad), 0, E, word], dtype=torch.int64).to(dev, non_blocking=True)
@@ -241,7 +253,9 @@ def _exchange_counts(x_ND, weights_NK, indices_NK, E, spec, group, EP, early=Non
         recv = torch.empty_like(msg)
         dist.all_to_all_single(recv, msg, group=group)
     head_start = early(order_M, [0, N * K] if may_merge else split) if early is not None else None
-    host = torch.cat([msg.reshape(-1), recv.reshape(-1)]).tolist()  # the one host sync
+    # a rank that guessed one chunk also reads its counts summed over the chunks, summed on the device
+    merged = [t[:, _HEAD:].unflatten(1, (C, L)).sum(1) for t in (msg, recv)] if may_merge else []
+    host = torch.cat([t.reshape(-1) for t in [msg, recv] + merged]).tolist()  # the one host sync
     W = _HEAD + C * L
     sent = [host[r * W:(r + 1) * W] for r in range(EP)]
     got = [host[EP * W + s * W:EP * W + (s + 1) * W] for s in range(EP)]
@@ -255,31 +269,34 @@ def _exchange_counts(x_ND, weights_NK, indices_NK, E, spec, group, EP, early=Non
                 what += (f": x {tuple(x_ND.shape)}, weights {tuple(weights_NK.shape)}, "
                          f"indices {tuple(indices_NK.shape)}")
             raise ValueError(f"moe_dispatch: rank {s} of the ep group passed {what}")
-    recv_CSL = recv[:, _HEAD:].view(EP, C, L).transpose(0, 1)
-    exchanged = [[c] for c in range(C)]  # the exchanged chunks each chunk of the plan covers
-    if auto and C > 1 and max(row[0] for row in got) < AUTO_MIN_TOKENS:  # one chunk on every rank
-        recv_CSL = recv_CSL.sum(0, keepdim=True)
-        spec, C, bounds, exchanged = (1,), 1, [0, N], [list(range(C))]
-    elif may_merge:  # another rank holds more tokens: chunks after all, sorted chunk-major
-        order_M, inv_M, _ = copy_order(keys_M, E, split)
-        head_start = None
+    # per chunk of the plan, per rank: the counts per local expert sent to it / received from it
+    if auto and C > 1 and max(row[0] for row in got) < min_tokens:  # one chunk on every rank
+        sums = host[2 * EP * W:]
+        sent_CRL = [[sums[r * L:(r + 1) * L] for r in range(EP)]]
+        got_CRL = [[sums[(EP + s) * L:(EP + s + 1) * L] for s in range(EP)]]
+        recv_CSL = merged[1].unsqueeze(0)
+        spec, C, bounds = (1,), 1, [0, N]
+    else:
+        sent_CRL = [[row[_HEAD + c * L:_HEAD + (c + 1) * L] for row in sent] for c in range(C)]
+        got_CRL = [[row[_HEAD + c * L:_HEAD + (c + 1) * L] for row in got] for c in range(C)]
+        recv_CSL = recv[:, _HEAD:].view(EP, C, L).transpose(0, 1)
+        if may_merge:  # another rank holds more tokens: chunks after all, sorted chunk-major
+            order_M, inv_M, _ = copy_order(keys_M, E, split)
+            head_start = None
 
-    def per_expert(row, cs):  # a message row's counts per local expert, summed over exchanged chunks cs
-        parts = [row[_HEAD + c * L:_HEAD + (c + 1) * L] for c in cs]
-        return parts[0] if len(parts) == 1 else list(map(sum, zip(*parts)))  # zip/map: host time is exposed
     # A chunk that is empty on every rank is dropped by every rank alike (clamps C to the tokens).
     active = [c for c in range(C) if any(b[c + 1] > b[c] for b in (chunk_bounds(row[0], spec) for row in got))]
     plan, rows = [], 0
     for c in active:
-        recv_SL = [per_expert(row, exchanged[c]) for row in got]
+        recv_SL = got_CRL[c]
         R = sum(map(sum, recv_SL))
         plan.append(dict(
             chunk=c,
             tokens=(bounds[c], bounds[c + 1]),
             copies=(bounds[c] * K, bounds[c + 1] * K),  # the chunk's range in sorted order and in token order
-            in_splits=[sum(per_expert(row, exchanged[c])) for row in sent],
+            in_splits=[sum(r) for r in sent_CRL[c]],
             out_splits=[sum(r) for r in recv_SL],
-            tpe=list(map(sum, zip(*recv_SL))),
+            tpe=list(map(sum, zip(*recv_SL))),  # zip/map: this host time is exposed
             rows=(rows, rows + R),  # the chunk's slice of dest_R
         ))
         rows += R
@@ -341,7 +358,7 @@ class _ChunkedEP(torch.autograd.Function):
             dest, src = dest_R[r0:r1], src_R[r0:r1]
             tpe = TokensPerExpert(counts_CL[c], p["tpe"], offs_CL[c])
             x_e = torch.index_select(x_RD, 0, src, out=x_cm[r0:r1]) if gather else x_RD.index_select(0, src)
-            with _sm_carveout(overlap, x_ND.device):
+            with _sm_carveout(overlap, x_ND.device, EP):
                 y_e, (x_e, h_e, _, _) = expert_forward(x_e, tpe, w1_L2ID, w2_LDI, mode, swiglu=ctx.swiglu[0])
             comb.append(sched.all_to_all(y_e.index_select(0, dest), p["in_splits"], p["out_splits"]))
             if not gather:
@@ -355,7 +372,7 @@ class _ChunkedEP(torch.autograd.Function):
             ctx.permute[0](y_MD, weights_NK[t0:t1], inv_M[a:b] - a, out=out_ND[t0:t1])
             ys.append(y_MD)
         sched.finish()
-        ctx.plan, ctx.K, ctx.group = plan, K, group
+        ctx.plan, ctx.K, ctx.group, ctx.EP = plan, K, group, EP
         ctx.grouped = use_grouped_mm(x_ND, w1_L2ID, w2_LDI, mode)
         ctx.n, ctx.gather = len(plan), gather
         ctx.save_for_backward(order_M, inv_M, weights_NK, w1_L2ID, w2_LDI, dest_R, src_R, counts_CL, offs_CL, x_cm,
@@ -399,7 +416,7 @@ class _ChunkedEP(torch.autograd.Function):
             r0, r1 = p["rows"]
             dest, src = dest_R[r0:r1], src_R[r0:r1]
             tpe = TokensPerExpert(counts_CL[c], p["tpe"], offs_CL[c])
-            with _sm_carveout(overlap, g_ND.device):
+            with _sm_carveout(overlap, g_ND.device, ctx.EP):
                 if gather:
                     g_e = torch.index_select(g_RD, 0, src, out=g_cm[r0:r1])
                     dx_e, _ = expert_dgrad(g_e, (None, hs[c], tpe, ctx.grouped), w1, w2, dh_out=dh_cm[r0:r1],
@@ -417,7 +434,7 @@ class _ChunkedEP(torch.autograd.Function):
             del g_cm, dh_cm, a_cm
         dw1 = dw2 = None
         for job in jobs:
-            with _sm_carveout(overlap, g_ND.device):  # next to the tail dispatch-backward
+            with _sm_carveout(overlap, g_ND.device, ctx.EP):  # next to the tail dispatch-backward
                 a1, a2 = expert_wgrad(job)
             dw1, dw2 = (a1, a2) if dw1 is None else (dw1.add_(a1), dw2.add_(a2))
         if dw1 is None:

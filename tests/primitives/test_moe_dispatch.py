@@ -287,6 +287,9 @@ def auto_chunking(group):
             errs = compare_case(group, "random", 23 + 4 * r, 4 * W, 2, ["auto"], seed=11)
             out[threshold] = (errs["random/chunks=auto"], calls[0])
             out[f"recompute/{threshold}"] = auto_under_recompute(group)
+        chunked_mod.AUTO_MIN_TOKENS, calls[0] = {2: 10 ** 6, 4: 0}, 0  # by ep size: one chunk at EP 1-3, two from 4
+        errs = compare_case(group, "random", 23 + 4 * r, 4 * W, 2, ["auto"], seed=13)
+        out["by ep size"] = (errs["random/chunks=auto"], calls[0])
         chunked_mod.AUTO_MIN_TOKENS = 25  # even ranks hold no token, odd ranks 30: two chunks everywhere
         errs = compare_case(group, "random", 30 * (r % 2), 4 * W, 2, ["auto"], seed=12)
         out["empty ranks"] = errs["random/chunks=auto"]
@@ -365,18 +368,29 @@ def test_multi_rank_matches_twin_and_local(runs, world):
 
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_auto_chunking_follows_the_largest_rank(runs, world):
-    """Two chunks (8 exchanges) on every rank once any rank holds >= AUTO_MIN_TOKENS tokens, else one
-    (4 exchanges); equal to the twin either way, and unchanged under activation recompute."""
+    """Two chunks (8 exchanges) on every rank once any rank holds >= AUTO_MIN_TOKENS tokens (the
+    table's entry for the ep size), else one (4 exchanges), and always one at EP = 1; equal to the
+    twin either way, and unchanged under activation recompute."""
     for r, res in enumerate(runs[world]):
         auto = res["auto"]
         largest = 23 + 4 * (world - 1)
         for threshold, value in auto.items():
-            if isinstance(threshold, str):  # "recompute/<threshold>" (checkpointed vs not), "empty ranks"
+            if threshold == "by ep size":
+                two = world >= 4
+            elif isinstance(threshold, str):  # "recompute/<threshold>" (checkpointed vs not), "empty ranks"
                 assert value < TOL_TWIN, (r, threshold, value)
                 continue
+            else:
+                two = world > 1 and largest >= threshold
             err, exchanges = value
             assert err < TOL_TWIN, (r, threshold, err)
-            assert exchanges == (8 if largest >= threshold else 4), (r, threshold, exchanges)
+            assert exchanges == (8 if two else 4), (r, threshold, exchanges)
+
+
+def test_by_ep_picks_the_largest_size_not_above():
+    table = {2: 100, 4: 10}
+    assert [chunked_mod.by_ep(table, ep) for ep in (1, 2, 3, 4, 8)] == [100, 100, 100, 10, 10]
+    assert chunked_mod.by_ep(7, 4) == 7
 
 
 def test_sharded_block_and_recompute(runs):
@@ -450,7 +464,10 @@ def test_permutation_helpers_match_plain_torch():
     idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(N)])
     bounds = [0, 10, 10, 30, N]  # an empty chunk in the middle
     order, inv, counts = mp_.copy_order(idx.reshape(-1), E, [b * K for b in bounds])
-    assert torch.equal(mp_.chunk_counts(idx.reshape(-1), E, [b * K for b in bounds]), counts)
+    # expert-major: the order of a sort by expert alone, with the same per-chunk counts
+    order_e, inv_e, counts_e = mp_.copy_order(idx.reshape(-1), E, [b * K for b in bounds], chunk_major=False)
+    assert torch.equal(order_e, torch.argsort(idx.reshape(-1), stable=True))
+    assert torch.equal(order_e[inv_e], torch.arange(N * K)) and torch.equal(counts_e, counts)
     chunk = torch.repeat_interleave(torch.arange(4), torch.tensor([10, 0, 20, 7]) * K)
     key = chunk * E + idx.reshape(-1)
     assert torch.equal(order, torch.argsort(key, stable=True))
