@@ -80,11 +80,14 @@ def _gmm_wgrad(a, b, tpe, grouped, num_experts):
     return out
 
 
-def expert_forward(x_MD, tpe: TokensPerExpert, w1_E2ID, w2_EDI, mode="auto", swiglu=None):
+def expert_forward(x_MD, tpe: TokensPerExpert, w1_E2ID, w2_EDI, mode="auto", swiglu=None, fc2=True):
     """y [M, D] and what the backward needs: (x, h = x @ w1.T [M, 2I], tpe, grouped).
-    `swiglu(h) -> a`: a fused replacement for silu(gate) * up."""
+    `swiglu(h) -> a`: a fused replacement for silu(gate) * up. fc2=False: y is None (h only, for a
+    recompute whose backward needs no y, see `expert_dgrad_weighted`)."""
     grouped = use_grouped_mm(x_MD, w1_E2ID, w2_EDI, mode)
     h_M2I = _gmm(x_MD, w1_E2ID.transpose(-2, -1), tpe, grouped)
+    if not fc2:
+        return None, (x_MD, h_M2I, tpe, grouped)
     if swiglu is not None:
         a_MI = swiglu(h_M2I)
     else:
@@ -111,18 +114,38 @@ def expert_dgrad(g_MD, saved, w1_E2ID, w2_EDI, *, dh_out=None, a_out=None, swigl
     `swiglu_grads(h, da, dh_out=, a_out=) -> (a, dh)`: a fused replacement for the torch ops."""
     x_MD, h_M2I, tpe, grouped = saved
     da_MI = _gmm(g_MD, w2_EDI, tpe, grouped)
-    if swiglu_grads is not None:  # a (recomputed: the wgrad of w2 needs it) and dh = [dgate | dup]
-        a_MI, dh_M2I = swiglu_grads(h_M2I, da_MI, dh_out=dh_out, a_out=a_out)
-    else:
-        gate, up = h_M2I.chunk(2, dim=-1)
-        I = gate.shape[-1]
-        silu = F.silu(gate)
-        a_MI = torch.mul(silu, up, out=a_out) if a_out is not None else silu * up
-        dh_M2I = torch.empty_like(h_M2I) if dh_out is None else dh_out  # [dgate | dup], each written in place
-        torch.mul(da_MI, silu, out=dh_M2I[:, I:])
-        torch.ops.aten.silu_backward.grad_input(da_MI * up, gate, grad_input=dh_M2I[:, :I])  # one fused kernel
+    a_MI, dh_M2I = (swiglu_grads or _swiglu_grads)(h_M2I, da_MI, dh_out=dh_out, a_out=a_out)
     dx_MD = _gmm(dh_M2I, w1_E2ID, tpe, grouped)
     return dx_MD, WgradJob(x_MD, dh_M2I, a_MI, g_MD, tpe, grouped, w1_E2ID.shape[0])
+
+
+def expert_dgrad_weighted(g_MD, saved, w1_E2ID, w2_EDI, w_M, *, dh_out=None, a_out=None, swiglu_grads=None):
+    """`expert_dgrad` for rows whose routing weight is applied here: the output was w * (a @ w2.T)
+    per row, g_MD is the gradient before the weighting, w_M [M] fp32. Returns dx [M, D], the
+    weights' gradient gw [M] fp32 = <g, a @ w2.T> = <g @ w2, a>, and the wgrad job (its a scaled by
+    w). Needs no y, so a recompute of the forward can skip fc2."""
+    x_MD, h_M2I, tpe, grouped = saved
+    du_MI = _gmm(g_MD, w2_EDI, tpe, grouped)  # the fc2 dgrad of the unweighted rows
+    w_M1 = w_M.to(torch.float32).unsqueeze(1)
+    da_MI = (du_MI.float() * w_M1).to(du_MI.dtype)
+    a_MI, dh_M2I = (swiglu_grads or _swiglu_grads)(h_M2I, da_MI, dh_out=dh_out, a_out=a_out)
+    gw_M = (du_MI.float() * a_MI.float()).sum(1)
+    a_MI.copy_(a_MI.float() * w_M1)  # dW2 = sum of g^T (w a)
+    dx_MD = _gmm(dh_M2I, w1_E2ID, tpe, grouped)
+    return dx_MD, gw_M, WgradJob(x_MD, dh_M2I, a_MI, g_MD, tpe, grouped, w1_E2ID.shape[0])
+
+
+def _swiglu_grads(h_M2I, da_MI, dh_out=None, a_out=None):
+    """(a, dh = [dgate | dup]) of a = silu(gate) * up with the torch ops (a recomputed: the wgrad of
+    w2 needs it)."""
+    gate, up = h_M2I.chunk(2, dim=-1)
+    I = gate.shape[-1]
+    silu = F.silu(gate)
+    a_MI = torch.mul(silu, up, out=a_out) if a_out is not None else silu * up
+    dh_M2I = torch.empty_like(h_M2I) if dh_out is None else dh_out  # [dgate | dup], each written in place
+    torch.mul(da_MI, silu, out=dh_M2I[:, I:])
+    torch.ops.aten.silu_backward.grad_input(da_MI * up, gate, grad_input=dh_M2I[:, :I])  # one fused kernel
+    return a_MI, dh_M2I
 
 
 def expert_wgrad(job: WgradJob):

@@ -11,6 +11,7 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
+from bumblebee import recompute as recompute_phase
 from bumblebee.checks import check_cu_seqlens, check_token_ids
 from bumblebee.models.components import CausalLMOutput, causal_lm_loss
 from bumblebee.models.hf_io import HFCheckpointMixin
@@ -25,9 +26,10 @@ class MTPCausalLMOutput(MoECausalLMOutput):
 
 
 def run_layer(layer, recompute: bool, *args):
-    """One decoder layer; under full recompute only its inputs are kept for the backward."""
+    """One decoder layer; under full recompute only its inputs are kept for the backward, and the
+    layer can tell its first forward from the recompute (`bumblebee.recompute.phase()`)."""
     if recompute and torch.is_grad_enabled():
-        return checkpoint(layer, *args, use_reentrant=False)
+        return checkpoint(layer, *args, use_reentrant=False, context_fn=recompute_phase.contexts)
     return layer(*args)
 
 

@@ -37,6 +37,11 @@ or one GEMM per chunk plus C - 1 weight-sized adds; whichever moves fewer bytes.
 
 The whole layer is one autograd function whose tensors go through `save_for_backward`, so it runs
 inside `torch.utils.checkpoint` (the recomputed forward repeats the same collectives on every rank).
+Under the models' full recompute (`bumblebee.recompute` phases, `FUSED_RECOMPUTE = "on"`) both
+passes send each row's routing weight with it and save the experts' x, h and weights instead of
+the combined outputs; the recompute then stops after fc1 (no fc2, combine or un-permute; its output
+is zeros and discarded), and the backward weights the rows on the expert side
+(`expert_dgrad_weighted`), returning the weights' gradient by one more small exchange per chunk.
 
 Chunk count: chunks that hold no token on any rank are dropped (so C > N clamps to the tokens
 available; every rank drops the same chunks, from the token counts in the count exchange).
@@ -57,12 +62,12 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from bumblebee import switches
+from bumblebee import recompute, switches
 from bumblebee.distributed import agree_once
 from bumblebee.kernels import moe_permute_fused as _fused
 from bumblebee.kernels import swiglu as _swiglu
-from bumblebee.kernels.expert_gemm import (TokensPerExpert, WgradJob, expert_dgrad, expert_forward, expert_wgrad,
-                                           use_grouped_mm)
+from bumblebee.kernels.expert_gemm import (TokensPerExpert, WgradJob, expert_dgrad, expert_dgrad_weighted,
+                                           expert_forward, expert_wgrad, use_grouped_mm)
 from bumblebee.moe_permute import (copy_order, expert_major_index, inverse_index, regroup_index, sum_copies,
                                    unpermute, unpermute_grads)
 from bumblebee.registry import register
@@ -91,6 +96,18 @@ FUSED_PERMUTE = _fused_permute_from_env()
 # The experts' SwiGLU elementwise as one Triton pass each way (`kernels/swiglu.py`): "on" or "off";
 # BUMBLEBEE_FUSED_SWIGLU=off (read at import) selects the torch ops the twins run.
 FUSED_SWIGLU = switches.from_env("BUMBLEBEE_FUSED_SWIGLU")
+
+
+# Under the models' full recompute (`bumblebee.recompute`): the recomputed forward skips fc2, the
+# combine and the un-permute (the backward then weights the experts' rows itself and returns the
+# weights' gradient by one more small exchange per chunk; the first forward sends each row's
+# weight with it). "on" or "off"; BUMBLEBEE_FUSED_RECOMPUTE=off (read at import).
+FUSED_RECOMPUTE = switches.from_env("BUMBLEBEE_FUSED_RECOMPUTE")
+
+
+def _fused_recompute_phase():
+    """recompute.phase() ("forward" | "recompute") where FUSED_RECOMPUTE is on, else None."""
+    return recompute.phase() if switches.is_on("FUSED_RECOMPUTE", FUSED_RECOMPUTE) else None
 
 
 def _carveout_from_env():
@@ -327,6 +344,10 @@ class _ChunkedEP(torch.autograd.Function):
         ctx.swiglu = _swiglu_fns(x_ND)  # one pair for the forward and its backward
         EP = dist.get_world_size(group) if group is not None else 1
         K = indices_NK.shape[1]
+        # inside a recompute region: the weighting's backward on the expert side, so that the
+        # recompute can skip fc2 and the combine (see _fused_recompute_phase)
+        phase = _fused_recompute_phase()
+        fused, skip = phase is not None, phase == "recompute"
 
         def first_gather(order_M, copy_bounds):  # chunk 0's P, issued before the host sync
             return x_ND.index_select(0, order_M[copy_bounds[0]:copy_bounds[1]] // K)
@@ -335,11 +356,16 @@ class _ChunkedEP(torch.autograd.Function):
         token_M = order_M // K
         sched = _Schedule(x_ND.device, group)
         out_ND = torch.empty_like(x_ND)  # every token is in an active chunk: all rows get written
+        w_sorted_M = weights_NK.reshape(-1).float().index_select(0, order_M) if fused else None
 
-        def dispatch(p):  # P: gather the chunk's copies, then D: send them
+        def dispatch(p):  # P: gather the chunk's copies, then D: send them (and their weights)
             a, b = p["copies"]
             x_MD = x0 if p["chunk"] == 0 and x0 is not None else x_ND.index_select(0, token_M[a:b])
-            return sched.all_to_all(x_MD, p["out_splits"], p["in_splits"])
+            x_RD, ev = sched.all_to_all(x_MD, p["out_splits"], p["in_splits"])
+            if not fused:
+                return x_RD, None, ev
+            w_R, ev = sched.all_to_all(w_sorted_M[a:b], p["out_splits"], p["in_splits"])  # after x on comm
+            return x_RD, w_R, ev
 
         L, I2, D = w1_L2ID.shape
         gather = len(plan) > 1 and _wgrad_by_gather(plan, D, I2 // 2, L)
@@ -348,35 +374,42 @@ class _ChunkedEP(torch.autograd.Function):
         x_cm = x_ND.new_empty(R, D) if gather else torch.empty(0, device=x_ND.device)
         disp = [dispatch(plan[0])] if plan else []
         overlap = sched.cuda and len(plan) > 1  # GEMMs run next to NCCL kernels
-        xs, hs, comb = [], [], []
+        xs, hs, ws, comb = [], [], [], []
         for c, p in enumerate(plan):
             if c + 1 < len(plan):  # next chunk's dispatch goes ahead of this chunk's combine on comm
                 disp.append(dispatch(plan[c + 1]))
-            x_RD, ev = disp[c]
+            x_RD, w_R, ev = disp[c]
             sched.wait(ev)
             r0, r1 = p["rows"]
             dest, src = dest_R[r0:r1], src_R[r0:r1]
             tpe = TokensPerExpert(counts_CL[c], p["tpe"], offs_CL[c])
             x_e = torch.index_select(x_RD, 0, src, out=x_cm[r0:r1]) if gather else x_RD.index_select(0, src)
             with _sm_carveout(overlap, x_ND.device, EP):
-                y_e, (x_e, h_e, _, _) = expert_forward(x_e, tpe, w1_L2ID, w2_LDI, mode, swiglu=ctx.swiglu[0])
-            comb.append(sched.all_to_all(y_e.index_select(0, dest), p["in_splits"], p["out_splits"]))
+                y_e, (x_e, h_e, _, _) = expert_forward(x_e, tpe, w1_L2ID, w2_LDI, mode, swiglu=ctx.swiglu[0],
+                                                       fc2=not skip)
+            if not skip:
+                comb.append(sched.all_to_all(y_e.index_select(0, dest), p["in_splits"], p["out_splits"]))
             if not gather:
                 xs.append(x_e)
+            if fused:
+                ws.append(w_R.index_select(0, src))
             hs.append(h_e)
         ys = []
-        for c, p in enumerate(plan):  # U: weight and sum each token's copies, as each combine lands
+        for c, p in enumerate(comb):  # U: weight and sum each token's copies, as each combine lands
             y_MD, ev = comb[c]
             sched.wait(ev)
-            (t0, t1), (a, b) = p["tokens"], p["copies"]
+            (t0, t1), (a, b) = plan[c]["tokens"], plan[c]["copies"]
             ctx.permute[0](y_MD, weights_NK[t0:t1], inv_M[a:b] - a, out=out_ND[t0:t1])
             ys.append(y_MD)
         sched.finish()
+        if skip:  # the recompute's output is discarded (recompute.py); zeros rather than stale memory
+            out_ND.zero_()
         ctx.plan, ctx.K, ctx.group, ctx.EP = plan, K, group, EP
         ctx.grouped = use_grouped_mm(x_ND, w1_L2ID, w2_LDI, mode)
-        ctx.n, ctx.gather = len(plan), gather
+        ctx.n, ctx.gather, ctx.fused = len(plan), gather, fused
+        # fused: the experts' routing weights instead of the combined outputs (same set in both passes)
         ctx.save_for_backward(order_M, inv_M, weights_NK, w1_L2ID, w2_LDI, dest_R, src_R, counts_CL, offs_CL, x_cm,
-                              *hs, *ys, *xs)
+                              *hs, *(ws if fused else ys), *xs)
         return out_ND
 
     @staticmethod
@@ -384,7 +417,7 @@ class _ChunkedEP(torch.autograd.Function):
         n, plan, K = ctx.n, ctx.plan, ctx.K
         _, unpermute_grads_fn, sum_copies_fn = ctx.permute
         order_M, inv_M, weights_NK, w1, w2, dest_R, src_R, counts_CL, offs_CL, x_cm, *rest = ctx.saved_tensors
-        hs, ys, xs = rest[:n], rest[n:2 * n], rest[2 * n:]
+        hs, ys, xs = rest[:n], rest[n:2 * n], rest[2 * n:]  # ys: the experts' weights when fused
         g_ND = g_ND.contiguous()
         sched = _Schedule(g_ND.device, ctx.group)
         token_M = order_M // K
@@ -394,6 +427,8 @@ class _ChunkedEP(torch.autograd.Function):
 
         def weighting_grad(c, p):  # G: gradient of the weighting, then B: send it back to the experts
             a, b = p["copies"]
+            if ctx.fused:  # the experts weight it and compute gw
+                return sched.all_to_all(g_ND.index_select(0, token_M[a:b]), p["out_splits"], p["in_splits"])
             g_MD, gw = unpermute_grads_fn(g_ND, ys[c], w_sorted_M[a:b], token_M[a:b], need_w)
             if need_w:
                 gw_M[a:b] = gw
@@ -407,7 +442,7 @@ class _ChunkedEP(torch.autograd.Function):
             I = w2.shape[-1]
             g_cm, dh_cm, a_cm = (x_cm.new_empty(R, w) for w in (x_cm.shape[1], 2 * I, I))
         cb = [weighting_grad(0, plan[0])] if plan else []
-        db, jobs = [], []
+        db, gb, jobs = [], [], []
         for c, p in enumerate(plan):
             if c + 1 < n:
                 cb.append(weighting_grad(c + 1, plan[c + 1]))
@@ -416,16 +451,20 @@ class _ChunkedEP(torch.autograd.Function):
             r0, r1 = p["rows"]
             dest, src = dest_R[r0:r1], src_R[r0:r1]
             tpe = TokensPerExpert(counts_CL[c], p["tpe"], offs_CL[c])
+            g_e = torch.index_select(g_RD, 0, src, out=g_cm[r0:r1]) if gather else g_RD.index_select(0, src)
+            saved = (None if gather else xs[c], hs[c], tpe, ctx.grouped)
+            outs = dict(dh_out=dh_cm[r0:r1], a_out=a_cm[r0:r1]) if gather else {}
             with _sm_carveout(overlap, g_ND.device, ctx.EP):
-                if gather:
-                    g_e = torch.index_select(g_RD, 0, src, out=g_cm[r0:r1])
-                    dx_e, _ = expert_dgrad(g_e, (None, hs[c], tpe, ctx.grouped), w1, w2, dh_out=dh_cm[r0:r1],
-                                           a_out=a_cm[r0:r1], swiglu_grads=ctx.swiglu[1])
+                if ctx.fused:
+                    dx_e, gw_e, job = expert_dgrad_weighted(g_e, saved, w1, w2, ys[c], swiglu_grads=ctx.swiglu[1],
+                                                            **outs)
                 else:
-                    dx_e, job = expert_dgrad(g_RD.index_select(0, src), (xs[c], hs[c], tpe, ctx.grouped), w1, w2,
-                                             swiglu_grads=ctx.swiglu[1])
-                    jobs.append(job)
+                    dx_e, job = expert_dgrad(g_e, saved, w1, w2, swiglu_grads=ctx.swiglu[1], **outs)
+            if not gather:
+                jobs.append(job)
             db.append(sched.all_to_all(dx_e.index_select(0, dest), p["in_splits"], p["out_splits"]))
+            if ctx.fused:  # every rank exchanges gw, needed or not: the collectives stay in step
+                gb.append(sched.all_to_all(gw_e.index_select(0, dest), p["in_splits"], p["out_splits"]))
         # W: the wgrad of every chunk after the last dgrad, while the tail dispatch-backward runs
         if gather:  # regroup the chunk-major buffers by expert (gathers), one GEMM per weight
             tpe = TokensPerExpert(counts_CL.sum(0), [sum(col) for col in zip(*(p["tpe"] for p in plan))])
@@ -445,6 +484,10 @@ class _ChunkedEP(torch.autograd.Function):
             sched.wait(ev)
             (t0, t1), (a, b) = p["tokens"], p["copies"]
             sum_copies_fn(dx_MD, inv_M[a:b] - a, K, out=gx_ND[t0:t1])
+            if ctx.fused and need_w:
+                gw_R, ev = gb[c]
+                sched.wait(ev)
+                gw_M[a:b] = gw_R
         sched.finish()
         gw_NK = gw_M.index_select(0, inv_M).view_as(weights_NK).to(weights_NK.dtype) if need_w else None
         return gx_ND, gw_NK, dw1, dw2, None, None, None, None, None, None

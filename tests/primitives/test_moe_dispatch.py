@@ -192,7 +192,8 @@ def model_level(group):
 
 
 def qwen3_moe_recompute(group):
-    """qwen3-moe-tiny with full recompute and chunked EP vs the same model on one rank with `local`."""
+    """qwen3-moe-tiny with full recompute (the models' wrapper: the chunked dispatch's fused recompute)
+    and chunked EP vs the same model on one rank with `local`."""
     from bumblebee import models
     W, r = dist.get_world_size(group), dist.get_rank(group)
     ref = models.build("qwen3-moe-tiny", impl={"moe_dispatch": "local"}, seed=0)
