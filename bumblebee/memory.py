@@ -1,4 +1,4 @@
-"""Static-memory estimator: per-rank bytes of a training step, term by term.
+"""Memory estimator: per-rank bytes of a training step, term by term, at the step's peak moments.
 
     est = bumblebee.memory.estimate("qwen3-8b", Parallel(dp=8, sharding="fsdp2", seq_len=32768))
     print(bumblebee.memory.table("qwen3-8b", Parallel(dp=8)))
@@ -6,19 +6,37 @@
 
 State terms follow the implementations in primitives/state_sharding.py and
 baselines/state_sharding.py (P parameters, n data-parallel ranks; bf16 compute):
-  FSDP2   fp32 master 4P/n + fp32 grads 4P/n + Adam 8P/n = 16P/n, plus the bf16 parameters of the
-          units in flight (one block, the prefetched next one, the root unit) and one block's fp32
-          unsharded gradient before its reduce-scatter.
+  FSDP2   fp32 master 4P/n + fp32 grads 4P/n + Adam 8P/n = 16P/n, plus the bf16 units in flight.
   ZeRO-1  bf16 params 2P + fp32 grads 4P (both divided by PP*EP) + fp32 master and Adam 12P/n.
 The recipe quotes FSDP2 as 18P/n (it counts a sharded bf16 copy too); `recipe_state` gives
 that number beside ours. With EP, expert parameters are divided over the EP ranks first, then
 sharded over the remaining dp/ep ranks, so every state term stays P/(PP*n) for them.
 
-Activation terms assume full recompute (one [N, D] input kept per layer, plus one layer's working
-set rebuilt during its backward) or none (every layer's working set kept); loss buffers depend on
-the cross_entropy slot (materialized: [N, V] logits in fp32 and their gradient; linear_ce: one
-fp32 vocabulary chunk and the fp32 [N, D] hidden gradient); MoE dispatch buffers hold the N*top_k
-routed rows (permuted input, expert hidden, output) and, with EP, the all-to-all send/receive copies.
+The peak is the largest of four moments (`Estimate.phases`):
+  loss         the loss backward starts: every activation the forward kept, the loss buffers;
+  first_block  the first block rebuilt in the backward (the MTP block, else the top layer);
+  last_block   the first decoder layer's backward: one layer input left, but (FSDP2) the reduced
+               gradients of every other block; ZeRO-1's fp32 gradient buffers exist throughout;
+  optimizer    the step: static state and AdamW's temporaries.
+FSDP2 gradients: zero_grad leaves none, and a unit's fp32 shard appears when its backward ends, so
+the first two moments hold none and the last holds all but its own block's, the root's and the
+embedding's. In flight: the root unit's bf16 parameters (kept from forward to backward) and its
+bf16 gradients (accumulated until the end), the current block's parameters and gradients, the unit
+prefetched next, and the fp32 reduce-scatter input of the unit reduced before.
+
+Activations, per token, from what autograd keeps in the code (primitives/, models/, fla):
+  recompute: one [N, D] input per layer, plus one rebuilt layer: its saved tensors and the buffers
+  of its backward, the largest layer type; without recompute every layer's saved tensors;
+  the head: the final norm's saved tensors and the loss input; the MTP depth (Qwen3.5): its two
+  pre-fc norms, the concatenation and its block's input, kept until its block's backward;
+  loss buffers by the cross_entropy slot (materialized: [N, V] logits in fp32 and their gradient;
+  linear_ce: one fp32 vocabulary chunk and the [N, D] hidden gradient in fp32 and compute dtype);
+  MoE dispatch: at EP = 1 the `local` twin, N*top_k routed rows (permuted input, expert hidden,
+  output); with EP the `chunked` primitive, which keeps every chunk's all-to-all buffers until its
+  backward ends (`_chunked_dispatch`). Layers: GQA (Qwen3) by the saved-plus-gradient rule
+  (2 x saved); Qwen3.5's gated attention and gated DeltaNet (fla) tensor by tensor, the layer's
+  peak being its MoE/MLP backward (everything saved still alive) or its mixer's backward.
+Routing is taken as balanced (each rank receives N*top_k rows).
 """
 from __future__ import annotations
 
@@ -28,6 +46,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 LINEAR_CE_WORKSPACE = 128 << 20  # primitives/cross_entropy.py WORKSPACE_BYTES (one fp32 logit chunk)
+LINEAR_CE_MIN_COLUMNS = 1024     # its MIN_CHUNK_COLUMNS: the chunk grows past the workspace beyond 32K tokens
+FLA_CHUNK = 64                   # fla's chunk_gated_delta_rule chunk size (its A is [T, H_v, 64])
 _BYTES = {"bf16": 2, "fp32": 4}
 
 
@@ -44,6 +64,7 @@ class Parallel:
     loss: str = "linear_ce"       # "linear_ce" | "materialized_ce"
     reshard_after_forward: bool = True
     device: str = "cuda"          # "cuda": AdamW's foreach path; "cpu": its per-tensor path
+    moe_fused_recompute: bool = True  # the chunked dispatch's FUSED_RECOMPUTE under the models' recompute
 
 
 @dataclass
@@ -51,13 +72,17 @@ class Estimate:
     params: int = 0
     grads: int = 0
     optimizer: int = 0
-    unsharded_units: int = 0      # FSDP2: bf16 units in flight + one unsharded fp32 unit gradient
-    activations: int = 0          # kept across the whole backward (recompute: one [N, D] per layer)
-    layer_working: int = 0        # one layer's saved tensors and their gradients during its backward
-    loss_buffers: int = 0         # cross-entropy buffers at the start of the backward
-    moe_dispatch: int = 0         # routed-row buffers of one MoE layer (inside the layer working set)
+    unsharded_units: int = 0      # units in flight at the last block's backward (FSDP2), a gradient (ZeRO-1)
+    activations: int = 0          # kept until the loss backward: layer inputs (all saved tensors without
+                                  # recompute), the final norm's tensors and the loss input
+    mtp_activations: int = 0      # kept by the MTP depth until its block's backward
+    layer_working: int = 0        # one layer's peak during its backward beyond the kept activations,
+                                  # the dispatch's buffers apart
+    loss_buffers: int = 0         # cross-entropy buffers during the loss backward
+    moe_dispatch: int = 0         # the dispatch's buffers at that peak (inside the layer's peak)
     optimizer_step: int = 0       # transients of the step: reduced grad shards, AdamW temporaries
     recipe_state: int = 0
+    phases: dict = field(default_factory=dict)  # moment -> bytes (see the module docstring)
     counts: dict = field(default_factory=dict)
 
     @property
@@ -67,13 +92,11 @@ class Estimate:
 
     @property
     def backward_peak(self) -> int:
-        # the loss buffers are freed before the first layer's backward rebuilds its working set
-        return (self.static + self.unsharded_units + self.activations
-                + max(self.loss_buffers, self.layer_working + self.moe_dispatch))
+        return max((v for k, v in self.phases.items() if k != "optimizer"), default=0)
 
     @property
     def peak(self) -> int:
-        return max(self.backward_peak, self.static + self.optimizer_step)
+        return max(self.phases.values(), default=0)
 
 
 def _model_on_meta(config):
@@ -91,8 +114,10 @@ def _is_expert(name: str) -> bool:
     return ".experts." in name
 
 
+# ---- activations: bytes per token ----------------------------------------------------------------
+
 def _layer_working_set(cfg, n_tok: int, b: int) -> int:
-    """Bytes autograd keeps for one decoder layer's backward (SDPA without a [T, T] matrix)."""
+    """Bytes autograd keeps for one GQA decoder layer's backward (Qwen3; SDPA without a [T, T] matrix)."""
     d, dh = cfg.hidden_size, cfg.head_dim
     qkv = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * dh
     attn = n_tok * (2 * d * b + 4 * d        # input, normed input; the fp32 copy inside RMSNorm
@@ -107,9 +132,188 @@ def _layer_working_set(cfg, n_tok: int, b: int) -> int:
     return attn + mlp
 
 
-def estimate(config, parallel: Parallel | None = None) -> Estimate:
-    """Per-rank bytes of each term for model `config` (a named config or an HF config dict)."""
-    par = parallel or Parallel()
+def _rms_norm(d: int, b: int) -> int:
+    """bumblebee.norms.RMSNorm: the fp32 input and the normed rows in compute dtype (the weight's operand)."""
+    return 4 * d + b * d
+
+
+def _zc_norm(d: int, b: int) -> int:
+    """Qwen3.5's zero-centred RMSNorm computes in fp32 and keeps two [*, d] fp32 tensors: the input's
+    fp32 copy (the input itself when computing in fp32) and the normalized rows (the (1 + w) operand)."""
+    return 8 * d if b < 4 else 4 * d
+
+
+def _gated_attention(cfg, b: int) -> int:
+    """Qwen3.5 full-attention mixer (models/qwen3_5.py GatedAttention, SDPA) beyond its normed input."""
+    H, K, dh = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    return (_zc_norm(H * dh, b) + _zc_norm(K * dh, b) + 4 * (H + K)  # q/k norms (fp32 rows, rsqrt)
+            + b * (H + 2 * K) * dh           # rotated q and k, v: SDPA's inputs
+            + b * H * dh + 4 * H             # SDPA's output and log-sum-exp
+            + 3 * b * H * dh                 # output copied to [T, H*dh], sigmoid(gate), gated product
+            + 2 * b * cfg.rotary_dim)        # cos, sin
+
+
+def _gated_attention_backward(cfg, b: int) -> int:
+    """SDPA's backward: output gradient, dq/dk/dv and an fp32 dq accumulator."""
+    H, K, dh = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    return b * H * dh + b * (H + 2 * K) * dh + 4 * H * dh
+
+
+def _deltanet(cfg, b: int) -> int:
+    """Gated DeltaNet mixer (primitives/linear_attention.py on fla) beyond its normed input."""
+    Hk, Hv, dk, dv = (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                      cfg.linear_value_head_dim)
+    key, value = Hk * dk, Hv * dv
+    return (b * Hv + 8 * Hv                  # beta (sigmoid output); softplus input and output (fp32)
+            + b * (2 * key + value)          # causal_conv1d keeps its input, the qkv projection
+            + b * (2 * key + value)          # chunk_gated_delta_rule: l2-normed q and k, contiguous v
+            + b * Hv * FLA_CHUNK + 4 * Hv + 8 * Hk  # its A [T, H_v, 64], fp32 cumulative gate, q/k rstd
+            + (12 + 2 * b) * value + 4 * Hv  # GatedRMSNorm: fp32 o and z, normed o, w * o, silu(z) in fp32
+            + b * value)                     # out_proj's input
+
+
+def _deltanet_backward(cfg, b: int) -> int:
+    """fla's chunk_gated_delta_rule backward at its fullest (prepare_wy_repr_bwd): the output gradient, the
+    recomputed w, u, v_new and per-chunk states h [T/64, H_v, d_k, d_v], their gradient dh, two dv, dq,
+    dk, dw, and dk at H_v heads before its sum (all in compute dtype; fla saves no state in the forward)."""
+    Hk, Hv, dk, dv = (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                      cfg.linear_value_head_dim)
+    return b * (Hv * dv + 3 * Hv * dk + 4 * Hv * dv + 2 * Hv * dk * dv // FLA_CHUNK + 3 * Hk * dk)
+
+
+def _moe_router(cfg) -> int:
+    """The router's fp32 softmax over the experts, its top-k indices (int64) and weights (fp32)."""
+    return 4 * cfg.num_experts + 12 * cfg.num_experts_per_tok
+
+
+def _shared_expert(cfg, b: int) -> int:
+    """Qwen3.5's shared expert: SwiGLU (gate, silu, up, product) and its sigmoid gate with the output it
+    scales. Its backward runs before the dispatch's (created after it) and frees these."""
+    s = getattr(cfg, "shared_expert_intermediate_size", 0) or 0
+    return 4 * s * b + b * cfg.hidden_size + b if s else 0
+
+
+def _hybrid_layer(cfg, layer_type: str, b: int, dispatch: tuple[int, int], recompute: bool) -> tuple[int, int]:
+    """(saved, peak) bytes per token of one Qwen3.5 decoder layer: what its forward saves (its input
+    apart; dispatch rows included), and its peak during the backward beyond what is kept without
+    recompute. dispatch = (saved, backward) bytes per token of the MoE dispatch (0, 0 for dense)."""
+    d = cfg.hidden_size
+    if layer_type == "linear_attention":
+        mixer, mixer_bwd = _deltanet(cfg, b), _deltanet_backward(cfg, b)
+    else:
+        mixer, mixer_bwd = _gated_attention(cfg, b), _gated_attention_backward(cfg, b)
+    front = _zc_norm(d, b) + b * d + mixer           # input norm, its output (the projections' input), mixer
+    if getattr(cfg, "num_experts", 0):
+        mlp = _moe_router(cfg) + _shared_expert(cfg, b) + dispatch[0]
+        mlp_bwd = dispatch[1] - _shared_expert(cfg, b)
+    else:
+        f = cfg.intermediate_size
+        mlp, mlp_bwd = 4 * f * b, 3 * f * b + b * d  # gate, silu, up, product; their gradients, dx
+    saved = front + _zc_norm(d, b) + b * d + mlp      # post norm, its output
+    grads = 2 * b * d  # the layer output's gradient (held for the residual), the MLP input's accumulating one
+    # the MLP's backward runs first with every saved tensor alive; then the mixer's, the MLP's freed
+    peak = max(saved + mlp_bwd, front + mixer_bwd) + grads
+    return saved, peak - (saved if not recompute else 0)
+
+
+def _chunk_spec(n_tok: int, ep: int) -> tuple:
+    """Relative chunk sizes the chunked dispatch uses at n_tok tokens per rank (its default)."""
+    from bumblebee.primitives import moe_dispatch as md  # lazy, like the models
+    chunks = md.DEFAULT_CHUNKS
+    if chunks == "auto":
+        return md.AUTO_CHUNKS if n_tok >= md.by_ep(md.AUTO_MIN_TOKENS, ep) else (1,)
+    return (1,) * chunks if isinstance(chunks, int) else tuple(chunks)
+
+
+def _chunked_dispatch(cfg, n_tok: int, b: int, ep: int, fused: bool = False) -> tuple[int, int, bool]:
+    """(saved, backward) bytes per token of primitives/moe_dispatch.py at its backward's fullest, and
+    whether it splits the tokens into several chunks. Rows per rank: R = N * top_k sent and received.
+    Saved: each chunk's expert input rows x_e, expert hidden h [R, 2I] and combine output y [R, D]
+    (`fused`, its fused recompute: the rows' fp32 routing weights instead of y).
+    Backward (kept by the schedule until its end): the combine-backward all-to-all (send and receive),
+    each chunk's wgrad inputs (g_e, a [R, I], dh [R, 2I]), the dispatch-backward all-to-all (send and
+    receive), the last chunk's dx, the [N, D] input gradient; int64 permutations and fp32 weight grads."""
+    d, i, k = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok
+    spec = _chunk_spec(n_tok, ep)
+    last = max(spec) / sum(spec)
+    saved = k * (b * (d + 2 * i) + (4 if fused else b * d)) + 32 * k
+    backward = k * b * (5 * d + 3 * i + last * d) + b * d + 14 * k
+    return saved, int(backward), len(spec) > 1
+
+
+def _local_dispatch(cfg, b: int) -> int:
+    """baselines/moe_dispatch.py local: N*top_k routed rows (permuted input, expert hidden, output)."""
+    return cfg.num_experts_per_tok * (2 * cfg.hidden_size + 3 * cfg.moe_intermediate_size) * b
+
+
+# ---- state: FSDP2 units ---------------------------------------------------------------------------
+
+def _param_groups(model, ep: int, pp: int) -> dict:
+    """Parameter counts this rank holds before data-parallel sharding: dense and expert totals (layers
+    divided over the pp stages), per decoder block (experts / ep), the root unit, the untied embedding."""
+    dense = expert = 0
+    unit, unit_dense = {}, {}
+    for name, p in model.named_parameters():
+        k = p.numel()
+        if name.startswith("model.layers."):
+            i = int(name.split(".")[2])
+            unit[i] = unit.get(i, 0) + (k // ep if _is_expert(name) else k)
+            if not _is_expert(name):
+                unit_dense[i] = unit_dense.get(i, 0) + k
+            k = k / pp
+        if _is_expert(name):
+            expert += k / ep
+        else:
+            dense += k
+    cfg = model.config
+    embed = 0 if cfg.tie_word_embeddings else model.model.embed_tokens.weight.numel()
+    # the root unit: everything outside the blocks and the untied embedding; under EP every experts
+    # module (the MTP block's too) is a unit of its own
+    root = sum(p.numel() for name, p in model.named_parameters() if not name.startswith("model.layers.")
+               and not (name.startswith("model.embed_tokens") and embed) and not (ep > 1 and _is_expert(name)))
+    block = max(unit.values()) if unit else 0
+    largest_block = max(unit, key=unit.get) if unit else None
+    return {"dense": dense, "expert": expert, "block": block,
+            "block_dense": unit_dense.get(largest_block, 0), "block_expert": block - unit_dense.get(largest_block, 0),
+            "root": root, "embed": embed, "head": model.lm_head.weight.numel()}
+
+
+def _fsdp2_units(g: dict, b: int, n: int, ep: int, mtp: bool, all_blocks: int) -> dict:
+    """FSDP2 bytes besides the persistent state at the three backward moments: the fp32 gradient
+    shards already reduced, and the units in flight. all_blocks: the other blocks kept unsharded
+    (reshard_after_forward=False), else 0."""
+    def shard(dense, expert=0):  # this rank's fp32 shard of a unit
+        return dense / n + expert / (n // ep)
+    p_shard = shard(g["dense"], g["expert"])
+    block, embed, root = g["block"], g["embed"], g["root"]
+    reduced = 4 * (p_shard - shard(g["block_dense"], g["block_expert"]) - shard(root) - shard(embed))
+    current = 2 * b * block + b * all_blocks      # a block's bf16 parameters and their bf16 gradients
+    return {
+        "loss": b * (root + g["head"] + all_blocks),  # root parameters; the head's bf16 gradient
+        # plus the unit prefetched next: the block below the top layer; for the MTP block (no explicit
+        # prefetch) FSDP2's implicit one, the unit before it in forward order: the embedding
+        "first_block": b * (root + g["head"]) + current + b * (embed if mtp else block),
+        # root parameters and gradients; the embedding's parameters (and, after the MTP lookup's backward,
+        # its gradient); the fp32 reduce-scatter input of the unit reduced before (under EP the blocks'
+        # dense part: the experts are their own units)
+        "last_block": 2 * b * root + current + b * embed * (2 if mtp else 1)
+        + 4 * (g["block_dense"] if ep > 1 else block),
+        "reduced": reduced,
+    }
+
+
+def _loss_buffers(loss: str, n_tok: int, v: int, d: int, b: int) -> int:
+    if loss == "materialized_ce":
+        # [N, V] logits (a bf16 matmul output first when computing in bf16), fp32 logits and exp
+        return int(n_tok * v * (8 + (b if b < 4 else 0)))
+    # one fp32 vocabulary chunk (at least LINEAR_CE_MIN_COLUMNS wide), the fp32 [N, D] hidden gradient
+    # and its compute-dtype copy (the Triton path on CUDA; the CPU path of primitives/cross_entropy.py
+    # holds several chunk-sized temporaries)
+    cols = min(v, max(LINEAR_CE_MIN_COLUMNS, LINEAR_CE_WORKSPACE // max(1, 4 * n_tok) // 256 * 256))
+    return int(4 * n_tok * cols + n_tok * d * (4 + (b if b < 4 else 0)))
+
+
+def _check(par: Parallel) -> None:
     if par.sharding not in ("fsdp2", "zero1"):
         raise ValueError(f"sharding {par.sharding!r} not supported; accepted: ['fsdp2', 'zero1']")
     if par.mixed_precision not in _BYTES:
@@ -120,76 +324,107 @@ def estimate(config, parallel: Parallel | None = None) -> Estimate:
         raise ValueError(f"loss {par.loss!r} not supported; accepted: ['linear_ce', 'materialized_ce']")
     if min(par.dp, par.pp, par.ep) < 1 or par.dp % par.ep:
         raise ValueError(f"need dp, pp, ep >= 1 with ep dividing dp, got dp={par.dp}, pp={par.pp}, ep={par.ep}")
-    model, cfg = _model_on_meta(config)
-    b = _BYTES[par.mixed_precision]
-    n, pp, ep = par.dp, par.pp, par.ep
-    layers = cfg.num_hidden_layers
-    # parameters held by this rank's pipeline stage (layers split evenly; embedding and head counted
-    # on every stage, which over-counts for pp > 1 by at most their size)
-    dense = expert = 0
-    unit = {}
-    for name, p in model.named_parameters():
-        k = p.numel()
-        if name.startswith("model.layers."):
-            i = int(name.split(".")[2])
-            unit[i] = unit.get(i, 0) + (k // ep if _is_expert(name) else k)
-            k = k / pp
-        if _is_expert(name):
-            expert += k / ep
-        else:
-            dense += k
-    root = sum(p.numel() for name, p in model.named_parameters() if not name.startswith("model.layers.")
-               and not (name.startswith("model.embed_tokens") and not cfg.tie_word_embeddings))
-    p_rank = dense + expert                  # parameters on this rank before data-parallel sharding
-    p_shard = dense / n + expert / (n // ep)  # this rank's shard
+
+
+def _state_terms(est: Estimate, model, g: dict, par: Parallel, b: int, mtp: bool) -> tuple[dict, dict]:
+    """Fills the state terms of `est`; returns (units in flight, gradients present) per backward moment."""
+    n, ep = par.dp, par.ep
+    p_rank = g["dense"] + g["expert"]         # parameters on this rank before data-parallel sharding
+    p_shard = g["dense"] / n + g["expert"] / (n // ep)  # this rank's shard
     largest = max(p.numel() // (ep if _is_expert(name) else 1) for name, p in model.named_parameters())
     # AdamW's temporaries: foreach (CUDA) holds one fp32 list as large as the shard; the per-tensor
     # path (CPU) one tensor as large as the largest parameter shard
     adam_temp = 4 * (p_shard if par.device == "cuda" else largest / n)
-    est = Estimate()
     if par.sharding == "fsdp2":
         est.params, est.grads, est.optimizer = int(4 * p_shard), int(4 * p_shard), int(8 * p_shard)
-        embed = 0 if cfg.tie_word_embeddings else model.model.embed_tokens.weight.numel()
-        block = max(unit.values()) if unit else 0
-        in_flight = 2 if par.reshard_after_forward else layers // pp  # current + prefetched, or all
-        # bf16 copies of the root unit and the blocks in flight; one unit's fp32 gradient before
-        # its reduce-scatter (the largest unit: a block, or the untied embedding)
-        est.unsharded_units = int(b * (root + in_flight * block) + 4 * max(block, embed))
+        local_layers = -(-model.config.num_hidden_layers // par.pp)
+        others = 0 if par.reshard_after_forward else (local_layers - 1) * g["block"]
+        units = _fsdp2_units(g, b, n, ep, mtp, others)
+        grads_at = {"loss": 0, "first_block": 0, "last_block": units.pop("reduced")}
         est.optimizer_step = int(adam_temp)
         est.recipe_state = int(18 * p_shard)
     else:
         est.params, est.grads, est.optimizer = int(b * p_rank), int(4 * p_rank), int(12 * p_shard)
-        est.unsharded_units = int(b * largest)  # a parameter's own gradient before the hook adds it
+        # a parameter's own gradient before the hook adds it to the fp32 buffers (which exist throughout)
+        units = dict.fromkeys(("loss", "first_block", "last_block"), b * largest)
+        grads_at = dict.fromkeys(units, est.grads)
         # the reduce-scattered gradient shards, then AdamW's temporaries or the compute-dtype copies
         # of the updated shards sent to the all-gather
         est.optimizer_step = int(4 * p_shard + max(adam_temp, b * p_shard if b < 4 else 0))
         est.recipe_state = int(6 * p_rank + 12 * p_shard)
-    n_tok = par.micro_batch * par.seq_len
-    work = _layer_working_set(cfg, n_tok, b)
-    d = cfg.hidden_size
-    local_layers = -(-layers // pp)
-    if par.recompute:
-        est.activations = int(local_layers * n_tok * d * b)  # each layer's input
-        est.layer_working = int(2 * work)                    # one rebuilt layer and its gradients
-    else:
-        est.activations = int(local_layers * work)
-        est.layer_working = int(work)
-    v = cfg.vocab_size
-    if par.loss == "materialized_ce":
-        # [N, V] logits (a bf16 matmul output first when computing in bf16), fp32 logits and exp
-        est.loss_buffers = int(n_tok * v * (8 + (b if b < 4 else 0)))
-    else:
-        # one fp32 vocabulary chunk and the fp32 [N, D] hidden gradient (the Triton path on CUDA;
-        # the CPU path of primitives/cross_entropy.py holds several chunk-sized temporaries)
-        est.loss_buffers = int(min(LINEAR_CE_WORKSPACE, n_tok * v * 4) + n_tok * d * 4)
-    experts = getattr(cfg, "num_experts", 0)
-    if experts:
-        k, f = cfg.num_experts_per_tok, cfg.moe_intermediate_size
-        rows = n_tok * k
-        est.moe_dispatch = int(rows * (2 * d + 3 * f) * b + (2 * rows * d * b if ep > 1 else 0))
+    est.unsharded_units = int(units["last_block"])
     est.counts = {"P": int(sum(p.numel() for p in model.parameters())), "P_rank": int(p_rank),
-                  "P_shard": int(p_shard), "block": int(max(unit.values()) if unit else 0), "root": int(root),
-                  "tokens": n_tok}
+                  "P_shard": int(p_shard), "block": int(g["block"]), "root": int(g["root"])}
+    return units, grads_at
+
+
+def _activation_terms(est: Estimate, cfg, g: dict, par: Parallel, b: int, mtp: bool) -> dict:
+    """Fills the activation terms of `est`; returns the activation bytes at each backward moment."""
+    n_tok, d, ep = par.micro_batch * par.seq_len, cfg.hidden_size, par.ep
+    dispatch, wgrad_extra = (0, 0), 0
+    if getattr(cfg, "num_experts", 0) and ep > 1:  # the chunked expert-parallel primitive
+        saved_d, bwd_d, chunked = _chunked_dispatch(cfg, n_tok, b, ep, par.recompute and par.moe_fused_recompute)
+        dispatch = (saved_d, bwd_d)
+        # several chunks: one more expert-weight-sized bf16 wgrad before its add
+        wgrad_extra = b * g["block_expert"] if chunked else 0
+    elif getattr(cfg, "num_experts", 0):
+        dispatch = (0, _local_dispatch(cfg, b))
+    hybrid = hasattr(cfg, "layer_types")
+    local_layers = -(-cfg.num_hidden_layers // par.pp)
+    types = list(cfg.layer_types)[:local_layers] if hybrid else ["gqa"] * local_layers
+    first_type = "full_attention" if (hybrid and mtp) else types[-1]  # Qwen3.5's MTP block: full attention
+    if hybrid:  # Qwen3.5: per layer type, (saved, peak) per token
+        per_type = {t: _hybrid_layer(cfg, t, b, dispatch, par.recompute) for t in set(types) | {first_type}}
+        norm = _zc_norm(d, b)
+    else:  # GQA layers: saved tensors, and as much again for their gradients
+        work = _layer_working_set(cfg, 1, b)
+        per_type = {"gqa": (work + dispatch[0], (2 * work if par.recompute else work) + sum(dispatch))}
+        norm = _rms_norm(d, b)
+    worst = max(set(types), key=lambda t: per_type[t][1])  # under recompute one layer is rebuilt at a time
+    est.moe_dispatch = int(n_tok * ((dispatch[0] if par.recompute else 0) + dispatch[1])) + wgrad_extra
+    # the rest of that layer's peak (without recompute the shared expert's release can outweigh it)
+    est.layer_working = max(0, int(n_tok * per_type[worst][1]) + wgrad_extra - est.moe_dispatch)
+
+    def kept(ts):  # what the forward keeps of these layers: their inputs (recompute) or every saved tensor
+        return sum(b * d + (0 if par.recompute else per_type[t][0]) for t in ts)
+    head = norm + b * d + 25  # final norm; the loss input (a copy of the valid rows); labels, lse, etc.
+    est.activations = int(n_tok * (kept(types) + head))
+    mtp_block = mtp_head = 0
+    if mtp:
+        # the pre-fc norms of embedding and hidden, their concatenation (fc's input) and the block's input,
+        # plus the block's saved tensors without recompute; then the MTP head (norm, loss input)
+        mtp_block = 2 * norm + 3 * b * d + 8 + (0 if par.recompute else per_type[first_type][0])
+        mtp_head = norm + b * d + 25
+    est.mtp_activations = int(n_tok * mtp_block)
+    est.loss_buffers = _loss_buffers(par.loss, n_tok, cfg.vocab_size, d, b)
+    est.counts["tokens"] = n_tok
+    return {
+        # the loss backward (the MTP head's first): everything the forward kept, the loss buffers
+        "loss": est.activations + est.mtp_activations + n_tok * mtp_head + est.loss_buffers,
+        # the first rebuilt block: every layer input, and with MTP the head's and the depth's tensors
+        "first_block": n_tok * (kept(types) + (head + mtp_block if mtp else 0) + per_type[first_type][1])
+        + wgrad_extra,
+        # the first layer: its input (or saved tensors) only; the largest layer type
+        "last_block": n_tok * (kept([worst]) + per_type[worst][1]) + wgrad_extra,
+    }
+
+
+def estimate(config, parallel: Parallel | None = None) -> Estimate:
+    """Per-rank bytes of each term for model `config` (a named config or an HF config dict)."""
+    par = parallel or Parallel()
+    _check(par)
+    model, cfg = _model_on_meta(config)
+    b = _BYTES[par.mixed_precision]
+    mtp = bool(getattr(cfg, "mtp_num_hidden_layers", 0))
+    # parameters held by this rank's pipeline stage (layers split evenly; embedding and head counted
+    # on every stage, which over-counts for pp > 1 by at most their size)
+    g = _param_groups(model, par.ep, par.pp)
+    est = Estimate()
+    units, grads_at = _state_terms(est, model, g, par, b, mtp)
+    acts = _activation_terms(est, cfg, g, par, b, mtp)
+    persistent = est.params + est.optimizer
+    est.phases = {k: int(persistent + grads_at[k] + units[k] + acts[k]) for k in acts}
+    est.phases["optimizer"] = est.static + est.optimizer_step
     return est
 
 
@@ -208,8 +443,11 @@ def table(config, parallel: Parallel | None = None, name: str | None = None) -> 
             f"tokens/rank={par.micro_batch}x{par.seq_len} recompute={par.recompute} loss={par.loss}")
     lines = [head, f"{'GiB per rank':<18}{'fsdp2':>10}{'zero1':>10}"]
     for term in ("params", "grads", "optimizer", "static", "recipe_state", "unsharded_units", "activations",
-                 "layer_working", "loss_buffers", "moe_dispatch", "optimizer_step", "peak"):
+                 "mtp_activations", "layer_working", "loss_buffers", "moe_dispatch", "optimizer_step"):
         lines.append(f"{term:<18}{_gib(getattr(rows['fsdp2'], term))} {_gib(getattr(rows['zero1'], term))}")
+    for phase in rows["fsdp2"].phases:
+        lines.append(f"{'at ' + phase:<18}{_gib(rows['fsdp2'].phases[phase])} {_gib(rows['zero1'].phases[phase])}")
+    lines.append(f"{'peak':<18}{_gib(rows['fsdp2'].peak)} {_gib(rows['zero1'].peak)}")
     c = rows["fsdp2"].counts
     lines.append(f"P={c['P']:,} per-rank shard={c['P_shard']:,} largest block={c['block']:,} root unit={c['root']:,}")
     return "\n".join(lines)
