@@ -33,7 +33,8 @@ Activations, per token, from what autograd keeps in the code (primitives/, model
   linear_ce: one fp32 vocabulary chunk and the [N, D] hidden gradient in fp32 and compute dtype);
   MoE dispatch: at EP = 1 the `local` twin, N*top_k routed rows (permuted input, expert hidden,
   output); with EP the `chunked` primitive, which keeps every chunk's all-to-all buffers until its
-  backward ends (`_chunked_dispatch`). Layers: GQA (Qwen3) by the saved-plus-gradient rule
+  backward ends (`_chunked_dispatch`; under the models' recompute its fused recompute saves the
+  rows' routing weights instead of the combined outputs: `Parallel.moe_fused_recompute`). Layers: GQA (Qwen3) by the saved-plus-gradient rule
   (2 x saved); Qwen3.5's gated attention and gated DeltaNet (fla) tensor by tensor, the layer's
   peak being its MoE/MLP backward (everything saved still alive) or its mixer's backward.
 Routing is taken as balanced (each rank receives N*top_k rows).
