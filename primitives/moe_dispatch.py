@@ -111,8 +111,10 @@ def _fused_recompute_phase():
 
 
 def _carveout_from_env():
-    v = os.environ.get("BUMBLEBEE_EP_SM_CARVEOUT", "auto")
-    return v if v == "auto" else int(v)
+    v = os.environ.get("BUMBLEBEE_EP_SM_CARVEOUT", "auto").strip().lower()
+    if v == "auto" or v.isdigit():
+        return v if v == "auto" else int(v)
+    raise ValueError(f"BUMBLEBEE_EP_SM_CARVEOUT must be 'auto' or a number of SMs, got {v!r}")
 
 
 def by_ep(table, EP: int) -> int:

@@ -43,7 +43,7 @@ def run(mode, x, w, idx, shard, E, chunks, g_out):
     return [y.detach(), *grads, *wg]
 
 
-def scenarios(group):
+def scenarios(group, device="cpu", dtype=torch.float32):
     """{case: max rel error of fused vs plain and vs the twin}, {chunks: exchanges per pass}."""
     W, r = dist.get_world_size(group), dist.get_rank(group)
     E, K = 4 * W, 2
@@ -59,9 +59,9 @@ def scenarios(group):
         for s, (pattern, empty) in enumerate(CASES):
             N = 0 if empty and r % 2 else 17 + 3 * r
             g = torch.Generator().manual_seed(100 * s + r)
-            x, w = torch.randn(N, D, generator=g), torch.rand(N, K, generator=g)
-            idx, g_out = routes(pattern, N, E, K, W, r, g), torch.randn(N, D, generator=g)
-            shard = local_shard(full_experts(E, s, "never", D, I), group)
+            x, w = torch.randn(N, D, generator=g).to(device, dtype), torch.rand(N, K, generator=g).to(device)
+            idx, g_out = routes(pattern, N, E, K, W, r, g).to(device), torch.randn(N, D, generator=g).to(device, dtype)
+            shard = local_shard(full_experts(E, s, "never", D, I).to(device, dtype), group)
             twin = run("twin", x, w, idx, shard, E, None, g_out)
             for chunks in CHUNKS:
                 for wgrad in ("gather", "add"):
@@ -94,6 +94,17 @@ def _worker(rank, world, port, out_dir):
         dist.destroy_process_group()
 
 
+def _nccl_worker(rank, world, port, out_dir):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120),
+                            device_id=torch.device("cuda", rank))
+    try:
+        torch.save(scenarios(dist.group.WORLD, "cuda", torch.bfloat16), Path(out_dir) / f"nccl-{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     d = tmp_path_factory.mktemp("moe_fused_recompute")
@@ -121,3 +132,32 @@ def test_recompute_skips_the_combine(runs, world):
             C = 1 if chunks == "1" else 2
             assert calls == {"forward": 3 * C, "recompute": 2 * C, None: 3 * C}, (r, chunks, calls)
         assert off == {"forward": 4, "recompute": 4, None: 4}, (r, off)
+
+
+def test_switches_read_from_the_environment(monkeypatch):
+    monkeypatch.setattr(chunked_mod, "FUSED_RECOMPUTE", "maybe")
+    with recompute._running("forward"), pytest.raises(ValueError, match="FUSED_RECOMPUTE"):
+        chunked_mod._fused_recompute_phase()
+    monkeypatch.setattr(chunked_mod, "FUSED_RECOMPUTE", "on")
+    assert chunked_mod._fused_recompute_phase() is None  # outside any recompute region
+    with recompute._running("recompute"):
+        assert chunked_mod._fused_recompute_phase() == "recompute"
+    monkeypatch.setenv("BUMBLEBEE_EP_SM_CARVEOUT", " 32 ")
+    assert chunked_mod._carveout_from_env() == 32
+    monkeypatch.setenv("BUMBLEBEE_EP_SM_CARVEOUT", "Auto")
+    assert chunked_mod._carveout_from_env() == "auto"
+    monkeypatch.setenv("BUMBLEBEE_EP_SM_CARVEOUT", "lots")
+    with pytest.raises(ValueError, match="BUMBLEBEE_EP_SM_CARVEOUT"):
+        chunked_mod._carveout_from_env()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_bf16_two_gpus_fused_recompute(tmp_path):
+    """EP = 2 over NCCL, streams on, bf16: fused recompute vs no recompute and vs the twin."""
+    mp.spawn(_nccl_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    for r in range(2):
+        errs, passes, _ = torch.load(tmp_path / f"nccl-{r}.pt", weights_only=False)
+        bad = {k: v for k, v in errs.items() if not v < 2e-2}
+        assert not bad, (r, bad)
+        assert passes["2"] == {"forward": 6, "recompute": 4, None: 6}, (r, passes)
