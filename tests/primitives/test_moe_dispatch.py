@@ -9,6 +9,7 @@ its chunks sequentially in issue order.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import socket
@@ -326,19 +327,31 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world, port, out_dir, with_model):
+@contextlib.contextmanager
+def process_group(backend, rank, world, port):
+    """This spawned rank in a fresh `backend` group over localhost (gloo: one CPU thread; nccl: GPU
+    `rank`); yields the world group and destroys it after."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+        dist.init_process_group("nccl", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120),
+                                device_id=torch.device("cuda", rank))
+    else:
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
     try:
-        group = dist.group.WORLD
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+def _worker(rank, world, port, out_dir, with_model):
+    with process_group("gloo", rank, world, port) as group:
         result = {"numerics": numerics(group), "bad": bad_inputs(group) if world > 1 else {},
                   "auto": auto_chunking(group)}
         if with_model:
             result["model"] = model_level(group)
         torch.save(result, Path(out_dir) / f"moe-{world}-{rank}.pt")
-    finally:
-        dist.destroy_process_group()
 
 
 def spawn(world, out_dir, with_model):
@@ -542,11 +555,7 @@ def test_bf16_cuda_one_rank_matches_twin(chunks):
 
 
 def _nccl_worker(rank, world, port, out_dir):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120),
-                            device_id=torch.device("cuda", rank))
-    try:
+    with process_group("nccl", rank, world, port):
         res = {}
         for sm in (0, 16):  # the overlapped GEMMs on all SMs, then with 16 left to NCCL
             chunked_mod.SM_CARVEOUT = sm
@@ -557,8 +566,6 @@ def _nccl_worker(rank, world, port, out_dir):
             # the carveout is scoped to the primitive's GEMMs: the process setting is back to unset
             res[f"sm{sm} carveout left set"] = float(torch._C._get_sm_carveout_experimental() is not None)
         torch.save(res, Path(out_dir) / f"nccl-{rank}.pt")
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.gpu

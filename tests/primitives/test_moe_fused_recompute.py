@@ -5,8 +5,6 @@ Against the same call without recompute and against the twin, fp32 on 1, 2 and 4
 """
 from __future__ import annotations
 
-import datetime
-import os
 from pathlib import Path
 
 import pytest
@@ -17,7 +15,8 @@ from torch.utils.checkpoint import checkpoint
 
 from bumblebee import recompute, registry
 from bumblebee.primitives import moe_dispatch as chunked_mod
-from tests.primitives.test_moe_dispatch import TOL_TWIN, D, I, _free_port, full_experts, local_shard, rel, routes
+from tests.primitives.test_moe_dispatch import (TOL_TWIN, D, I, _free_port, full_experts, local_shard, process_group,
+                                               rel, routes)
 
 CHUNKS = [1, 2, (1, 2)]
 CASES = [("random", 0), ("rank_gets_nothing", 0), ("zero_experts", 0), ("random", "empty odd ranks")]
@@ -85,24 +84,13 @@ def scenarios(group, device="cpu", dtype=torch.float32):
 
 
 def _worker(rank, world, port, out_dir):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
-    try:
-        torch.save(scenarios(dist.group.WORLD), Path(out_dir) / f"fused-{world}-{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+    with process_group("gloo", rank, world, port) as group:
+        torch.save(scenarios(group), Path(out_dir) / f"fused-{world}-{rank}.pt")
 
 
 def _nccl_worker(rank, world, port, out_dir):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120),
-                            device_id=torch.device("cuda", rank))
-    try:
-        torch.save(scenarios(dist.group.WORLD, "cuda", torch.bfloat16), Path(out_dir) / f"nccl-{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+    with process_group("nccl", rank, world, port) as group:
+        torch.save(scenarios(group, "cuda", torch.bfloat16), Path(out_dir) / f"nccl-{rank}.pt")
 
 
 @pytest.fixture(scope="module")
