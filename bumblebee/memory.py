@@ -12,31 +12,44 @@ The recipe quotes FSDP2 as 18P/n (it counts a sharded bf16 copy too); `recipe_st
 that number beside ours. With EP, expert parameters are divided over the EP ranks first, then
 sharded over the remaining dp/ep ranks, so every state term stays P/(PP*n) for them.
 
-The peak is the largest of four moments (`Estimate.phases`):
-  loss         the loss backward starts: every activation the forward kept, the loss buffers;
-  first_block  the first block rebuilt in the backward (the MTP block, else the top layer);
-  last_block   the first decoder layer's backward: one layer input left, but (FSDP2) the reduced
-               gradients of every other block; ZeRO-1's fp32 gradient buffers exist throughout;
-  optimizer    the step: static state and AdamW's temporaries.
+Models: Qwen3 and Qwen3-MoE (GQA), Qwen3.5 dense and MoE (hybrid), DeepSeek-V3 (MLA), with at
+most one MTP depth; any other config is a ValueError naming its model type.
+
+The peak is the largest of these moments (`Estimate.phases`):
+  loss            the first loss backward (the MTP head's, with MTP): every activation the forward
+                  kept, the loss buffers (with MTP also what the main head's loss keeps);
+  first_block     the first block rebuilt in the backward (the MTP block, else the top layer);
+  loss_after_mtp  (with MTP) the main head's loss backward, which autograd runs after the whole
+                  depth's: the root's gradients and the embedding's (its MTP lookup) by then;
+  last_block      the first decoder layer's backward: one layer input left, but (FSDP2) the reduced
+                  gradients of every other block; ZeRO-1's fp32 gradient buffers exist throughout;
+  optimizer       the step: static state and AdamW's temporaries.
 FSDP2 gradients: zero_grad leaves none, and a unit's fp32 shard appears when its backward ends, so
-the first two moments hold none and the last holds all but its own block's, the root's and the
-embedding's. In flight: the root unit's bf16 parameters (kept from forward to backward) and its
+the backward's first moments hold none and the last holds all but its own block's, the root's and
+the embedding's. In flight: the root unit's bf16 parameters (kept from forward to backward) and its
 bf16 gradients (accumulated until the end), the current block's parameters and gradients, the unit
-prefetched next, and the fp32 reduce-scatter input of the unit reduced before.
+prefetched next (from the backward's start: the top block, or with MTP the embedding), with MTP the
+first block (prefetched by the depth's embedding lookup), and the fp32 reduce-scatter input of the
+unit reduced before.
 
 Activations, per token, from what autograd keeps in the code (primitives/, models/, fla):
-  recompute: one [N, D] input per layer, plus one rebuilt layer: its saved tensors and the buffers
-  of its backward, the largest layer type; without recompute every layer's saved tensors;
-  the head: the final norm's saved tensors and the loss input; the MTP depth (Qwen3.5): its two
-  pre-fc norms, the concatenation and its block's input, kept until its block's backward;
-  loss buffers by the cross_entropy slot (materialized: [N, V] logits in fp32 and their gradient;
-  linear_ce: one fp32 vocabulary chunk and the [N, D] hidden gradient in fp32 and compute dtype);
+  recompute: one [N, D] input per layer (with MLA also its SDPA output and log-sum-exp: the lean
+  backward's cache survives the full recompute), plus one rebuilt layer: its saved tensors and the
+  buffers of its backward, the largest layer type; without recompute every layer's saved tensors;
+  the head: the final norm's saved tensors and the loss input; the MTP depth: its two pre-fc norms
+  (DeepSeek: enorm, hnorm), the concatenation and its block's input, kept until its block's backward;
+  loss buffers by the cross_entropy slot (materialized: the [N, V] fp32 logits and exp it keeps, and
+  the two [N, V] buffers its backward starts with; linear_ce: one fp32 vocabulary chunk and the
+  [N, D] hidden gradient in fp32 and compute dtype);
   MoE dispatch: at EP = 1 the `local` twin, N*top_k routed rows (permuted input, expert hidden,
-  output); with EP the `chunked` primitive, which keeps every chunk's all-to-all buffers until its
-  backward ends (`_chunked_dispatch`; under the models' recompute its fused recompute saves the
-  rows' routing weights instead of the combined outputs: `Parallel.moe_fused_recompute`). Layers: GQA (Qwen3) by the saved-plus-gradient rule
-  (2 x saved); Qwen3.5's gated attention and gated DeltaNet (fla) tensor by tensor, the layer's
-  peak being its MoE/MLP backward (everything saved still alive) or its mixer's backward.
+  output; for DeepSeek-V3 tensor by tensor, `_local_rows`); with EP the `chunked` primitive, which
+  keeps every chunk's all-to-all buffers until its backward ends (`_chunked_dispatch`; under the
+  models' recompute its fused recompute saves the rows' routing weights instead of the combined
+  outputs: `Parallel.moe_fused_recompute`). Layers: GQA (Qwen3) by the saved-plus-gradient rule
+  (2 x saved); Qwen3.5's gated attention and gated DeltaNet (fla), and DeepSeek-V3's MLA (the `mla`
+  slot's default, flash, with its lean backward) with a dense SwiGLU or the MoE (aux-free router,
+  shared experts), tensor by tensor, the layer's peak being its MoE/MLP backward (everything saved
+  still alive) or its attention's backward.
 Routing is taken as balanced (each rank receives N*top_k rows).
 """
 from __future__ import annotations
@@ -50,6 +63,9 @@ LINEAR_CE_WORKSPACE = 128 << 20  # primitives/cross_entropy.py WORKSPACE_BYTES (
 LINEAR_CE_MIN_COLUMNS = 1024     # its MIN_CHUNK_COLUMNS: the chunk grows past the workspace beyond 32K tokens
 FLA_CHUNK = 64                   # fla's chunk_gated_delta_rule chunk size (its A is [T, H_v, 64])
 _BYTES = {"bf16": 2, "fp32": 4}
+MOMENTS = ("loss", "first_block", "loss_after_mtp", "last_block")  # the backward's, in time order
+_FAMILIES = {"qwen3": "gqa", "qwen3_moe": "gqa", "qwen3_5_text": "hybrid", "qwen3_5_moe_text": "hybrid",
+             "deepseek_v3": "mla"}  # model_type -> the layers' terms
 
 
 @dataclass
@@ -74,12 +90,12 @@ class Estimate:
     grads: int = 0
     optimizer: int = 0
     unsharded_units: int = 0      # units in flight at the last block's backward (FSDP2), a gradient (ZeRO-1)
-    activations: int = 0          # kept until the loss backward: layer inputs (all saved tensors without
-                                  # recompute), the final norm's tensors and the loss input
+    activations: int = 0          # kept until the loss backward: layer inputs (MLA: and their SDPA output;
+                                  # all saved tensors without recompute), the final norm's tensors, the loss input
     mtp_activations: int = 0      # kept by the MTP depth until its block's backward
     layer_working: int = 0        # one layer's peak during its backward beyond the kept activations,
                                   # the dispatch's buffers apart
-    loss_buffers: int = 0         # cross-entropy buffers during the loss backward
+    loss_buffers: int = 0         # cross-entropy buffers during a loss backward (its saved tensors included)
     moe_dispatch: int = 0         # the dispatch's buffers at that peak (inside the layer's peak)
     optimizer_step: int = 0       # transients of the step: reduced grad shards, AdamW temporaries
     recipe_state: int = 0
@@ -109,6 +125,23 @@ def _model_on_meta(config):
         model = cls(cfg, None)
     model.tie_weights()
     return model, cfg
+
+
+def _family(cfg) -> str:
+    """The layer terms for this config; a ValueError naming the model type where the estimator has none."""
+    kind = getattr(cfg, "model_type", type(cfg).__name__)
+    if kind not in _FAMILIES:
+        raise ValueError(f"the memory estimator cannot model model_type {kind!r}; it models {sorted(_FAMILIES)}")
+    return _FAMILIES[kind]
+
+
+def _mtp_depth(cfg) -> int:
+    """MTP depths (Qwen3.5's mtp_num_hidden_layers, DeepSeek's num_nextn_predict_layers); the moments model one."""
+    depth = getattr(cfg, "mtp_num_hidden_layers", 0) or getattr(cfg, "num_nextn_predict_layers", 0) or 0
+    if depth > 1:
+        raise ValueError(f"the memory estimator models at most one MTP depth; this {cfg.model_type} config has "
+                         f"{depth}")
+    return depth
 
 
 def _is_expert(name: str) -> bool:
@@ -247,6 +280,84 @@ def _local_dispatch(cfg, b: int) -> int:
     return cfg.num_experts_per_tok * (2 * cfg.hidden_size + 3 * cfg.moe_intermediate_size) * b
 
 
+# ---- DeepSeek-V3: MLA, dense and MoE layers (models/deepseek_v3.py) --------------------------------
+
+def _norm_kept(n: int, b: int, input_kept: bool) -> int:
+    """What bumblebee.norms.RMSNorm keeps beyond its input: the fp32 input (the input itself in fp32, counted
+    by whoever keeps it when input_kept), the fp32 rsqrt and the normed rows in compute dtype."""
+    return (0 if input_kept and b == 4 else 4 * n) + 4 + b * n
+
+
+def _mla(cfg, b: int) -> int:
+    """FlashMLA (primitives/mla.py, the `mla` slot's default) with its lean backward (on by default) beyond
+    its normed input: the q latent (q_a_layernorm's tensors and its output), the kv_a projection (the rope
+    key, a view, keeps all of it), kv_a_layernorm's tensors and output, SDPA's output (o_proj's input is a
+    view of it) and fp32 log-sum-exp. Per-head q, k, v are not kept: the backward recomputes them."""
+    H, r, R = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    q = 0 if cfg.q_lora_rank is None else _norm_kept(cfg.q_lora_rank, b, False) + b * cfg.q_lora_rank
+    return q + b * (r + R) + _norm_kept(r, b, True) + b * r + b * H * cfg.v_head_dim + 4 * H
+
+
+def _mla_cache(cfg, b: int) -> int:
+    """What every MLA layer keeps from its first forward to its backward under the models' full recompute:
+    the lean backward's selective checkpoint caches SDPA's output and fp32 log-sum-exp (MUST_SAVE) in the
+    first forward too, and that cache lives as long as the layer's graph."""
+    H = cfg.num_attention_heads
+    return b * H * cfg.v_head_dim + 4 * H
+
+
+def _mla_backward(cfg, b: int, fused_rope: bool) -> int:
+    """The lean backward's recompute and SDPA's backward: per-head q and k assembled (with the torch RoPE
+    path also the q projection, which the rotation keeps), the kv_b projection (v is a view of it), the
+    output gradient, dq, dk, dv and an fp32 dq accumulator."""
+    H, qk = cfg.num_attention_heads, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+    dn, dv = cfg.qk_nope_head_dim, cfg.v_head_dim
+    recomputed = b * H * ((2 if fused_rope else 3) * qk + dn + dv)
+    return recomputed + b * H * dv + b * H * (2 * qk + dv) + 4 * H * qk
+
+
+def _aux_free_router(cfg, b: int) -> int:
+    """DeepSeek-V3's router (router slot aux_free): its logits [E] (the fused kernel keeps them for its
+    backward; the torch path keeps the fp32 sigmoid scores), top-k indices (int64) and weights (fp32)."""
+    return b * cfg.n_routed_experts + 12 * cfg.num_experts_per_tok
+
+
+def _local_rows(cfg, b: int, n_tok: int, loop: bool) -> tuple[int, int]:
+    """(saved, backward) bytes per token of baselines/moe_dispatch.py local, tensor by tensor. Saved: the
+    permuted input [K, D], the experts' gate-up output [K, 2I] (silu's and the product's operand), silu's
+    output and the product [K, I] each, the output rows [K, D] and the int64 order and inverse (Unpermute).
+    Backward beyond them at its fullest: the un-permute's gathered gradient and its product with the rows
+    ([K, D] each, fp32 weight gradient); or, when GroupedExperts loops over its experts (off
+    torch._grouped_mm: CPU, fp32), later, the output rows freed, each expert's weight gradient arriving as
+    a full-size select_backward added to the sum: two more [E, 2I, D] at once."""
+    d, i, k = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok
+    unpermute = k * (2 * b * d + 4)
+    wgrad = 2 * b * _num_experts(cfg) * 2 * i * d // max(1, n_tok) - k * b * d if loop else 0
+    return k * (b * (2 * d + 4 * i) + 16), max(unpermute, wgrad)
+
+
+def _mla_layer(cfg, moe: bool, b: int, dispatch: tuple[int, int], recompute: bool,
+               fused_rope: bool) -> tuple[int, int]:
+    """(saved, peak) bytes per token of one DeepSeek-V3 decoder layer, as `_hybrid_layer` counts them:
+    MLA, then a dense SwiGLU (the first `first_k_dense_replace` layers) or the MoE (router, dispatch, shared
+    experts). dispatch = (saved, backward) bytes per token of the MoE dispatch."""
+    d = cfg.hidden_size
+    # input norm (its input is the kept layer input), its output (the latent projections' input), MLA
+    front = _norm_kept(d, b, True) + b * d + _mla(cfg, b)
+    if moe:
+        s = cfg.moe_intermediate_size * cfg.n_shared_experts  # shared experts: SwiGLU, no gate
+        mlp = _aux_free_router(cfg, b) + 4 * s * b + dispatch[0]
+        mlp_bwd = dispatch[1] - 4 * s * b  # the shared experts' backward runs first and frees theirs
+    else:
+        f = cfg.intermediate_size
+        mlp, mlp_bwd = 4 * f * b, 3 * f * b + b * d  # gate, silu, up, product; their gradients, dx
+    saved = front + _norm_kept(d, b, False) + b * d + mlp  # post norm (its input, the residual sum, not kept), output
+    grads = 2 * b * d  # the layer output's gradient (held for the residual), the MLP input's accumulating one
+    # the MLP's backward runs first with every saved tensor alive; then the attention's, the MLP's freed
+    peak = max(saved + mlp_bwd, front + _mla_backward(cfg, b, fused_rope)) + grads
+    return saved, peak - (saved if not recompute else 0)
+
+
 # ---- state: FSDP2 units ---------------------------------------------------------------------------
 
 def _param_groups(model, ep: int, pp: int) -> dict:
@@ -276,12 +387,13 @@ def _param_groups(model, ep: int, pp: int) -> dict:
     largest_block = max(unit, key=unit.get) if unit else None
     return {"dense": dense, "expert": expert, "block": block,
             "block_dense": unit_dense.get(largest_block, 0), "block_expert": block - unit_dense.get(largest_block, 0),
+            "layer0": unit.get(0, 0), "layer0_dense": unit_dense.get(0, 0),
             "root": root, "embed": embed, "head": model.lm_head.weight.numel()}
 
 
-def _fsdp2_units(g: dict, b: int, n: int, ep: int, mtp: bool, all_blocks: int) -> dict:
-    """FSDP2 bytes besides the persistent state at the three backward moments: the fp32 gradient
-    shards already reduced, and the units in flight. all_blocks: the other blocks kept unsharded
+def _fsdp2_units(g: dict, b: int, n: int, ep: int, mtp: bool, all_blocks: int, loss: str) -> dict:
+    """FSDP2 bytes besides the persistent state at the backward moments: the fp32 gradient shards already
+    reduced, and the units in flight. all_blocks: the other blocks kept unsharded
     (reshard_after_forward=False), else 0."""
     def shard(dense, expert=0):  # this rank's fp32 shard of a unit
         return dense / n + expert / (n // ep)
@@ -289,11 +401,23 @@ def _fsdp2_units(g: dict, b: int, n: int, ep: int, mtp: bool, all_blocks: int) -
     block, embed, root = g["block"], g["embed"], g["root"]
     reduced = 4 * (p_shard - shard(g["block_dense"], g["block_expert"]) - shard(root) - shard(embed))
     current = 2 * b * block + b * all_blocks      # a block's bf16 parameters and their bf16 gradients
-    return {
-        "loss": b * (root + g["head"] + all_blocks),  # root parameters; the head's bf16 gradient
-        # plus the unit prefetched next: the block below the top layer; for the MTP block (no explicit
-        # prefetch) FSDP2's implicit one, the unit before it in forward order: the embedding
-        "first_block": b * (root + g["head"]) + current + b * (embed if mtp else block),
+    # the unit prefetched next: at the loss, the root's pre-backward all-gathers the last unit the forward
+    # used (the top block; with MTP the embedding, for the depth's lookup); at the first rebuilt block the
+    # block below the top layer, or before the MTP block FSDP2's implicit prefetch, the embedding again
+    prefetched = b * (embed if mtp else block)
+    # with MTP, the depth's embedding lookup runs the embedding's forward again, and with it its forward
+    # prefetch of the first block (its dense part under EP); nothing uses that before the first layer's
+    # backward (where it is the current block)
+    stray = b * (g["layer0_dense"] if ep > 1 else g["layer0"]) if mtp and embed and not all_blocks else 0
+    units = {
+        # root parameters; the head's bf16 gradient where linear_ce writes it during its backward
+        # (materialized_ce computes it after its [N, V] buffers are gone)
+        "loss": b * (root + all_blocks + (g["head"] if loss == "linear_ce" else 0)) + prefetched + stray,
+        # root parameters, the head's gradient, the unit prefetched next, the current block's parameters
+        # and gradients; the MTP block lives in the root unit (its parameters counted there): its
+        # gradients, and under EP its experts (a unit of their own) unsharded
+        "first_block": b * (root + g["head"]) + prefetched + stray
+        + (b * block + (b * g["block_expert"] if ep > 1 else 0) + b * all_blocks if mtp else current),
         # root parameters and gradients; the embedding's parameters (and, after the MTP lookup's backward,
         # its gradient); the fp32 reduce-scatter input of the unit reduced before (under EP the blocks'
         # dense part: the experts are their own units)
@@ -301,17 +425,29 @@ def _fsdp2_units(g: dict, b: int, n: int, ep: int, mtp: bool, all_blocks: int) -
         + 4 * (g["block_dense"] if ep > 1 else block),
         "reduced": reduced,
     }
+    if mtp:  # the main head's loss backward, after the MTP depth's: root parameters and gradients (head
+        # and MTP depth), the embedding's parameters and gradient (its MTP lookup), the top block prefetched
+        units["loss_after_mtp"] = 2 * b * root + 2 * b * embed + b * block + b * all_blocks + stray
+    return units
 
 
 def _loss_buffers(loss: str, n_tok: int, v: int, d: int, b: int) -> int:
+    """A head's loss backward at its fullest (its saved tensors included)."""
     if loss == "materialized_ce":
-        # [N, V] logits (a bf16 matmul output first when computing in bf16), fp32 logits and exp
-        return int(n_tok * v * (8 + (b if b < 4 else 0)))
+        # the fp32 logits and their exp, kept from the forward (`_loss_saved`), and the first two [N, V]
+        # fp32 buffers of the backward: the gather's gradient (zeros, then scatter_add)
+        return int(n_tok * v * 16)
     # one fp32 vocabulary chunk (at least LINEAR_CE_MIN_COLUMNS wide), the fp32 [N, D] hidden gradient
     # and its compute-dtype copy (the Triton path on CUDA; the CPU path of primitives/cross_entropy.py
     # holds several chunk-sized temporaries)
     cols = min(v, max(LINEAR_CE_MIN_COLUMNS, LINEAR_CE_WORKSPACE // max(1, 4 * n_tok) // 256 * 256))
     return int(4 * n_tok * cols + n_tok * d * (4 + (b if b < 4 else 0)))
+
+
+def _loss_saved(loss: str, n_tok: int, v: int) -> int:
+    """What a head's loss keeps from its forward to its backward beyond the head's per-token tensors: with
+    materialized_ce the fp32 logits (the gather's input) and their exp; linear_ce only per-token statistics."""
+    return n_tok * v * 8 if loss == "materialized_ce" else 0
 
 
 def _check(par: Parallel) -> None:
@@ -340,14 +476,16 @@ def _state_terms(est: Estimate, model, g: dict, par: Parallel, b: int, mtp: bool
         est.params, est.grads, est.optimizer = int(4 * p_shard), int(4 * p_shard), int(8 * p_shard)
         local_layers = -(-model.config.num_hidden_layers // par.pp)
         others = 0 if par.reshard_after_forward else (local_layers - 1) * g["block"]
-        units = _fsdp2_units(g, b, n, ep, mtp, others)
-        grads_at = {"loss": 0, "first_block": 0, "last_block": units.pop("reduced")}
+        units = _fsdp2_units(g, b, n, ep, mtp, others, par.loss)
+        grads_at = {"loss": 0, "first_block": 0, "loss_after_mtp": 0, "last_block": units.pop("reduced")}
         est.optimizer_step = int(adam_temp)
         est.recipe_state = int(18 * p_shard)
     else:
         est.params, est.grads, est.optimizer = int(b * p_rank), int(4 * p_rank), int(12 * p_shard)
         # a parameter's own gradient before the hook adds it to the fp32 buffers (which exist throughout)
-        units = dict.fromkeys(("loss", "first_block", "last_block"), b * largest)
+        units = dict.fromkeys(MOMENTS, b * largest)
+        if par.loss != "linear_ce":  # materialized_ce's first gradient comes after its [N, V] buffers are gone
+            units["loss"] = 0
         grads_at = dict.fromkeys(units, est.grads)
         # the reduce-scattered gradient shards, then AdamW's temporaries or the compute-dtype copies
         # of the updated shards sent to the all-gather
@@ -359,55 +497,88 @@ def _state_terms(est: Estimate, model, g: dict, par: Parallel, b: int, mtp: bool
     return units, grads_at
 
 
+def _num_experts(cfg) -> int:
+    return getattr(cfg, "num_experts", 0) or getattr(cfg, "n_routed_experts", 0)
+
+
+def _mla_fused_rope(par: Parallel) -> bool:
+    """Whether FlashMLA assembles q and k with the fused Triton kernel (on CUDA, FUSED_ROPE "on")."""
+    from bumblebee.primitives import mla  # lazy, like the models
+    return par.device == "cuda" and mla.FUSED_ROPE == "on"
+
+
 def _activation_terms(est: Estimate, cfg, g: dict, par: Parallel, b: int, mtp: bool) -> dict:
     """Fills the activation terms of `est`; returns the activation bytes at each backward moment."""
     n_tok, d, ep = par.micro_batch * par.seq_len, cfg.hidden_size, par.ep
-    dispatch, wgrad_extra = (0, 0), 0
-    if getattr(cfg, "num_experts", 0) and ep > 1:  # the chunked expert-parallel primitive
+    family = _family(cfg)
+    dispatch, wgrad_extra, cache = (0, 0), 0, 0  # cache: what a layer keeps under recompute besides its input
+    if _num_experts(cfg) and ep > 1:  # the chunked expert-parallel primitive
         saved_d, bwd_d, chunked = _chunked_dispatch(cfg, n_tok, b, ep, par.recompute and par.moe_fused_recompute)
         dispatch = (saved_d, bwd_d)
         # several chunks: one more expert-weight-sized bf16 wgrad before its add
         wgrad_extra = b * g["block_expert"] if chunked else 0
-    elif getattr(cfg, "num_experts", 0):
+    elif _num_experts(cfg) and family == "mla":
+        grouped = par.device == "cuda" and b == 2 and d % 8 == 0 and cfg.moe_intermediate_size % 8 == 0
+        dispatch = _local_rows(cfg, b, n_tok, loop=not grouped)  # GroupedExperts' grouped_mm condition
+    elif _num_experts(cfg):
         dispatch = (0, _local_dispatch(cfg, b))
-    hybrid = hasattr(cfg, "layer_types")
     local_layers = -(-cfg.num_hidden_layers // par.pp)
-    types = list(cfg.layer_types)[:local_layers] if hybrid else ["gqa"] * local_layers
-    first_type = "full_attention" if (hybrid and mtp) else types[-1]  # Qwen3.5's MTP block: full attention
-    if hybrid:  # Qwen3.5: per layer type, (saved, peak) per token
+    if family == "hybrid":  # Qwen3.5: per layer type, (saved, peak) per token
+        types = list(cfg.layer_types)[:local_layers]
+        first_type = "full_attention" if mtp else types[-1]  # Qwen3.5's MTP block: full attention
         per_type = {t: _hybrid_layer(cfg, t, b, dispatch, par.recompute) for t in set(types) | {first_type}}
         norm = _zc_norm(d, b)
+        mtp_norms = 2 * norm
+    elif family == "mla":  # DeepSeek-V3: dense layers first, then MoE; its MTP blocks are MoE layers too
+        def kind(i):
+            return "moe" if i >= cfg.first_k_dense_replace and _num_experts(cfg) else "dense"
+        types = [kind(i) for i in range(local_layers)]
+        first_type = kind(cfg.num_hidden_layers) if mtp else types[-1]
+        fused = _mla_fused_rope(par)
+        per_type = {t: _mla_layer(cfg, t == "moe", b, dispatch, par.recompute, fused)
+                    for t in set(types) | {first_type}}
+        norm = _norm_kept(d, b, False)  # the final norm: its input, the last layer's output, is not kept
+        mtp_norms = norm + _norm_kept(d, b, True)  # enorm; hnorm's input is the main loss input, kept
+        cache = _mla_cache(cfg, b) if par.recompute else 0
     else:  # GQA layers: saved tensors, and as much again for their gradients
+        types, first_type = ["gqa"] * local_layers, "gqa"
         work = _layer_working_set(cfg, 1, b)
         per_type = {"gqa": (work + dispatch[0], (2 * work if par.recompute else work) + sum(dispatch))}
         norm = _rms_norm(d, b)
+        mtp_norms = 2 * norm
     worst = max(set(types), key=lambda t: per_type[t][1])  # under recompute one layer is rebuilt at a time
     est.moe_dispatch = int(n_tok * ((dispatch[0] if par.recompute else 0) + dispatch[1])) + wgrad_extra
     # the rest of that layer's peak (without recompute the shared expert's release can outweigh it)
     est.layer_working = max(0, int(n_tok * per_type[worst][1]) + wgrad_extra - est.moe_dispatch)
 
     def kept(ts):  # what the forward keeps of these layers: their inputs (recompute) or every saved tensor
-        return sum(b * d + (0 if par.recompute else per_type[t][0]) for t in ts)
+        return sum(b * d + (cache if par.recompute else per_type[t][0]) for t in ts)
     head = norm + b * d + 25  # final norm; the loss input (a copy of the valid rows); labels, lse, etc.
     est.activations = int(n_tok * (kept(types) + head))
-    mtp_block = mtp_head = 0
+    mtp_block = mtp_head = main_saved = 0
     if mtp:
-        # the pre-fc norms of embedding and hidden, their concatenation (fc's input) and the block's input,
-        # plus the block's saved tensors without recompute; then the MTP head (norm, loss input)
-        mtp_block = 2 * norm + 3 * b * d + 8 + (0 if par.recompute else per_type[first_type][0])
+        # the pre-fc norms of embedding and hidden (DeepSeek's enorm, hnorm), their concatenation (fc's,
+        # eh_proj's input) and the block's input, plus the block's saved tensors without recompute (with it,
+        # MLA's cache); then the MTP head (norm, loss input)
+        mtp_block = mtp_norms + 3 * b * d + 8 + (cache if par.recompute else per_type[first_type][0])
         mtp_head = norm + b * d + 25
+        # the main head's loss runs its backward last: what it keeps stays through the depth's backward
+        main_saved = _loss_saved(par.loss, n_tok, cfg.vocab_size)
     est.mtp_activations = int(n_tok * mtp_block)
     est.loss_buffers = _loss_buffers(par.loss, n_tok, cfg.vocab_size, d, b)
     est.counts["tokens"] = n_tok
-    return {
+    acts = {
         # the loss backward (the MTP head's first): everything the forward kept, the loss buffers
-        "loss": est.activations + est.mtp_activations + n_tok * mtp_head + est.loss_buffers,
+        "loss": est.activations + est.mtp_activations + n_tok * mtp_head + main_saved + est.loss_buffers,
         # the first rebuilt block: every layer input, and with MTP the head's and the depth's tensors
         "first_block": n_tok * (kept(types) + (head + mtp_block if mtp else 0) + per_type[first_type][1])
-        + wgrad_extra,
+        + main_saved + wgrad_extra,
         # the first layer: its input (or saved tensors) only; the largest layer type
         "last_block": n_tok * (kept([worst]) + per_type[worst][1]) + wgrad_extra,
     }
+    if mtp:  # the main head's loss backward, after the depth's: the hidden's gradient from the depth
+        acts["loss_after_mtp"] = est.activations + n_tok * b * d + est.loss_buffers
+    return {k: acts[k] for k in MOMENTS if k in acts}
 
 
 def estimate(config, parallel: Parallel | None = None) -> Estimate:
@@ -415,8 +586,9 @@ def estimate(config, parallel: Parallel | None = None) -> Estimate:
     par = parallel or Parallel()
     _check(par)
     model, cfg = _model_on_meta(config)
+    _family(cfg)
     b = _BYTES[par.mixed_precision]
-    mtp = bool(getattr(cfg, "mtp_num_hidden_layers", 0))
+    mtp = bool(_mtp_depth(cfg))
     # parameters held by this rank's pipeline stage (layers split evenly; embedding and head counted
     # on every stage, which over-counts for pp > 1 by at most their size)
     g = _param_groups(model, par.ep, par.pp)

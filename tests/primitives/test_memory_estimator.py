@@ -2,10 +2,12 @@
 against the committed GPU benchmark results.
 
 fp32 on the CPU (the CPU tracker counts live tensor storages, the GPU benchmark checks bf16 against
-the CUDA allocator): static state within 5% for both twins and both cross_entropy slots; the step's
-peak within 10% with materialized_ce. The estimator's linear_ce term models the Triton path's
-workspace (one fp32 vocabulary chunk); the CPU path of primitives/cross_entropy.py keeps several
-chunk-sized temporaries, so its peak is checked on the GPU (benchmarks/bench_state_sharding.py).
+the CUDA allocator), full recompute: a Qwen3 slice (both twins) and a DeepSeek-V3 slice (FSDP2: MLA,
+a dense layer, then MoE layers with a shared expert through the local dispatch, one MTP depth); static
+state within 5% for both cross_entropy slots; the step's peak within 10% with materialized_ce. The
+estimator's linear_ce term models the Triton path's workspace (one fp32 vocabulary chunk); the CPU
+path of primitives/cross_entropy.py keeps several chunk-sized temporaries, so its peak is checked on
+the GPU (benchmarks/bench_state_sharding.py).
 
 GPU results, read from benchmarks/results (so these follow the committed runs): the composed step's
 Qwen3.5-35B-A3B slice (gated DeltaNet + gated attention + MTP, chunked EP, FSDP2, full recompute)
@@ -26,18 +28,29 @@ from tests.primitives.test_state_sharding import spawn
 
 CONFIG = {**models.NAMED["qwen3-tiny"], "hidden_size": 256, "intermediate_size": 704, "num_hidden_layers": 4,
           "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 8192}
+# DeepSeek-V3 tiny, widened like CONFIG: one dense layer, two MoE layers (4 experts, top 2, one shared
+# expert), one MTP depth (a MoE block); few experts and layers keep the tracker's per-op cost down.
+# v_head_dim equals the q/k head dim (32 + 16) so that the CPU's SDPA takes its flash kernel, as cuDNN
+# does on the GPU (other head dims fall back to the math path and its [T, T] scores).
+DSV3 = {**models.NAMED["deepseek-v3-tiny"], "hidden_size": 256, "intermediate_size": 704, "moe_intermediate_size": 128,
+        "num_hidden_layers": 3, "num_attention_heads": 8, "num_key_value_heads": 8, "q_lora_rank": 96,
+        "kv_lora_rank": 64, "qk_nope_head_dim": 32, "qk_rope_head_dim": 16, "v_head_dim": 48, "vocab_size": 8192,
+        "n_routed_experts": 4, "n_group": 1, "topk_group": 1}
+MODELS = {"qwen3": CONFIG, "deepseek_v3": DSV3}
 MICRO_BATCH, SEQ = 2, 128
-CASES = [(s, loss) for s in ("fsdp2", "zero1") for loss in ("linear_ce", "materialized_ce")]
+CASES = ([("qwen3", s, loss) for s in ("fsdp2", "zero1") for loss in ("linear_ce", "materialized_ce")]
+         + [("deepseek_v3", "fsdp2", loss) for loss in ("linear_ce", "materialized_ce")])
 
 
 def measure(mesh, out):
     from torch.distributed._tools.mem_tracker import MemTracker
     res = {}
-    for sharding, loss in CASES:
-        model = models.build(CONFIG, impl={"cross_entropy": loss}, seed=0).set_recompute(True)
+    for name, sharding, loss in CASES:
+        config = MODELS[name]
+        model = models.build(config, impl={"cross_entropy": loss}, seed=0).set_recompute(True)
         state = registry.resolve("state_sharding", sharding)(model, mesh, lr=1e-3, mixed_precision="fp32")
         g = torch.Generator().manual_seed(dist.get_rank())
-        ids = torch.randint(0, CONFIG["vocab_size"], (MICRO_BATCH, SEQ), generator=g)
+        ids = torch.randint(0, config["vocab_size"], (MICRO_BATCH, SEQ), generator=g)
         tracker = MemTracker()  # Adam states exist from apply() on: the first step is a steady one
         tracker.track_external(state.model, state.optimizer)
         with tracker:
@@ -47,7 +60,7 @@ def measure(mesh, out):
         state.zero_grad()
         peak = tracker.get_tracker_snapshot("peak")
         total = lambda snap: int(sum(v.get("Total", 0) for v in snap.values()))  # noqa: E731
-        res[(sharding, loss)] = {"static": total(current), "peak": total(peak)}
+        res[(name, sharding, loss)] = {"static": total(current), "peak": total(peak)}
     return res
 
 
@@ -56,12 +69,12 @@ def measured(tmp_path_factory):
     return spawn(2, "measure", tmp_path_factory.mktemp("memory"), module=__name__)
 
 
-@pytest.mark.parametrize("sharding,loss", CASES)
-def test_estimate_matches_the_tracker(measured, sharding, loss):
-    est = memory.estimate(CONFIG, memory.Parallel(dp=2, sharding=sharding, mixed_precision="fp32", loss=loss, device="cpu",
-                                                  micro_batch=MICRO_BATCH, seq_len=SEQ, recompute=True))
+@pytest.mark.parametrize("name,sharding,loss", CASES)
+def test_estimate_matches_the_tracker(measured, name, sharding, loss):
+    est = memory.estimate(MODELS[name], memory.Parallel(dp=2, sharding=sharding, mixed_precision="fp32", loss=loss,
+                                                        device="cpu", micro_batch=MICRO_BATCH, seq_len=SEQ))
     for rank in measured:
-        got = rank[(sharding, loss)]
+        got = rank[(name, sharding, loss)]
         assert abs(est.static - got["static"]) <= 0.05 * got["static"], (est.static, got)
         if loss == "materialized_ce":
             assert abs(est.peak - got["peak"]) <= 0.10 * got["peak"], (est.peak, got, est)
@@ -90,6 +103,37 @@ def test_table_and_bad_input():
         memory.estimate("qwen3-tiny", memory.Parallel(sharding="zero3"))
     with pytest.raises(ValueError, match="ep dividing dp"):
         memory.estimate("qwen3-tiny", memory.Parallel(dp=4, ep=3))
+
+
+def test_unsupported_config(monkeypatch):
+    """A config the estimator cannot model is a ValueError naming its model type, not an AttributeError."""
+    with pytest.raises(ValueError, match="deepseek_v3 config has 2"):  # the moments model one MTP depth
+        memory.estimate({**models.NAMED["deepseek-v3-tiny"], "num_nextn_predict_layers": 2}, memory.Parallel(dp=2))
+    monkeypatch.delitem(memory._FAMILIES, "qwen3_moe")  # a model type without layer terms
+    with pytest.raises(ValueError, match="cannot model model_type 'qwen3_moe'"):
+        memory.estimate("qwen3-moe-tiny", memory.Parallel(dp=2))
+
+
+def test_deepseek_terms():
+    """DeepSeek-V3's terms: a MoE layer (8 routed rows) keeps more than a dense one; under full recompute each
+    MLA layer keeps its SDPA output beside its input; the main head's loss backward after the MTP depth's is a
+    moment of its own; the local dispatch at EP = 1, the chunked one's terms with EP."""
+    config = {**models.NAMED["deepseek-v3"], "num_hidden_layers": 5}
+    _, cfg = memory._model_on_meta(config)
+    n = 16384
+    rows = memory._local_rows(cfg, 2, n, loop=False)
+    dense, moe = (memory._mla_layer(cfg, m, 2, rows, True, True) for m in (False, True))
+    assert moe[0] > dense[0] and moe[1] > dense[1]
+    assert memory._mla_cache(cfg, 2) > 2 * cfg.hidden_size  # 128 heads x 128 > 7168
+    local = memory.estimate(config, memory.Parallel(dp=8, seq_len=n))
+    assert local.moe_dispatch == n * sum(rows)
+    est = memory.estimate(config, memory.Parallel(dp=8, ep=8, seq_len=n))
+    saved, backward, _ = memory._chunked_dispatch(cfg, n, 2, 8, fused=True)
+    assert est.moe_dispatch >= n * (saved + backward)
+    plain = memory.estimate({**config, "num_nextn_predict_layers": 0}, memory.Parallel(dp=8, ep=8, seq_len=n))
+    assert "loss_after_mtp" in est.phases and "loss_after_mtp" not in plain.phases
+    assert plain.mtp_activations == 0 < est.mtp_activations
+    assert "at loss_after_mtp" in memory.table(config, memory.Parallel(dp=8, ep=8))
 
 
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
