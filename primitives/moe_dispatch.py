@@ -397,8 +397,7 @@ class _ChunkedEP(torch.autograd.Function):
                 ws.append(w_R.index_select(0, src))
             hs.append(h_e)
         ys = []
-        for c, p in enumerate(comb):  # U: weight and sum each token's copies, as each combine lands
-            y_MD, ev = comb[c]
+        for c, (y_MD, ev) in enumerate(comb):  # U: weight and sum each token's copies, as each combine lands
             sched.wait(ev)
             (t0, t1), (a, b) = plan[c]["tokens"], plan[c]["copies"]
             ctx.permute[0](y_MD, weights_NK[t0:t1], inv_M[a:b] - a, out=out_ND[t0:t1])
@@ -419,12 +418,13 @@ class _ChunkedEP(torch.autograd.Function):
         n, plan, K = ctx.n, ctx.plan, ctx.K
         _, unpermute_grads_fn, sum_copies_fn = ctx.permute
         order_M, inv_M, weights_NK, w1, w2, dest_R, src_R, counts_CL, offs_CL, x_cm, *rest = ctx.saved_tensors
-        hs, ys, xs = rest[:n], rest[n:2 * n], rest[2 * n:]  # ys: the experts' weights when fused
+        hs, mid, xs = rest[:n], rest[n:2 * n], rest[2 * n:]
+        ys, ws = (None, mid) if ctx.fused else (mid, None)  # combined outputs, or the experts' row weights
         g_ND = g_ND.contiguous()
         sched = _Schedule(g_ND.device, ctx.group)
         token_M = order_M // K
         need_w = ctx.needs_input_grad[1]
-        w_sorted_M = weights_NK.reshape(-1).index_select(0, order_M)
+        w_sorted_M = None if ctx.fused else weights_NK.reshape(-1).index_select(0, order_M)  # fused: experts weight
         gw_M = torch.empty(order_M.numel(), dtype=torch.float32, device=g_ND.device) if need_w else None
 
         def weighting_grad(c, p):  # G: gradient of the weighting, then B: send it back to the experts
@@ -458,7 +458,7 @@ class _ChunkedEP(torch.autograd.Function):
             outs = dict(dh_out=dh_cm[r0:r1], a_out=a_cm[r0:r1]) if gather else {}
             with _sm_carveout(overlap, g_ND.device, ctx.EP):
                 if ctx.fused:
-                    dx_e, gw_e, job = expert_dgrad_weighted(g_e, saved, w1, w2, ys[c], swiglu_grads=ctx.swiglu[1],
+                    dx_e, gw_e, job = expert_dgrad_weighted(g_e, saved, w1, w2, ws[c], swiglu_grads=ctx.swiglu[1],
                                                             **outs)
                 else:
                     dx_e, job = expert_dgrad(g_e, saved, w1, w2, swiglu_grads=ctx.swiglu[1], **outs)
