@@ -33,8 +33,8 @@ first block (prefetched by the depth's embedding lookup), and the fp32 reduce-sc
 unit reduced before.
 
 Activations, per token, from what autograd keeps in the code (primitives/, models/, fla):
-  recompute: one [N, D] input per layer (with MLA also its SDPA output and log-sum-exp: the lean
-  backward's cache survives the full recompute), plus one rebuilt layer: its saved tensors and the
+  recompute: one [N, D] input per layer (MLA's lean backward caches its attention outputs only in the
+  recompute, see primitives/mla.py), plus one rebuilt layer: its saved tensors and the
   buffers of its backward, the largest layer type; without recompute every layer's saved tensors;
   the head: the final norm's saved tensors and the loss input; the MTP depth: its two pre-fc norms
   (DeepSeek: enorm, hnorm), the concatenation and its block's input, kept until its block's backward;
@@ -90,8 +90,8 @@ class Estimate:
     grads: int = 0
     optimizer: int = 0
     unsharded_units: int = 0      # units in flight at the last block's backward (FSDP2), a gradient (ZeRO-1)
-    activations: int = 0          # kept until the loss backward: layer inputs (MLA: and their SDPA output;
-                                  # all saved tensors without recompute), the final norm's tensors, the loss input
+    activations: int = 0          # kept until the loss backward: layer inputs (recompute; without it
+                                  # all saved tensors), the final norm's tensors, the loss input
     mtp_activations: int = 0      # kept by the MTP depth until its block's backward
     layer_working: int = 0        # one layer's peak during its backward beyond the kept activations,
                                   # the dispatch's buffers apart
@@ -296,14 +296,6 @@ def _mla(cfg, b: int) -> int:
     H, r, R = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
     q = 0 if cfg.q_lora_rank is None else _norm_kept(cfg.q_lora_rank, b, False) + b * cfg.q_lora_rank
     return q + b * (r + R) + _norm_kept(r, b, True) + b * r + b * H * cfg.v_head_dim + 4 * H
-
-
-def _mla_cache(cfg, b: int) -> int:
-    """What every MLA layer keeps from its first forward to its backward under the models' full recompute:
-    the lean backward's selective checkpoint caches SDPA's output and fp32 log-sum-exp (MUST_SAVE) in the
-    first forward too, and that cache lives as long as the layer's graph."""
-    H = cfg.num_attention_heads
-    return b * H * cfg.v_head_dim + 4 * H
 
 
 def _mla_backward(cfg, b: int, fused_rope: bool) -> int:
@@ -511,7 +503,7 @@ def _activation_terms(est: Estimate, cfg, g: dict, par: Parallel, b: int, mtp: b
     """Fills the activation terms of `est`; returns the activation bytes at each backward moment."""
     n_tok, d, ep = par.micro_batch * par.seq_len, cfg.hidden_size, par.ep
     family = _family(cfg)
-    dispatch, wgrad_extra, cache = (0, 0), 0, 0  # cache: what a layer keeps under recompute besides its input
+    dispatch, wgrad_extra = (0, 0), 0
     if _num_experts(cfg) and ep > 1:  # the chunked expert-parallel primitive
         saved_d, bwd_d, chunked = _chunked_dispatch(cfg, n_tok, b, ep, par.recompute and par.moe_fused_recompute)
         dispatch = (saved_d, bwd_d)
@@ -539,7 +531,6 @@ def _activation_terms(est: Estimate, cfg, g: dict, par: Parallel, b: int, mtp: b
                     for t in set(types) | {first_type}}
         norm = _norm_kept(d, b, False)  # the final norm: its input, the last layer's output, is not kept
         mtp_norms = norm + _norm_kept(d, b, True)  # enorm; hnorm's input is the main loss input, kept
-        cache = _mla_cache(cfg, b) if par.recompute else 0
     else:  # GQA layers: saved tensors, and as much again for their gradients
         types, first_type = ["gqa"] * local_layers, "gqa"
         work = _layer_working_set(cfg, 1, b)
@@ -552,15 +543,15 @@ def _activation_terms(est: Estimate, cfg, g: dict, par: Parallel, b: int, mtp: b
     est.layer_working = max(0, int(n_tok * per_type[worst][1]) + wgrad_extra - est.moe_dispatch)
 
     def kept(ts):  # what the forward keeps of these layers: their inputs (recompute) or every saved tensor
-        return sum(b * d + (cache if par.recompute else per_type[t][0]) for t in ts)
+        return sum(b * d + (0 if par.recompute else per_type[t][0]) for t in ts)
     head = norm + b * d + 25  # final norm; the loss input (a copy of the valid rows); labels, lse, etc.
     est.activations = int(n_tok * (kept(types) + head))
     mtp_block = mtp_head = main_saved = 0
     if mtp:
         # the pre-fc norms of embedding and hidden (DeepSeek's enorm, hnorm), their concatenation (fc's,
-        # eh_proj's input) and the block's input, plus the block's saved tensors without recompute (with it,
-        # MLA's cache); then the MTP head (norm, loss input)
-        mtp_block = mtp_norms + 3 * b * d + 8 + (cache if par.recompute else per_type[first_type][0])
+        # eh_proj's input) and the block's input, plus the block's saved tensors without recompute; then the
+        # MTP head (norm, loss input)
+        mtp_block = mtp_norms + 3 * b * d + 8 + (0 if par.recompute else per_type[first_type][0])
         mtp_head = norm + b * d + 25
         # the main head's loss runs its backward last: what it keeps stays through the depth's backward
         main_saved = _loss_saved(par.loss, n_tok, cfg.vocab_size)

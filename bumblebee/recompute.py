@@ -6,7 +6,8 @@ the layer `phase()` is "forward" during its first forward, "recompute" while aut
 for the backward, and None outside any such region. A layer may then save other tensors in both
 passes (they must match: checkpoint compares them) and skip, in the recompute, work whose result
 nothing saved depends on; its output there is discarded, so it must feed nothing that saves
-tensors. The chunked expert-parallel dispatch uses this to skip fc2 and the combine.
+tensors. The chunked expert-parallel dispatch uses this to skip fc2 and the combine; MLA's lean
+backward to cache its attention outputs in the recompute instead of the first forward.
 """
 from __future__ import annotations
 

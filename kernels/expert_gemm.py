@@ -119,20 +119,29 @@ def expert_dgrad(g_MD, saved, w1_E2ID, w2_EDI, *, dh_out=None, a_out=None, swigl
     return dx_MD, WgradJob(x_MD, dh_M2I, a_MI, g_MD, tpe, grouped, w1_E2ID.shape[0])
 
 
-def expert_dgrad_weighted(g_MD, saved, w1_E2ID, w2_EDI, w_M, *, dh_out=None, a_out=None, swiglu_grads=None):
+def expert_dgrad_weighted(g_MD, saved, w1_E2ID, w2_EDI, w_M, *, dh_out=None, a_out=None,
+                          swiglu_grads_weighted=None):
     """`expert_dgrad` for rows whose routing weight is applied here: the output was w * (a @ w2.T)
     per row, g_MD is the gradient before the weighting, w_M [M] fp32. Returns dx [M, D], the
     weights' gradient gw [M] fp32 = <g, a @ w2.T> = <g @ w2, a>, and the wgrad job (its a scaled by
-    w). Needs no y, so a recompute of the forward can skip fc2."""
+    w). Needs no y, so a recompute of the forward can skip fc2. `swiglu_grads_weighted(h, du, w,
+    dh_out=, a_out=) -> (w a, dh, gw)`: a fused replacement for the torch ops."""
     x_MD, h_M2I, tpe, grouped = saved
     du_MI = _gmm(g_MD, w2_EDI, tpe, grouped)  # the fc2 dgrad of the unweighted rows
-    w_M1 = w_M.to(torch.float32).unsqueeze(1)
-    da_MI = (du_MI.float() * w_M1).to(du_MI.dtype)
-    a_MI, dh_M2I = (swiglu_grads or _swiglu_grads)(h_M2I, da_MI, dh_out=dh_out, a_out=a_out)
-    gw_M = (du_MI.float() * a_MI.float()).sum(1)
-    a_MI.copy_(a_MI.float() * w_M1)  # dW2 = sum of g^T (w a)
+    a_MI, dh_M2I, gw_M = (swiglu_grads_weighted or _swiglu_grads_weighted)(h_M2I, du_MI, w_M, dh_out=dh_out,
+                                                                           a_out=a_out)
     dx_MD = _gmm(dh_M2I, w1_E2ID, tpe, grouped)
     return dx_MD, gw_M, WgradJob(x_MD, dh_M2I, a_MI, g_MD, tpe, grouped, w1_E2ID.shape[0])
+
+
+def _swiglu_grads_weighted(h_M2I, du_MI, w_M, dh_out=None, a_out=None):
+    """(w a, dh, gw) of `expert_dgrad_weighted` with the torch ops."""
+    w_M1 = w_M.to(torch.float32).unsqueeze(1)
+    da_MI = (du_MI.float() * w_M1).to(du_MI.dtype)
+    a_MI, dh_M2I = _swiglu_grads(h_M2I, da_MI, dh_out=dh_out, a_out=a_out)
+    gw_M = (du_MI.float() * a_MI.float()).sum(1)
+    a_MI.copy_(a_MI.float() * w_M1)  # dW2 = sum of g^T (w a)
+    return a_MI, dh_M2I, gw_M
 
 
 def _swiglu_grads(h_M2I, da_MI, dh_out=None, a_out=None):

@@ -7,12 +7,17 @@ dh = [dgate | dup] from da = g @ w2:
   swiglu(h, out=None)                 a = silu(gate) * up                                [M, I]
   swiglu_grads(h, da, dh_out, a_out)  a, dup = da * silu(gate),
                                       dgate = da * up * sig(gate) * (1 + gate (1 - sig(gate)))
+  swiglu_grads_weighted(h, du, w, ...) the same for rows whose routing weight w [M] is applied on
+                                      the expert side (the fused recompute): da = w du, returns
+                                      (w a, dh, gw = rowsum(du a) in fp32) in the same one pass
 
 The torch path (`expert_gemm` without `swiglu=`, what the twins run) spends two kernels forward and
 five backward, each a full pass over [M, I] (the gate/up halves are strided views, so PyTorch takes
 its slow non-vectorized elementwise path for them). In elements of [M, I]: forward 5 (silu reads
 gate and writes s; the product reads s and up and writes a), backward ~16 (silu, a, two products,
-silu_backward). Fused: forward reads 2 and writes 1; backward reads 3 (h, da) and writes 3 (a, dh).
+silu_backward). Fused: forward reads 2 and writes 1; backward reads 3 (h, da) and writes 3 (a, dh). The weighted
+backward's torch ops take ~5 more fp32 passes over [M, I] (w du, du a, its row sum, w a); fused they
+cost one [M] read and one [M] write.
 At 16K tokens/rank of Qwen3.5-35B-A3B (M ~ 131072, I = 512, bf16) that is 0.40 + 0.81 GB per layer.
 
 Precision: everything in fp32 (fp64 for fp64 inputs: those take the torch fallback), one rounding
@@ -68,6 +73,31 @@ if triton is not None:
                  mask=ok)
         tl.store(dh_ptr + rows * s_dh + I + cols, (d * silu).to(dh_ptr.dtype.element_ty), mask=ok)
 
+    @triton.jit
+    def _swiglu_bwd_weighted_kernel(h_ptr, du_ptr, w_ptr, a_ptr, dh_ptr, gw_ptr, M, I, s_h, s_du, s_a, s_dh,
+                                    BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr, ATOMIC: tl.constexpr):
+        rows1 = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+        rows = rows1[:, None]
+        cols = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)[None, :]
+        ok = (rows < M) & (cols < I)
+        g = tl.load(h_ptr + rows * s_h + cols, mask=ok, other=0.0).to(tl.float32)
+        u = tl.load(h_ptr + rows * s_h + I + cols, mask=ok, other=0.0).to(tl.float32)
+        du = tl.load(du_ptr + rows * s_du + cols, mask=ok, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + rows1, mask=rows1 < M, other=0.0).to(tl.float32)[:, None]
+        sig = tl.sigmoid(g)
+        silu = g * sig
+        a = silu * u
+        gw = tl.sum(du * a, axis=1)  # masked columns load 0
+        d = du * w
+        tl.store(a_ptr + rows * s_a + cols, (a * w).to(a_ptr.dtype.element_ty), mask=ok)
+        tl.store(dh_ptr + rows * s_dh + cols, (d * u * sig * (1.0 + g * (1.0 - sig))).to(dh_ptr.dtype.element_ty),
+                 mask=ok)
+        tl.store(dh_ptr + rows * s_dh + I + cols, (d * silu).to(dh_ptr.dtype.element_ty), mask=ok)
+        if ATOMIC:  # several column blocks per row: partial sums into a zeroed gw
+            tl.atomic_add(gw_ptr + rows1, gw, mask=rows1 < M)
+        else:
+            tl.store(gw_ptr + rows1, gw, mask=rows1 < M)
+
 
 def _acc(t):
     return t.to(torch.promote_types(t.dtype, torch.float32))
@@ -91,6 +121,22 @@ def swiglu_grads_torch(h, da, dh_out=None, a_out=None):
     dh[:, :I].copy_(d * up * sig * (1 + gate * (1 - sig)))
     dh[:, I:].copy_(d * silu)
     return a, dh
+
+
+def swiglu_grads_weighted_torch(h, du, w, dh_out=None, a_out=None):
+    gate, up = _acc(h).chunk(2, dim=-1)
+    d, w1 = _acc(du), _acc(w).unsqueeze(1)
+    sig = torch.sigmoid(gate)
+    silu = gate * sig
+    a32 = silu * up
+    I = gate.shape[-1]
+    a = a_out if a_out is not None else h.new_empty(h.shape[0], I)
+    dh = dh_out if dh_out is not None else torch.empty_like(h)
+    gw = (d * a32).sum(1)
+    a.copy_(a32 * w1)
+    dh[:, :I].copy_(d * w1 * up * sig * (1 + gate * (1 - sig)))
+    dh[:, I:].copy_(d * w1 * silu)
+    return a, dh, gw
 
 
 def _check(h, da=None, outs=()):
@@ -136,3 +182,26 @@ def swiglu_grads(h: torch.Tensor, da: torch.Tensor, dh_out=None, a_out=None):
         _swiglu_bwd_kernel[grid](h, da, a, dh, M, I, h.stride(0), da.stride(0), a.stride(0), dh.stride(0),
                                  BLOCK_M=bm, BLOCK_I=bi)
     return a, dh
+
+
+def swiglu_grads_weighted(h: torch.Tensor, du: torch.Tensor, w: torch.Tensor, dh_out=None, a_out=None):
+    """`swiglu_grads` for rows weighted after fc2 (out = w * (a @ w2.T)), in one pass: du [M, I] is
+    the fc2 dgrad of the unweighted rows, w [M] the routing weights. Returns (w a [M, I] for w2's
+    wgrad, dh [M, 2I] from da = w du, gw [M] fp32 = rowsum(du a), the weights' gradient)."""
+    M, I = _check(h, du, outs=[("dh_out", dh_out, tuple(h.shape)), ("a_out", a_out, (h.shape[0], h.shape[1] // 2))])
+    if w.shape != (M,) or w.device != h.device or not w.is_floating_point():
+        raise ValueError(f"w must be a floating [M={M}] tensor on {h.device}, got {tuple(w.shape)} {w.dtype} "
+                         f"on {w.device}")
+    if not use_triton(h):
+        return swiglu_grads_weighted_torch(h, du, w, dh_out, a_out)
+    a = a_out if a_out is not None else h.new_empty(M, I)
+    dh = dh_out if dh_out is not None else torch.empty_like(h)
+    if M and I:
+        bm, bi, grid = _grid(M, I)
+        atomic = grid[1] > 1
+        gw = (torch.zeros if atomic else torch.empty)(M, dtype=torch.float32, device=h.device)
+        _swiglu_bwd_weighted_kernel[grid](h, du, w.contiguous(), a, dh, gw, M, I, h.stride(0), du.stride(0),
+                                          a.stride(0), dh.stride(0), BLOCK_M=bm, BLOCK_I=bi, ATOMIC=atomic)
+    else:
+        gw = torch.zeros(M, dtype=torch.float32, device=h.device)
+    return a, dh, gw

@@ -9,7 +9,8 @@ Same parameters, names and math as the twin `bumblebee.baselines.mla.NaiveMLA`; 
   (`q_b_proj` or `q_proj`, `kv_b_proj`), the RoPE and the per-head K/V assembly run under a selective
   activation checkpoint that saves only the latents and the attention op's own outputs (output and
   log-sum-exp). The backward recomputes per-head Q/K/V from the latents (matmuls) but never reruns
-  the attention itself. Saved per layer: latents + output instead of Q, K, V, output;
+  the attention itself. Saved per layer: latents + output instead of Q, K, V, output; inside the
+  models' full recompute only the layer's input (`FlashMLA._lean_context`);
 - `cu_seqlens` (packed sequences): one causal SDPA call per sequence over the packed stream, so
   every call stays on the fast backend (a block-diagonal mask would push SDPA off cuDNN/flash).
 - `pad_v` (per module, default off): v zero-padded to the q/k head dim inside SDPA, the extra output
@@ -24,6 +25,7 @@ Shape legend: B batch, T tokens, D model width, H heads, R rope dim, N = B*T.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -32,7 +34,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from bumblebee import switches
+from bumblebee import recompute, switches
 from bumblebee.checks import check_cu_seqlens, check_mla_config, check_mla_inputs
 from bumblebee.kernels import mla_rope as _fused_rope
 from bumblebee.norms import RMSNorm
@@ -102,6 +104,22 @@ def _keep_attention_outputs(ctx, op, *args, **kwargs):
 _LEAN_CONTEXT = functools.partial(create_selective_checkpoint_contexts, _keep_attention_outputs)
 
 
+class _HandedOver:
+    """The recompute context of a lean region run in the first forward of a full-recompute layer:
+    it reads the attention outputs that the layer's recompute cached (`FlashMLA._lean_context`).
+    Without them (none handed over) the region reruns the attention: slower, same result."""
+
+    def __init__(self, module):
+        self.module, self.ctx = module, None
+
+    def __enter__(self):
+        self.ctx, self.module._handover = self.module._handover or contextlib.nullcontext(), None
+        return self.ctx.__enter__()
+
+    def __exit__(self, *exc):
+        return self.ctx.__exit__(*exc)
+
+
 @register("mla", "flash", kind="primitive", twin="naive", default=True)
 class FlashMLA(nn.Module):
     """SDPA (cuDNN first) MLA; lean backward recomputes per-head Q/K/V from the latents."""
@@ -118,6 +136,7 @@ class FlashMLA(nn.Module):
         self.softmax_scale = self.qk_dim ** -0.5 if softmax_scale is None else softmax_scale
         self.rope_interleave = rope_interleave
         self.lean_backward = lean_backward
+        self._handover = None  # see _lean_context
         if q_lora_rank is None:
             self.q_proj = nn.Linear(dim, n_heads * self.qk_dim, bias=False)
         else:
@@ -141,10 +160,26 @@ class FlashMLA(nn.Module):
         fused = _use_fused_rope(x_BTD, cos, sin)  # decided once: the lean backward's recompute takes the same path
         if self.lean_backward and torch.is_grad_enabled():
             o = checkpoint(self._core, q_src, c_kv, k_rope, cos, sin, segments, fused,
-                           use_reentrant=False, context_fn=_LEAN_CONTEXT)
+                           use_reentrant=False, context_fn=self._lean_context())
         else:
             o = self._core(q_src, c_kv, k_rope, cos, sin, segments, fused)
         return self.o_proj(o)
+
+    def _lean_context(self):
+        """The lean region's checkpoint contexts. Inside a model's full recompute
+        (`bumblebee.recompute`) the layer's first forward must keep nothing until its backward, but
+        the backward still runs on the first forward's graph: so the first forward caches nothing,
+        the layer's recompute (just before its backward) caches the attention outputs, and the
+        first forward's region reads them when its backward recomputes Q/K/V (`_HandedOver`).
+        Attention runs once per pass, and only the layer's input is held across the forward."""
+        phase = recompute.phase()
+        if phase is None:
+            return _LEAN_CONTEXT
+        if phase == "forward":
+            return lambda: (contextlib.nullcontext(), _HandedOver(self))
+        caching, cached = _LEAN_CONTEXT()
+        self._handover = cached
+        return lambda: (caching, contextlib.nullcontext())
 
     def _core(self, q_src, c_kv, k_rope, cos, sin, segments, fused=False):
         """Up-projections, RoPE, attention: latents -> [B, T, H*v]."""

@@ -152,11 +152,11 @@ def _sm_carveout(active: bool, device, EP: int):
 
 
 def _swiglu_fns(t: torch.Tensor):
-    """(swiglu, swiglu_grads) of `kernels/swiglu.py` for the expert GEMMs when FUSED_SWIGLU is "on"
-    and Triton runs on t (CUDA, or TRITON_INTERPRET=1), else (None, None): the torch ops."""
+    """(swiglu, swiglu_grads, swiglu_grads_weighted) of `kernels/swiglu.py` for the expert GEMMs when
+    FUSED_SWIGLU is "on" and Triton runs on t (CUDA, or TRITON_INTERPRET=1), else Nones: the torch ops."""
     if switches.is_on("FUSED_SWIGLU", FUSED_SWIGLU) and _swiglu.use_triton(t):
-        return _swiglu.swiglu, _swiglu.swiglu_grads
-    return None, None
+        return _swiglu.swiglu, _swiglu.swiglu_grads, _swiglu.swiglu_grads_weighted
+    return None, None, None
 
 
 def _permute_fns(t: torch.Tensor):
@@ -343,7 +343,7 @@ class _ChunkedEP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_ND, weights_NK, w1_L2ID, w2_LDI, indices_NK, E, spec, group, mode, auto=False):
         ctx.permute = _permute_fns(x_ND)  # one function set for the forward and its backward
-        ctx.swiglu = _swiglu_fns(x_ND)  # one pair for the forward and its backward
+        ctx.swiglu = _swiglu_fns(x_ND)  # one set for the forward and its backward
         EP = dist.get_world_size(group) if group is not None else 1
         K = indices_NK.shape[1]
         # inside a recompute region: the weighting's backward on the expert side, so that the
@@ -458,8 +458,8 @@ class _ChunkedEP(torch.autograd.Function):
             outs = dict(dh_out=dh_cm[r0:r1], a_out=a_cm[r0:r1]) if gather else {}
             with _sm_carveout(overlap, g_ND.device, ctx.EP):
                 if ctx.fused:
-                    dx_e, gw_e, job = expert_dgrad_weighted(g_e, saved, w1, w2, ws[c], swiglu_grads=ctx.swiglu[1],
-                                                            **outs)
+                    dx_e, gw_e, job = expert_dgrad_weighted(g_e, saved, w1, w2, ws[c],
+                                                            swiglu_grads_weighted=ctx.swiglu[2], **outs)
                 else:
                     dx_e, job = expert_dgrad(g_e, saved, w1, w2, swiglu_grads=ctx.swiglu[1], **outs)
             if not gather:

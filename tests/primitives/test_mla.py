@@ -1,8 +1,14 @@
 """MLA: the SDPA primitive (lean backward on and off) against the naive twin, forward and gradients,
-padded and packed batches, saved-activation size of the lean backward, bad input; bf16 on the GPU."""
+padded and packed batches, saved-activation size of the lean backward (alone and inside the models'
+full recompute), bad input; bf16 on the GPU."""
+import weakref
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import checkpoint
+
+from bumblebee import recompute
 
 from bumblebee.baselines.mla import NaiveMLA
 from bumblebee.primitives.mla import FlashMLA
@@ -149,6 +155,60 @@ def test_lean_backward_saves_a_third_or_less_and_never_reruns_attention():
         y.sum().backward()
     attention = [op for op in seen.ops if "scaled_dot_product" in op]
     assert attention and all("backward" in op for op in attention), attention
+
+
+class _Created(TorchDispatchMode):
+    """Weak references to every tensor an op creates: what of it is still alive later."""
+
+    def __init__(self):
+        super().__init__()
+        self.made = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in (out if isinstance(out, (tuple, list)) else [out]):
+            if isinstance(t, torch.Tensor):
+                self.made.append((t.untyped_storage().data_ptr(), t.untyped_storage().nbytes(), weakref.ref(t)))
+        return out
+
+    def alive_bytes(self, *exclude):
+        skip = {t.untyped_storage().data_ptr() for t in exclude}
+        return sum({p: n for p, n, r in self.made if r() is not None and p not in skip}.values())
+
+
+@pytest.mark.parametrize("lean", [True, False])
+def test_lean_backward_inside_model_recompute(lean):
+    """Under the models' full recompute (checkpoint with `recompute.contexts`) the layer's first
+    forward keeps nothing but its input (the lean region used to cache attention outputs there);
+    the backward runs attention forward once (the recompute) and never a third time; gradients
+    equal the call without recompute. The same module twice in a row covers the hand-over order."""
+    kw = dict(dim=64, n_heads=32, q_lora_rank=24, kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=4,
+              v_head_dim=8, softmax_scale=None)
+    _, prim = make_pair(torch.float64, **kw)
+    prim.lean_backward = lean
+    x = torch.randn(1, 64, 64, dtype=torch.float64)
+    cos, sin = rope_inputs(1, 64, 4)
+    g = torch.randn(1, 64, 64, dtype=torch.float64)
+
+    def grads(wrap):
+        xs = x.clone().requires_grad_()
+        made = _Created()
+        with made:
+            y = wrap(wrap(xs))
+        held = made.alive_bytes(y)
+        with _Ops() as seen:
+            out = torch.autograd.grad((y * g).sum(), [xs] + list(prim.parameters()))
+        return out, held, [op for op in seen.ops if "scaled_dot_product" in op]
+
+    want, _, _ = grads(lambda t: prim(t, cos, sin))
+    got, held, attention = grads(lambda t: checkpoint(prim, t, cos, sin, use_reentrant=False,
+                                                      context_fn=recompute.contexts))
+    for a, b in zip(got, want):
+        assert rel_err(a, b) < 1e-12
+    assert held <= x.numel() * 8, held  # the inner layer's output (the outer one's input), nothing else
+    assert sum("backward" not in op for op in attention) == 2, attention  # one recompute per call
+    assert sum("backward" in op for op in attention) == 2, attention
+    assert prim._handover is None
 
 
 @pytest.mark.parametrize("cls", [NaiveMLA, FlashMLA])

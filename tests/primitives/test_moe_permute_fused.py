@@ -130,7 +130,8 @@ def _ep_worker(rank, world, port, out_dir):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
     from bumblebee.kernels import swiglu
-    calls = {"unpermute": 0, "unpermute_grads": 0, "sum_copies": 0, "swiglu": 0, "swiglu_grads": 0}
+    calls = {"unpermute": 0, "unpermute_grads": 0, "sum_copies": 0, "swiglu": 0, "swiglu_grads": 0,
+             "swiglu_grads_weighted": 0}
 
     def counted(name, fn):
         def f(*a, **k):
@@ -149,9 +150,29 @@ def _ep_worker(rank, world, port, out_dir):
         res.update(tmd.compare_case(g, "rank_gets_nothing", 17 + 3 * rank, 4 * world, 2, [2], seed=1))
         res.update({f"few_tokens/{k}": v for k, v in  # a rank without tokens: empty fused calls
                     tmd.compare_case(g, "random", [3, 0][rank], 4 * world, 2, [2], seed=2).items()})
+        res.update(fused_recompute_case(g, rank, world))
         torch.save({"errs": res, "calls": calls}, Path(out_dir) / f"fused-ep-{rank}.pt")
     finally:
         dist.destroy_process_group()
+
+
+def fused_recompute_case(g, rank, world):
+    """The models' recompute through the chunked dispatch (expert-side weighting in the fused SwiGLU
+    backward) against the same call without recompute and against the twin."""
+    from tests.primitives import test_moe_dispatch as tmd
+    from tests.primitives.test_moe_fused_recompute import run
+    E, K, N = 4 * world, 2, 19 + 2 * rank
+    gen = torch.Generator().manual_seed(7 + rank)
+    x, w = torch.randn(N, tmd.D, generator=gen), torch.rand(N, K, generator=gen)
+    idx, g_out = tmd.routes("random", N, E, K, world, rank, gen), torch.randn(N, tmd.D, generator=gen)
+    shard = tmd.local_shard(tmd.full_experts(E, 3, "never", tmd.D, tmd.I), g)
+    twin = run("twin", x, w, idx, shard, E, None, g_out)
+    errs = {}
+    for chunks in (2, (1, 3)):
+        fused_out, plain = (run(m, x, w, idx, shard, E, chunks, g_out) for m in ("fused", "plain"))
+        errs[f"fused_recompute/chunks={chunks}"] = max(max(tmd.rel(a, b) for a, b in zip(fused_out, plain)),
+                                                       max(tmd.rel(a, b) for a, b in zip(fused_out, twin)))
+    return errs
 
 
 def ep_case(out_dir):
@@ -186,7 +207,7 @@ def test_kernels_under_triton_interpreter(interpreted):
 
 def test_chunked_ep2_fused_matches_twin_under_interpreter(interpreted):
     """gloo EP = 2, C = 2 and chunks (1, 3), with the fused kernels (run by the interpreter), the
-    fused SwiGLU of the experts included."""
+    fused SwiGLU of the experts included, and under the models' recompute (its weighted backward)."""
     for r, (errs, calls) in enumerate(zip(interpreted["ep"], interpreted["ep_calls"])):
         bad = {k: v for k, v in errs.items() if v > (1e-5 if "local" in k else 1e-6)}
         assert not bad, (r, bad)

@@ -5,7 +5,8 @@ The Triton kernels run under TRITON_INTERPRET=1 in fp32 and fp16 (this file as a
 subprocess, `--interpret`): odd row counts, widths that are not a multiple of the block (and several
 column blocks per row), outputs into row slices of poisoned buffers, empty inputs; then the expert
 GEMMs' forward and dgrad with the fused functions passed in against the torch ops. The chunked primitive with the switch on
-runs under the interpreter in tests/primitives/test_moe_permute_fused.py. bf16 runs on the GPU only.
+runs under the interpreter in tests/primitives/test_moe_permute_fused.py. The weighted backward (the fused
+recompute) is checked the same way, and expert_dgrad_weighted with it against the torch ops. bf16 runs on the GPU only.
 Tolerance: the fused error vs float64 at most 2x the torch path's own error plus a small floor.
 """
 from __future__ import annotations
@@ -44,6 +45,12 @@ def reference(h, da):
     sig = torch.sigmoid(gate)
     a = gate * sig * up
     return a, torch.cat([d * up * sig * (1 + gate * (1 - sig)), d * gate * sig], dim=-1)
+
+
+def reference_weighted(h, du, w):
+    a, dh = reference(h, du.double() * w.double()[:, None])
+    a_plain = reference(h, du)[0]
+    return a * w.double()[:, None], dh, (du.double() * a_plain).sum(1)
 
 
 def torch_path(h, da):
@@ -85,6 +92,19 @@ def kernel_cases(fails, dtypes=(torch.float32, torch.float16), device="cpu"):
                 fails.append(f"{tag}: wrote outside the given slices")
             errs[f"{tag}/a_bwd"] = check(f"{tag} a (backward)", a, a_t, a_r, dtype, fails)
             errs[f"{tag}/dh"] = check(f"{tag} dh", dh, dh_t, dh_r, dtype, fails)
+            # the weighted backward (the fused recompute): w a, dh from w du, gw = rowsum(du a)
+            w = torch.rand(M, generator=torch.Generator().manual_seed(i)).to(device) + 0.1
+            wants = reference_weighted(h, da, w)
+            tors = expert_gemm._swiglu_grads_weighted(h, da, w)
+            big_a.fill_(float("nan"))
+            big_dh.fill_(float("nan"))
+            gots = fused.swiglu_grads_weighted(h, da, w, dh_out=big_dh[1:1 + M], a_out=big_a[3:3 + M])
+            if gots[0].data_ptr() != big_a[3:3 + M].data_ptr() or gots[1].data_ptr() != big_dh[1:1 + M].data_ptr():
+                fails.append(f"{tag}: weighted outputs not written into the given slices")
+            if gots[2].dtype != torch.float32 or gots[2].shape != (M,):
+                fails.append(f"{tag}: gw must be fp32 [M], got {gots[2].dtype} {tuple(gots[2].shape)}")
+            for name, got, tor, want in zip(("wa", "dh_w", "gw"), gots, tors, wants):
+                errs[f"{tag}/{name}"] = check(f"{tag} {name}", got, tor, want, dtype, fails)
             out = torch.full((M, I), float("nan"), dtype=dtype, device=device)
             if fused.swiglu(h, out=out).data_ptr() != out.data_ptr() or out.isnan().any():
                 fails.append(f"{tag}: swiglu out= not filled")
@@ -93,6 +113,9 @@ def kernel_cases(fails, dtypes=(torch.float32, torch.float16), device="cpu"):
         a, dh = fused.swiglu_grads(h, da)
         if fused.swiglu(h).shape != (M, I) or a.shape != (M, I) or dh.shape != (M, 2 * I):
             fails.append(f"empty M={M} I={I}: shapes")
+        a, dh, gw = fused.swiglu_grads_weighted(h, da, torch.ones(M, device=device))
+        if a.shape != (M, I) or dh.shape != (M, 2 * I) or gw.shape != (M,) or gw.any():
+            fails.append(f"empty M={M} I={I}: weighted shapes or a nonzero gw")
     return errs
 
 
@@ -102,12 +125,16 @@ def expert_cases(fails):
     L, M, D, I = 3, 19, 12, 8
     x, gy = torch.randn(M, D, generator=g), torch.randn(M, D, generator=g)
     w1, w2 = torch.randn(L, 2 * I, D, generator=g) * 0.3, torch.randn(L, D, I, generator=g) * 0.3
+    w = torch.rand(M, generator=g) + 0.1  # routing weights for expert_dgrad_weighted
     tpe = expert_gemm.TokensPerExpert(torch.tensor([7, 0, 12]), [7, 0, 12])
     outs = {}
     for f in (False, True):
         y, saved = expert_gemm.expert_forward(x, tpe, w1, w2, "never", swiglu=fused.swiglu if f else None)
         dx, job = expert_gemm.expert_dgrad(gy, saved, w1, w2, swiglu_grads=fused.swiglu_grads if f else None)
         outs[f] = [y, dx, *expert_gemm.expert_wgrad(job)]
+        dx, gw, job = expert_gemm.expert_dgrad_weighted(
+            gy, saved, w1, w2, w, swiglu_grads_weighted=fused.swiglu_grads_weighted if f else None)
+        outs[f] += [dx, gw, *expert_gemm.expert_wgrad(job)]
     errs = [rel(a, b) for a, b in zip(outs[True], outs[False])]
     if max(errs) > 1e-6:
         fails.append(f"expert GEMMs fused vs torch: {errs}")
@@ -153,15 +180,19 @@ def test_bad_input():
         fused.swiglu_grads(h, torch.randn(4, 2))
     with pytest.raises(ValueError, match="a_out must be"):
         fused.swiglu_grads(h, torch.randn(4, 3), a_out=torch.empty(4, 3, dtype=torch.float64))
+    with pytest.raises(ValueError, match="w must be"):
+        fused.swiglu_grads_weighted(h, torch.randn(4, 3), torch.ones(3))
 
 
 def test_switch(monkeypatch):
     x = torch.zeros(1)
     monkeypatch.setattr(chunked_mod, "FUSED_SWIGLU", "off")
-    assert chunked_mod._swiglu_fns(x) == (None, None)
+    none = (None, None, None)
+    assert chunked_mod._swiglu_fns(x) == none
     monkeypatch.setattr(chunked_mod, "FUSED_SWIGLU", "on")  # CPU tensors: only under the interpreter
-    assert chunked_mod._swiglu_fns(x) == ((fused.swiglu, fused.swiglu_grads) if fused.INTERPRET else (None, None))
-    assert chunked_mod._swiglu_fns(x.double()) == (None, None)  # fp64 takes the torch path
+    fns = (fused.swiglu, fused.swiglu_grads, fused.swiglu_grads_weighted)
+    assert chunked_mod._swiglu_fns(x) == (fns if fused.INTERPRET else none)
+    assert chunked_mod._swiglu_fns(x.double()) == none  # fp64 takes the torch path
     monkeypatch.setattr(chunked_mod, "FUSED_SWIGLU", "1")
     with pytest.raises(ValueError, match="FUSED_SWIGLU"):
         chunked_mod._swiglu_fns(x)
@@ -180,6 +211,10 @@ def test_cuda_kernels(dtype):
     a, dh = fused.swiglu_grads(h, da)
     check("layer a", a, a_t, a_r, dtype, fails)
     check("layer dh", dh, dh_t, dh_r, dtype, fails)
+    w = torch.rand(h.shape[0], device="cuda") + 0.1
+    for name, got, tor, want in zip(("wa", "dh_w", "gw"), fused.swiglu_grads_weighted(h, da, w),
+                                    expert_gemm._swiglu_grads_weighted(h, da, w), reference_weighted(h, da, w)):
+        check(f"layer {name}", got, tor, want, dtype, fails)
     assert not fails, fails
 
 
