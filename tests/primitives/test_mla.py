@@ -291,3 +291,31 @@ def test_lean_backward_peak_memory_gpu():
         y.sum().backward()
         del y
     assert held[True] <= held[False] / 3, held
+
+
+@pytest.mark.gpu
+def test_lean_backward_inside_model_recompute_gpu():
+    """cuDNN, bf16: under the models' full recompute a layer holds nothing but its input after the
+    forward (the lean path alone holds latents + attention outputs); gradients as without recompute."""
+    kw = dict(dim=1024, n_heads=32, q_lora_rank=384, kv_lora_rank=128, qk_nope_head_dim=128,
+              qk_rope_head_dim=64, v_head_dim=128)
+    _, prim = make_pair(torch.bfloat16, "cuda", **kw)
+    x = torch.randn(1, 4096, 1024, device="cuda", dtype=torch.bfloat16)
+    cos, sin = rope_inputs(1, 4096, 64, torch.bfloat16, "cuda")
+    g = torch.randn_like(x)
+    out, held = {}, {}
+    for mode in ("lean", "recompute"):
+        xs = x.clone().requires_grad_()
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        y = prim(xs, cos, sin) if mode == "lean" else checkpoint(prim, xs, cos, sin, use_reentrant=False,
+                                                                context_fn=recompute.contexts)
+        held[mode] = torch.cuda.memory_allocated() - before - y.numel() * y.element_size()
+        with _Ops() as seen:
+            out[mode] = torch.autograd.grad((y * g).sum(), [xs] + list(prim.parameters()))
+        forwards = [op for op in seen.ops if "scaled_dot_product" in op and "backward" not in op]
+        assert len(forwards) == (1 if mode == "recompute" else 0), forwards
+        del y
+    assert held["recompute"] <= 0.02 * held["lean"], held
+    for a, b in zip(out["recompute"], out["lean"]):
+        assert rel_err(a, b) < 1e-2
