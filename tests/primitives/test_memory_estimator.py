@@ -148,7 +148,9 @@ def _rows(*paths):
             yield pytest.param(run, row, id=f"{path.split('/')[0]}-{row.get('seq_len', row.get('impl'))}")
 
 
-@pytest.mark.parametrize("run,row", list(_rows("composed_step.json", "ep4/composed_step.json")))
+@pytest.mark.parametrize("run,row", list(_rows("composed_step.json", "before_run_L/composed_step.json",
+                                                "ep4/composed_step.json", "ep8/composed_step.json",
+                                                "ep8/composed_step_256k.json")))
 def test_composed_step_peak(run, row):
     """The composed step (benchmarks/bench_composed_step.py): one sequence per rank, bf16, linear_ce,
     chunked dispatch, FSDP2 with experts over efsdp = world / ep, every layer and the MTP block recomputed."""
@@ -167,7 +169,8 @@ def test_composed_step_peak(run, row):
     assert abs(est.peak - peak) <= 0.06 * peak, (est.peak / 2**30, row["peak_GiB"], est.phases)
 
 
-@pytest.mark.parametrize("run,row", list(_rows("state_sharding.json", "ranks4/state_sharding.json")))
+@pytest.mark.parametrize("run,row", list(_rows("state_sharding.json", "ranks4/state_sharding.json",
+                                                "ranks8/state_sharding.json")))
 def test_state_sharding_benchmark_peak(run, row):
     """benchmarks/bench_state_sharding.py's estimator target: within 10% of the measured peak."""
     s = run["shape"]
