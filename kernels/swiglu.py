@@ -109,34 +109,25 @@ def swiglu_torch(h: torch.Tensor, out=None) -> torch.Tensor:
     return a if out is None else out.copy_(a)
 
 
-def swiglu_grads_torch(h, da, dh_out=None, a_out=None):
+def swiglu_grads_torch(h, da, dh_out=None, a_out=None, w=None):
+    """The kernels' backward math in fp32. With row weights w: (w a, dh from w da, rowsum(da a)),
+    as `swiglu_grads_weighted`; without: (a, dh)."""
     gate, up = _acc(h).chunk(2, dim=-1)
     d = _acc(da)
     sig = torch.sigmoid(gate)
     silu = gate * sig
+    a32 = silu * up
+    if w is not None:
+        w1 = _acc(w).unsqueeze(1)
+        gw = (d * a32).sum(1)
+        d, a32 = d * w1, a32 * w1
     I = gate.shape[-1]
     a = a_out if a_out is not None else h.new_empty(h.shape[0], I)
     dh = dh_out if dh_out is not None else torch.empty_like(h)
-    a.copy_(silu * up)
+    a.copy_(a32)
     dh[:, :I].copy_(d * up * sig * (1 + gate * (1 - sig)))
     dh[:, I:].copy_(d * silu)
-    return a, dh
-
-
-def swiglu_grads_weighted_torch(h, du, w, dh_out=None, a_out=None):
-    gate, up = _acc(h).chunk(2, dim=-1)
-    d, w1 = _acc(du), _acc(w).unsqueeze(1)
-    sig = torch.sigmoid(gate)
-    silu = gate * sig
-    a32 = silu * up
-    I = gate.shape[-1]
-    a = a_out if a_out is not None else h.new_empty(h.shape[0], I)
-    dh = dh_out if dh_out is not None else torch.empty_like(h)
-    gw = (d * a32).sum(1)
-    a.copy_(a32 * w1)
-    dh[:, :I].copy_(d * w1 * up * sig * (1 + gate * (1 - sig)))
-    dh[:, I:].copy_(d * w1 * silu)
-    return a, dh, gw
+    return (a, dh) if w is None else (a, dh, gw)
 
 
 def _check(h, da=None, outs=()):
@@ -193,7 +184,7 @@ def swiglu_grads_weighted(h: torch.Tensor, du: torch.Tensor, w: torch.Tensor, dh
         raise ValueError(f"w must be a floating [M={M}] tensor on {h.device}, got {tuple(w.shape)} {w.dtype} "
                          f"on {w.device}")
     if not use_triton(h):
-        return swiglu_grads_weighted_torch(h, du, w, dh_out, a_out)
+        return swiglu_grads_torch(h, du, dh_out, a_out, w=w)
     a = a_out if a_out is not None else h.new_empty(M, I)
     dh = dh_out if dh_out is not None else torch.empty_like(h)
     if M and I:
