@@ -29,15 +29,15 @@ import torch
 
 
 @functools.lru_cache(maxsize=4)
-def _chunk_ids(M: int, bounds: tuple, scale: int, device: torch.device) -> torch.Tensor:
-    """scale * (chunk of each token-major copy), chunk c holding the copies [bounds[c], bounds[c + 1]).
-    Cached, read only: the MoE layers of a step ask for the same token count one after another (at
-    most 4 tensors of M int64 stay alive)."""
+def _chunk_ids(M: int, bounds: tuple, scale: int, device: torch.device, dtype=torch.int64) -> torch.Tensor:
+    """scale * (chunk of each token-major copy), chunk c holding the copies [bounds[c], bounds[c + 1]),
+    in the keys' dtype. Cached, read only: the MoE layers of a step ask for the same token count one
+    after another (at most 4 tensors of M ids stay alive)."""
     pos_M = torch.arange(M, device=device)
     chunk_M = torch.zeros_like(pos_M)
     for b in bounds[1:-1]:
         chunk_M += pos_M >= b
-    return chunk_M * scale
+    return (chunk_M * scale).to(dtype)
 
 
 def _chunk_keys(flat_M: torch.Tensor, num_keys: int, bounds: list, chunk_major: bool = True) -> torch.Tensor:
@@ -47,7 +47,7 @@ def _chunk_keys(flat_M: torch.Tensor, num_keys: int, bounds: list, chunk_major: 
     C = len(bounds) - 1
     if C == 1:
         return key_M
-    ids = _chunk_ids(key_M.numel(), tuple(bounds), num_keys if chunk_major else 1, key_M.device)
+    ids = _chunk_ids(key_M.numel(), tuple(bounds), num_keys if chunk_major else 1, key_M.device, key_M.dtype)
     return torch.add(ids, key_M) if chunk_major else torch.add(ids, key_M, alpha=C)
 
 
@@ -56,7 +56,8 @@ def copy_order(flat_M: torch.Tensor, num_keys: int, copy_bounds=None, chunk_majo
     [copy_bounds[c], copy_bounds[c + 1]) (token-major). Returns (order_M, inv_M, counts [C, num_keys]).
     chunk_major=False sorts by expert * C + chunk: the order of a sort by expert alone (a stable sort
     keeps each expert's copies in token order, and the chunks are token ranges), counted per chunk.
-    flat_M must already lie in [0, num_keys). No host sync (bincount would sync on CUDA)."""
+    flat_M must already lie in [0, num_keys); int32 keys (C * num_keys < 2^31) sort in half the radix
+    passes of int64 ones. No host sync (bincount would sync on CUDA)."""
     M, dev = flat_M.numel(), flat_M.device
     bounds = [0, M] if copy_bounds is None else list(copy_bounds)
     C = len(bounds) - 1

@@ -25,9 +25,12 @@ ranges and the copies sort by chunk * E + expert, so chunk c's copies are one ra
 order and U/S write disjoint rows of the output. On the CPU (gloo) there are no streams: the same
 chunk schedule runs in issue order, sequentially. `FUSED_PERMUTE = "on"` (or the environment
 variable BUMBLEBEE_FUSED_PERMUTE=off for the torch path) runs U, G and S as fused Triton kernels on
-CUDA (`kernels/moe_permute_fused.py`: gather, weight and sum in one pass); `FUSED_SWIGLU = "on"`
+CUDA (`kernels/moe_permute_fused.py`: gather, weight and sum in one pass) and builds the row indices
+after the count exchange in one launch (`kernels/moe_regroup.py`); `FUSED_SWIGLU = "on"`
 (BUMBLEBEE_FUSED_SWIGLU=off) the experts' SwiGLU elementwise (`kernels/swiglu.py`). Chunk 0's gather P0 is
-issued before the count exchange's host sync, so the GPU works while the host waits. `SM_CARVEOUT`
+issued before the count exchange's host sync, so the GPU works while the host waits, and chunk 0's
+dispatch before the row indices are built, so the host builds them while it runs. With one chunk the
+exchanges that nothing can overlap run inline on the compute stream. `SM_CARVEOUT`
 (environment BUMBLEBEE_EP_SM_CARVEOUT) leaves that many SMs to NCCL during the overlapped GEMMs.
 
 Delayed wgrad of C > 1 chunks, chosen per call from host-known row counts (`_wgrad_by_gather`):
@@ -56,6 +59,7 @@ from __future__ import annotations
 
 
 import contextlib
+import functools
 import os
 import weakref
 
@@ -65,11 +69,11 @@ import torch.distributed as dist
 from bumblebee import recompute, switches
 from bumblebee.distributed import agree_once
 from bumblebee.kernels import moe_permute_fused as _fused
+from bumblebee.kernels import moe_regroup as _regroup_kernel
 from bumblebee.kernels import swiglu as _swiglu
 from bumblebee.kernels.expert_gemm import (TokensPerExpert, WgradJob, expert_dgrad, expert_dgrad_weighted,
                                            expert_forward, expert_wgrad, use_grouped_mm)
-from bumblebee.moe_permute import (copy_order, expert_major_index, inverse_index, regroup_index, sum_copies,
-                                   unpermute, unpermute_grads)
+from bumblebee.moe_permute import copy_order, expert_major_index, inverse_index, sum_copies, unpermute, unpermute_grads
 from bumblebee.registry import register
 
 _AGREED = weakref.WeakKeyDictionary()  # experts -> the config its first-call agreement check passed
@@ -90,7 +94,8 @@ def _fused_permute_from_env() -> str:
     return switches.from_env("BUMBLEBEE_FUSED_PERMUTE")
 
 
-# U, G and S through the fused Triton kernels of `kernels/moe_permute_fused.py`: "on" or "off".
+# U, G and S through the fused Triton kernels of `kernels/moe_permute_fused.py` (and the row indices
+# through `kernels/moe_regroup.py`): "on" or "off".
 # "on" by default (measured: 3.3 ms less per layer at 16K tokens/rank, NOTES_moe_dispatch.md);
 # the environment variable BUMBLEBEE_FUSED_PERMUTE=off (read at import) selects the torch path.
 FUSED_PERMUTE = _fused_permute_from_env()
@@ -162,11 +167,11 @@ def _swiglu_fns(t: torch.Tensor):
 
 
 def _permute_fns(t: torch.Tensor):
-    """(unpermute, unpermute_grads, sum_copies) for this call: the fused kernels when FUSED_PERMUTE
-    is "on" and Triton runs on t (CUDA, or TRITON_INTERPRET=1), else the torch ones."""
+    """(unpermute, unpermute_grads, sum_copies, regroup) for this call: the fused kernels when
+    FUSED_PERMUTE is "on" and Triton runs on t (CUDA, or TRITON_INTERPRET=1), else the torch ones."""
     if switches.is_on("FUSED_PERMUTE", FUSED_PERMUTE) and _fused.use_triton(t):
-        return _fused.unpermute, _fused.unpermute_grads, _fused.sum_copies
-    return unpermute, unpermute_grads, sum_copies
+        return _fused.unpermute, _fused.unpermute_grads, _fused.sum_copies, _regroup_kernel.regroup
+    return unpermute, unpermute_grads, sum_copies, _regroup_kernel.regroup_torch
 
 
 def chunk_bounds(n: int, spec: tuple) -> list:
@@ -213,14 +218,16 @@ class _Schedule:
                 _COMM_STREAMS[idx] = torch.cuda.Stream(device=idx, priority=-1)
             self.comm = _COMM_STREAMS[idx]
 
-    def all_to_all(self, x, out_splits, in_splits):
+    def all_to_all(self, x, out_splits, in_splits, inline=False):
         """Issue x's exchange on the comm stream after the compute work issued so far; returns
-        (output, event). The output is allocated here on the compute stream's pool and kept alive."""
+        (output, event). The output is allocated here on the compute stream's pool and kept alive.
+        inline: on the compute stream, for an exchange nothing can overlap (one chunk): the stream
+        hand-over costs host time, and a small step is bound by the host."""
         if self.group is None:
             return x, None
         x = x.contiguous()
         out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
-        if not self.cuda:
+        if inline or not self.cuda:
             dist.all_to_all_single(out, x, out_splits, in_splits, group=self.group)
             return out, None
         self.keep += [x, out]
@@ -244,9 +251,9 @@ class _Schedule:
 
 
 def _exchange_counts(x_ND, weights_NK, indices_NK, E, spec, group, EP, early=None, auto=False):
-    """Sorted copy order, the host view of every chunk's splits (the one host sync), and the device
-    indices of every active chunk, computed in one go: the regroup destinations, tokens per expert
-    and their offsets. `early(order_M, copy_bounds)` is issued before the host sync (device work
+    """Sorted copy order, the host view of every chunk's splits (the one host sync) and the received
+    counts [C, S, L] of the active chunks, on the device (`kernels/moe_regroup.py` turns them into
+    the row indices). `early(order_M, copy_bounds)` is issued before the host sync (device work
     that needs no host counts keeps the GPU busy while the host waits); its result is returned.
     `auto`: below AUTO_MIN_TOKENS (for this EP) on every rank the chunks merge into one (counts summed
     on the device before the sync), a decision every rank takes alike from the exchanged token counts."""
@@ -254,8 +261,10 @@ def _exchange_counts(x_ND, weights_NK, indices_NK, E, spec, group, EP, early=Non
     L, C = E // EP, len(spec)
     shape_bad = x_ND.dim() != 2 or x_ND.shape[0] != N or weights_NK.shape != (N, K)
     flat_M = indices_NK.reshape(-1)
-    bad_idx = ((flat_M < 0) | (flat_M >= E)).any()
-    keys_M = flat_M.clamp(0, E - 1)  # bad ids travel in the header; every rank raises after the exchange
+    # bad ids travel in the header, every rank raises after the exchange; int32 keys: half the radix
+    # passes of the sort (C * E < 2^31), each pass a host launch in a host-bound small step
+    keys_M = flat_M.clamp(0, E - 1).to(torch.int32)
+    bad_idx = (keys_M != flat_M).any()
     bounds = chunk_bounds(N, spec)
     split = [b * K for b in bounds]
     min_tokens = by_ep(AUTO_MIN_TOKENS, EP) if EP > 1 else float("inf")
@@ -265,7 +274,7 @@ def _exchange_counts(x_ND, weights_NK, indices_NK, E, spec, group, EP, early=Non
     order_M, inv_M, counts_CE = copy_order(keys_M, E, split, chunk_major=not may_merge)
     dev = order_M.device
     word = _spec_word(spec, auto)
-    head = torch.tensor([N, int(shape_bad), 0, E, word], dtype=torch.int64).to(dev, non_blocking=True)
+    head = _header(N, int(shape_bad), E, word, dev)
     msg = torch.cat([head.expand(EP, _HEAD), counts_CE.view(C, EP, L).transpose(0, 1).reshape(EP, C * L)], dim=1)
     msg[:, 2] = bad_idx
     if group is None:
@@ -323,11 +332,19 @@ def _exchange_counts(x_ND, weights_NK, indices_NK, E, spec, group, EP, early=Non
         rows += R
     if len(active) < C:
         recv_CSL = recv_CSL[active]
-    dest_R = regroup_index(recv_CSL, rows)  # every chunk's (source, expert) -> (expert, source) rows
-    src_R = torch.cat([inverse_index(dest_R[p["rows"][0]:p["rows"][1]]) for p in plan]) if plan else dest_R
-    counts_CL = recv_CSL.sum(1)
-    offs_CL = torch.cumsum(counts_CL, 1, dtype=torch.int32)
-    return order_M, inv_M, plan, dest_R, src_R, counts_CL, offs_CL, head_start
+    return order_M, inv_M, plan, recv_CSL, head_start
+
+
+def _chunk_positions(inv_M, a, b):
+    """Sorted positions of the copies a..b (one chunk, token order) relative to the chunk's start."""
+    return inv_M[a:b] - a if a else inv_M[a:b]
+
+
+@functools.lru_cache(maxsize=16)
+def _header(N, shape_bad, E, word, device):
+    """The count message's header on the device, cached (read only): a copy from the host per layer
+    call costs host time in a step that is bound by it."""
+    return torch.tensor([N, shape_bad, 0, E, word], dtype=torch.int64).to(device)
 
 
 def _wgrad_by_gather(plan, D, I, L) -> bool:
@@ -355,9 +372,10 @@ class _ChunkedEP(torch.autograd.Function):
 
         def first_gather(order_M, copy_bounds):  # chunk 0's P, issued before the host sync
             return x_ND.index_select(0, order_M[copy_bounds[0]:copy_bounds[1]] // K)
-        order_M, inv_M, plan, dest_R, src_R, counts_CL, offs_CL, x0 = _exchange_counts(
+        order_M, inv_M, plan, recv_CSL, x0 = _exchange_counts(
             x_ND, weights_NK, indices_NK, E, spec, group, EP, early=first_gather, auto=auto)
-        token_M = order_M // K
+        one = len(plan) == 1  # nothing to overlap: the exchanges run inline on the compute stream
+        token_M = None if one and x0 is not None else order_M // K
         sched = _Schedule(x_ND.device, group)
         out_ND = torch.empty_like(x_ND)  # every token is in an active chunk: all rows get written
         w_sorted_M = weights_NK.reshape(-1).float().index_select(0, order_M) if fused else None
@@ -365,10 +383,10 @@ class _ChunkedEP(torch.autograd.Function):
         def dispatch(p):  # P: gather the chunk's copies, then D: send them (and their weights)
             a, b = p["copies"]
             x_MD = x0 if p["chunk"] == 0 and x0 is not None else x_ND.index_select(0, token_M[a:b])
-            x_RD, ev = sched.all_to_all(x_MD, p["out_splits"], p["in_splits"])
+            x_RD, ev = sched.all_to_all(x_MD, p["out_splits"], p["in_splits"], inline=one)
             if not fused:
                 return x_RD, None, ev
-            w_R, ev = sched.all_to_all(w_sorted_M[a:b], p["out_splits"], p["in_splits"])  # after x on comm
+            w_R, ev = sched.all_to_all(w_sorted_M[a:b], p["out_splits"], p["in_splits"], inline=one)  # after x
             return x_RD, w_R, ev
 
         L, I2, D = w1_L2ID.shape
@@ -377,6 +395,9 @@ class _ChunkedEP(torch.autograd.Function):
         # gather mode: every chunk's wgrad x lands in one chunk-major buffer, regrouped by expert for the wgrad
         x_cm = x_ND.new_empty(R, D) if gather else torch.empty(0, device=x_ND.device)
         disp = [dispatch(plan[0])] if plan else []
+        # every chunk's (source, expert) -> (expert, source) rows, tokens per expert and offsets, built
+        # after the first dispatch is issued: the host works while the exchange runs
+        dest_R, src_R, counts_CL, offs_CL = ctx.permute[3](recv_CSL, [p["rows"][1] - p["rows"][0] for p in plan])
         overlap = sched.cuda and len(plan) > 1  # GEMMs run next to NCCL kernels
         xs, hs, ws, comb = [], [], [], []
         for c, p in enumerate(plan):
@@ -392,7 +413,7 @@ class _ChunkedEP(torch.autograd.Function):
                 y_e, (x_e, h_e, _, _) = expert_forward(x_e, tpe, w1_L2ID, w2_LDI, mode, swiglu=ctx.swiglu[0],
                                                        fc2=not skip)
             if not skip:
-                comb.append(sched.all_to_all(y_e.index_select(0, dest), p["in_splits"], p["out_splits"]))
+                comb.append(sched.all_to_all(y_e.index_select(0, dest), p["in_splits"], p["out_splits"], inline=one))
             if not gather:
                 xs.append(x_e)
             if fused:
@@ -402,7 +423,7 @@ class _ChunkedEP(torch.autograd.Function):
         for c, (y_MD, ev) in enumerate(comb):  # U: weight and sum each token's copies, as each combine lands
             sched.wait(ev)
             (t0, t1), (a, b) = plan[c]["tokens"], plan[c]["copies"]
-            ctx.permute[0](y_MD, weights_NK[t0:t1], inv_M[a:b] - a, out=out_ND[t0:t1])
+            ctx.permute[0](y_MD, weights_NK[t0:t1], _chunk_positions(inv_M, a, b), out=out_ND[t0:t1])
             ys.append(y_MD)
         sched.finish()
         if skip:  # the recompute's output is discarded (recompute.py); zeros rather than stale memory
@@ -418,7 +439,7 @@ class _ChunkedEP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_ND):
         n, plan, K = ctx.n, ctx.plan, ctx.K
-        _, unpermute_grads_fn, sum_copies_fn = ctx.permute
+        _, unpermute_grads_fn, sum_copies_fn, _ = ctx.permute
         order_M, inv_M, weights_NK, w1, w2, dest_R, src_R, counts_CL, offs_CL, x_cm, *rest = ctx.saved_tensors
         hs, mid, xs = rest[:n], rest[n:2 * n], rest[2 * n:]
         ys, ws = (None, mid) if ctx.fused else (mid, None)  # combined outputs, or the experts' row weights
@@ -427,16 +448,18 @@ class _ChunkedEP(torch.autograd.Function):
         token_M = order_M // K
         need_w = ctx.needs_input_grad[1]
         w_sorted_M = None if ctx.fused else weights_NK.reshape(-1).index_select(0, order_M)  # fused: experts weight
-        gw_M = torch.empty(order_M.numel(), dtype=torch.float32, device=g_ND.device) if need_w else None
+        gws = []  # fp32 gradient of the routing weights per chunk, in sorted order (chunks are in order)
 
         def weighting_grad(c, p):  # G: gradient of the weighting, then B: send it back to the experts
             a, b = p["copies"]
+            inline = n == 1  # the dgrad waits for it: nothing to overlap
             if ctx.fused:  # the experts weight it and compute gw
-                return sched.all_to_all(g_ND.index_select(0, token_M[a:b]), p["out_splits"], p["in_splits"])
+                return sched.all_to_all(g_ND.index_select(0, token_M[a:b]), p["out_splits"], p["in_splits"],
+                                        inline=inline)
             g_MD, gw = unpermute_grads_fn(g_ND, ys[c], w_sorted_M[a:b], token_M[a:b], need_w)
             if need_w:
-                gw_M[a:b] = gw
-            return sched.all_to_all(g_MD, p["out_splits"], p["in_splits"])
+                gws.append(gw)
+            return sched.all_to_all(g_MD, p["out_splits"], p["in_splits"], inline=inline)
 
         L = w1.shape[0]
         gather = ctx.gather
@@ -487,13 +510,16 @@ class _ChunkedEP(torch.autograd.Function):
             dx_MD, ev = db[c]
             sched.wait(ev)
             (t0, t1), (a, b) = p["tokens"], p["copies"]
-            sum_copies_fn(dx_MD, inv_M[a:b] - a, K, out=gx_ND[t0:t1])
+            sum_copies_fn(dx_MD, _chunk_positions(inv_M, a, b), K, out=gx_ND[t0:t1])
             if ctx.fused and need_w:
                 gw_R, ev = gb[c]
                 sched.wait(ev)
-                gw_M[a:b] = gw_R
+                gws.append(gw_R)
         sched.finish()
-        gw_NK = gw_M.index_select(0, inv_M).view_as(weights_NK).to(weights_NK.dtype) if need_w else None
+        gw_NK = None
+        if need_w:
+            gw_M = gws[0] if len(gws) == 1 else torch.cat(gws) if gws else g_ND.new_empty(0, dtype=torch.float32)
+            gw_NK = gw_M.index_select(0, inv_M).view_as(weights_NK).to(weights_NK.dtype)
         return gx_ND, gw_NK, dw1, dw2, None, None, None, None, None, None
 
 

@@ -7,7 +7,8 @@ subprocess, `--interpret`): odd N, K in {1, 2, 8}, D not a multiple of the block
 blocks per row), `out=` row slices of a poisoned buffer, need_w False, empty inputs. The same
 subprocess spawns 2 gloo ranks (the interpreter covers CPU tensors, so the primitive picks the fused
 kernels there) and runs the chunked primitive with C = 2 and unequal chunks against the all_to_all
-twin, counting the fused calls (the experts' fused SwiGLU of kernels/swiglu.py included). Tolerances: the fused error vs float64 at most 2x the torch path's
+twin, counting the fused calls (the experts' fused SwiGLU of kernels/swiglu.py and the row indices of
+kernels/moe_regroup.py included). Tolerances: the fused error vs float64 at most 2x the torch path's
 own error plus a small floor. bf16 runs on the GPU only (the interpreter computes bf16 wrongly).
 """
 from __future__ import annotations
@@ -129,8 +130,8 @@ def _ep_worker(rank, world, port, out_dir):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
-    from bumblebee.kernels import swiglu
-    calls = {"unpermute": 0, "unpermute_grads": 0, "sum_copies": 0, "swiglu": 0, "swiglu_grads": 0,
+    from bumblebee.kernels import moe_regroup, swiglu
+    calls = {"unpermute": 0, "unpermute_grads": 0, "sum_copies": 0, "regroup": 0, "swiglu": 0, "swiglu_grads": 0,
              "swiglu_grads_weighted": 0}
 
     def counted(name, fn):
@@ -140,7 +141,7 @@ def _ep_worker(rank, world, port, out_dir):
         return f
 
     for name in calls:
-        mod = swiglu if name.startswith("swiglu") else fused
+        mod = swiglu if name.startswith("swiglu") else moe_regroup if name == "regroup" else fused
         setattr(mod, name, counted(name, getattr(mod, name)))
     chunked_mod.FUSED_PERMUTE = chunked_mod.FUSED_SWIGLU = "on"
     try:
