@@ -87,6 +87,19 @@ def regroup_index(counts_CSL: torch.Tensor, rows: int):
         shift, counts_CSL.reshape(-1), output_size=rows)
 
 
+def regroup_rows(counts_CSL: torch.Tensor, chunk_rows: list):
+    """(dest_R, src_R, counts_CL, offs_CL) for rows received in (chunk, source, expert) blocks of
+    counts_CSL [C, S, L]: `regroup_index`, its inverse within each chunk (chunk c's rows, chunk_rows[c]
+    of them, host-known, are one range), rows per (chunk, expert) and their int32 inclusive offsets.
+    `kernels/moe_regroup.py:regroup` computes the same in one launch."""
+    dest_R = regroup_index(counts_CSL, sum(chunk_rows))
+    ends = [sum(chunk_rows[:c + 1]) for c in range(len(chunk_rows))]
+    src = [inverse_index(dest_R[e - r:e]) for r, e in zip(chunk_rows, ends)]
+    src_R = src[0] if len(src) == 1 else torch.cat(src) if src else dest_R
+    counts_CL = counts_CSL.sum(1)
+    return dest_R, src_R, counts_CL, torch.cumsum(counts_CL, 1, dtype=torch.int32)
+
+
 def expert_major_index(counts_CL: torch.Tensor, rows: int):
     """Rows of C chunks concatenated, each chunk grouped by expert (counts_CL[c, e] rows) -> their
     positions in one buffer grouped by expert, chunks in order inside each expert."""

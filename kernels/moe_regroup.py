@@ -9,8 +9,8 @@ counts alone (on the device, no host sync beyond the row total the caller alread
   counts_CL      rows per (chunk, local expert)
   offs_CL int32  their inclusive prefix sums per chunk (the grouped GEMMs' offsets)
 
-The torch path (`regroup_torch`: `moe_permute.regroup_index`, `inverse_index`, a sum and a cumsum)
-is about 17 small kernels, each a host launch; right after the count exchange's host sync the GPU
+The torch path (`bumblebee/moe_permute.py:regroup_rows`: `regroup_index`, `inverse_index`, a sum
+and a cumsum, what the twin runs) is about 17 small kernels, each a host launch; right after the count exchange's host sync the GPU
 waits for every one of them, and in a small step (4K tokens per rank) that is most of the
 forward's idle time. Here one program per (chunk, source, expert) block sums the counts before it
 (in source order and in expert order; C * E blocks, so at most a few thousand loads each) and
@@ -19,14 +19,22 @@ bit for bit.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
-from bumblebee.moe_permute import inverse_index, regroup_index
-from bumblebee.kernels.moe_permute_fused import triton, use_triton
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - triton is absent on some CPU-only installs
+    triton = None
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    return triton is not None and (t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
+
 
 if triton is not None:
-    import triton.language as tl
-
     @triton.jit
     def _regroup_kernel(cnt_ptr, dest_ptr, src_ptr, counts_ptr, offs_ptr, S, L, sc, ss, sl,
                         BLOCK_E: tl.constexpr, BLOCK_R: tl.constexpr):
@@ -65,25 +73,16 @@ if triton is not None:
             tl.store(src_ptr + r0 + d0 + j, s0 - r0 + j, mask=ok)
 
 
-def regroup_torch(counts_CSL: torch.Tensor, chunk_rows: list):
-    """(dest_R, src_R, counts_CL, offs_CL) with torch ops."""
-    dest_R = regroup_index(counts_CSL, sum(chunk_rows))
-    ends = [sum(chunk_rows[:c + 1]) for c in range(len(chunk_rows))]
-    src = [inverse_index(dest_R[e - r:e]) for r, e in zip(chunk_rows, ends)]
-    src_R = src[0] if len(src) == 1 else torch.cat(src) if src else dest_R
-    counts_CL = counts_CSL.sum(1)
-    return dest_R, src_R, counts_CL, torch.cumsum(counts_CL, 1, dtype=torch.int32)
-
-
 def regroup(counts_CSL: torch.Tensor, chunk_rows: list):
     """(dest_R, src_R, counts_CL, offs_CL) of rows received in (chunk, source, expert) blocks;
-    `chunk_rows[c]` = counts_CSL[c].sum(), known on the host (the plan). One Triton launch on CUDA
-    (or under TRITON_INTERPRET=1), else `regroup_torch`."""
+    `chunk_rows[c]` = counts_CSL[c].sum(), known on the host (the plan). One Triton launch; the tensors
+    must be on CUDA (or TRITON_INTERPRET=1 set), see `use_triton`."""
     if counts_CSL.dim() != 3 or counts_CSL.dtype != torch.int64 or len(chunk_rows) != counts_CSL.shape[0]:
         raise ValueError(f"counts_CSL must be int64 [C, S, L] with C = len(chunk_rows) = {len(chunk_rows)}, "
                          f"got {counts_CSL.dtype} {tuple(counts_CSL.shape)}")
     if not use_triton(counts_CSL):
-        return regroup_torch(counts_CSL, chunk_rows)
+        raise ValueError("regroup runs the Triton kernel: counts_CSL must be on CUDA (or TRITON_INTERPRET=1); "
+                         "bumblebee.moe_permute.regroup_rows is the torch path")
     C, S, L = counts_CSL.shape
     rows = sum(chunk_rows)
     dev = counts_CSL.device

@@ -58,45 +58,35 @@ if triton is not None:
         tl.store(a_ptr + rows * s_a + cols, a.to(a_ptr.dtype.element_ty), mask=ok)
 
     @triton.jit
-    def _swiglu_bwd_kernel(h_ptr, da_ptr, a_ptr, dh_ptr, M, I, s_h, s_da, s_a, s_dh,
-                           BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr):
-        rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)[:, None]
-        cols = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)[None, :]
-        ok = (rows < M) & (cols < I)
-        g = tl.load(h_ptr + rows * s_h + cols, mask=ok, other=0.0).to(tl.float32)
-        u = tl.load(h_ptr + rows * s_h + I + cols, mask=ok, other=0.0).to(tl.float32)
-        d = tl.load(da_ptr + rows * s_da + cols, mask=ok, other=0.0).to(tl.float32)
-        sig = tl.sigmoid(g)
-        silu = g * sig
-        tl.store(a_ptr + rows * s_a + cols, (silu * u).to(a_ptr.dtype.element_ty), mask=ok)
-        tl.store(dh_ptr + rows * s_dh + cols, (d * u * sig * (1.0 + g * (1.0 - sig))).to(dh_ptr.dtype.element_ty),
-                 mask=ok)
-        tl.store(dh_ptr + rows * s_dh + I + cols, (d * silu).to(dh_ptr.dtype.element_ty), mask=ok)
-
-    @triton.jit
-    def _swiglu_bwd_weighted_kernel(h_ptr, du_ptr, w_ptr, a_ptr, dh_ptr, gw_ptr, M, I, s_h, s_du, s_a, s_dh,
-                                    BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr, ATOMIC: tl.constexpr):
+    def _swiglu_bwd_kernel(h_ptr, d_ptr, w_ptr, a_ptr, dh_ptr, gw_ptr, M, I, s_h, s_d, s_a, s_dh,
+                           BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr, WEIGHTED: tl.constexpr,
+                           ATOMIC: tl.constexpr):
+        """d = da; WEIGHTED: d = du of rows weighted by w [M] after fc2 (writes w a, dh from w du and
+        gw = rowsum(du a)); w_ptr / gw_ptr are unused otherwise."""
         rows1 = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
         rows = rows1[:, None]
         cols = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)[None, :]
         ok = (rows < M) & (cols < I)
         g = tl.load(h_ptr + rows * s_h + cols, mask=ok, other=0.0).to(tl.float32)
         u = tl.load(h_ptr + rows * s_h + I + cols, mask=ok, other=0.0).to(tl.float32)
-        du = tl.load(du_ptr + rows * s_du + cols, mask=ok, other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + rows1, mask=rows1 < M, other=0.0).to(tl.float32)[:, None]
+        d = tl.load(d_ptr + rows * s_d + cols, mask=ok, other=0.0).to(tl.float32)
         sig = tl.sigmoid(g)
         silu = g * sig
         a = silu * u
-        gw = tl.sum(du * a, axis=1)  # masked columns load 0
-        d = du * w
-        tl.store(a_ptr + rows * s_a + cols, (a * w).to(a_ptr.dtype.element_ty), mask=ok)
+        if WEIGHTED:
+            w = tl.load(w_ptr + rows1, mask=rows1 < M, other=0.0).to(tl.float32)[:, None]
+            gw = tl.sum(d * a, axis=1)  # masked columns load 0
+            d = d * w
+            a = a * w
+        tl.store(a_ptr + rows * s_a + cols, a.to(a_ptr.dtype.element_ty), mask=ok)
         tl.store(dh_ptr + rows * s_dh + cols, (d * u * sig * (1.0 + g * (1.0 - sig))).to(dh_ptr.dtype.element_ty),
                  mask=ok)
         tl.store(dh_ptr + rows * s_dh + I + cols, (d * silu).to(dh_ptr.dtype.element_ty), mask=ok)
-        if ATOMIC:  # several column blocks per row: partial sums into a zeroed gw
-            tl.atomic_add(gw_ptr + rows1, gw, mask=rows1 < M)
-        else:
-            tl.store(gw_ptr + rows1, gw, mask=rows1 < M)
+        if WEIGHTED:
+            if ATOMIC:  # several column blocks per row: partial sums into a zeroed gw
+                tl.atomic_add(gw_ptr + rows1, gw, mask=rows1 < M)
+            else:
+                tl.store(gw_ptr + rows1, gw, mask=rows1 < M)
 
 
 def _acc(t):
@@ -170,8 +160,8 @@ def swiglu_grads(h: torch.Tensor, da: torch.Tensor, dh_out=None, a_out=None):
     dh = dh_out if dh_out is not None else torch.empty_like(h)
     if M and I:
         bm, bi, grid = _grid(M, I)
-        _swiglu_bwd_kernel[grid](h, da, a, dh, M, I, h.stride(0), da.stride(0), a.stride(0), dh.stride(0),
-                                 BLOCK_M=bm, BLOCK_I=bi)
+        _swiglu_bwd_kernel[grid](h, da, h, a, dh, h, M, I, h.stride(0), da.stride(0), a.stride(0), dh.stride(0),
+                                 BLOCK_M=bm, BLOCK_I=bi, WEIGHTED=False, ATOMIC=False)
     return a, dh
 
 
@@ -191,8 +181,8 @@ def swiglu_grads_weighted(h: torch.Tensor, du: torch.Tensor, w: torch.Tensor, dh
         bm, bi, grid = _grid(M, I)
         atomic = grid[1] > 1
         gw = (torch.zeros if atomic else torch.empty)(M, dtype=torch.float32, device=h.device)
-        _swiglu_bwd_weighted_kernel[grid](h, du, w.contiguous(), a, dh, gw, M, I, h.stride(0), du.stride(0),
-                                          a.stride(0), dh.stride(0), BLOCK_M=bm, BLOCK_I=bi, ATOMIC=atomic)
+        _swiglu_bwd_kernel[grid](h, du, w.contiguous(), a, dh, gw, M, I, h.stride(0), du.stride(0), a.stride(0),
+                                 dh.stride(0), BLOCK_M=bm, BLOCK_I=bi, WEIGHTED=True, ATOMIC=atomic)
     else:
         gw = torch.zeros(M, dtype=torch.float32, device=h.device)
     return a, dh, gw

@@ -73,7 +73,8 @@ from bumblebee.kernels import moe_regroup as _regroup_kernel
 from bumblebee.kernels import swiglu as _swiglu
 from bumblebee.kernels.expert_gemm import (TokensPerExpert, WgradJob, expert_dgrad, expert_dgrad_weighted,
                                            expert_forward, expert_wgrad, use_grouped_mm)
-from bumblebee.moe_permute import copy_order, expert_major_index, inverse_index, sum_copies, unpermute, unpermute_grads
+from bumblebee.moe_permute import (copy_order, expert_major_index, inverse_index, regroup_rows, sum_copies, unpermute,
+                                   unpermute_grads)
 from bumblebee.registry import register
 
 _AGREED = weakref.WeakKeyDictionary()  # experts -> the config its first-call agreement check passed
@@ -171,7 +172,7 @@ def _permute_fns(t: torch.Tensor):
     FUSED_PERMUTE is "on" and Triton runs on t (CUDA, or TRITON_INTERPRET=1), else the torch ones."""
     if switches.is_on("FUSED_PERMUTE", FUSED_PERMUTE) and _fused.use_triton(t):
         return _fused.unpermute, _fused.unpermute_grads, _fused.sum_copies, _regroup_kernel.regroup
-    return unpermute, unpermute_grads, sum_copies, _regroup_kernel.regroup_torch
+    return unpermute, unpermute_grads, sum_copies, regroup_rows
 
 
 def chunk_bounds(n: int, spec: tuple) -> list:

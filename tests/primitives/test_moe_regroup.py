@@ -1,5 +1,6 @@
 """kernels/moe_regroup.py (the chunked dispatch's row indices from the received counts, one launch)
-against a plain-Python reference built block by block, and against its torch path.
+and its torch path (bumblebee/moe_permute.py:regroup_rows) against a plain-Python reference built
+block by block.
 
 The Triton kernel runs under TRITON_INTERPRET=1 (this file run as a script in a subprocess,
 `--interpret`): several chunks, sources and experts, zero counts (empty experts, a source that
@@ -14,8 +15,8 @@ import sys
 import pytest
 import torch
 
-from bumblebee.kernels import moe_permute_fused as fused
 from bumblebee.kernels import moe_regroup as rg
+from bumblebee.moe_permute import regroup_rows
 from tests.interpreter import run_under_interpreter
 
 
@@ -75,7 +76,7 @@ def compare(fn, device, big=False):
 
 
 def _interpret_main():
-    assert fused.INTERPRET and fused.triton is not None
+    assert rg.triton is not None and rg.use_triton(torch.zeros(1))
     print(json.dumps({"ok": True, "fails": compare(rg.regroup, "cpu")}))
 
 
@@ -90,14 +91,18 @@ def test_kernel_under_triton_interpreter(interpreted):
 
 
 def test_torch_path_matches_reference():
-    assert not compare(rg.regroup_torch, "cpu")
+    assert not compare(regroup_rows, "cpu")
 
 
 def test_bad_input():
+    pytest.importorskip("triton")
     with pytest.raises(ValueError, match="counts_CSL must be int64"):
         rg.regroup(torch.zeros(1, 2, 3, dtype=torch.int32), [0])
     with pytest.raises(ValueError, match="C = len"):
         rg.regroup(torch.zeros(2, 2, 3, dtype=torch.int64), [0])
+    if not rg.use_triton(torch.zeros(1)):  # CPU tensors without the interpreter: the torch path's job
+        with pytest.raises(ValueError, match="regroup_rows is the torch path"):
+            rg.regroup(torch.zeros(2, 2, 3, dtype=torch.int64), [0, 0])
 
 
 @pytest.mark.gpu
