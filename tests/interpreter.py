@@ -1,7 +1,8 @@
 """Run a test module's own `--interpret` entry point in a subprocess under TRITON_INTERPRET=1.
 
 The interpreter must be switched on before Triton is imported, hence the fresh process. The entry
-point prints a JSON line with "ok" last.
+point prints a JSON line with "ok" last. A test module takes the result as a fixture:
+`interpreted = interpreted_fixture(__file__)`.
 """
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 
 def run_under_interpreter(test_file: str, timeout: int = 600) -> dict:
@@ -22,3 +25,12 @@ def run_under_interpreter(test_file: str, timeout: int = 600) -> dict:
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["ok"], result
     return result
+
+
+def interpreted_fixture(test_file: str):
+    """A module-scoped fixture: the JSON result of `test_file --interpret` (skipped without Triton)."""
+    @pytest.fixture(scope="module")
+    def interpreted():
+        pytest.importorskip("triton")
+        return run_under_interpreter(test_file)
+    return interpreted

@@ -22,7 +22,7 @@ import torch
 from bumblebee.kernels import mla_rope as fused
 from bumblebee.primitives import mla as mla_mod
 from bumblebee.primitives.mla import rope_pairs
-from tests.interpreter import run_under_interpreter
+from tests.interpreter import interpreted_fixture
 
 FLOOR = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}
 CASES = [  # B, T, H, nope, R, interleave, cos/sin shared by the batch ([1, T, R])
@@ -150,10 +150,7 @@ def _interpret_main():
                       "module_calls": counts}))
 
 
-@pytest.fixture(scope="module")
-def interpreted():
-    pytest.importorskip("triton")
-    return run_under_interpreter(__file__)
+interpreted = interpreted_fixture(__file__)
 
 
 def test_kernels_under_triton_interpreter(interpreted):

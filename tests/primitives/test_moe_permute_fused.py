@@ -27,7 +27,7 @@ import torch.multiprocessing as mp
 from bumblebee import moe_permute as ref_mod
 from bumblebee.kernels import moe_permute_fused as fused
 from bumblebee.primitives import moe_dispatch as chunked_mod
-from tests.interpreter import run_under_interpreter
+from tests.interpreter import interpreted_fixture
 
 FLOOR = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}
 
@@ -196,10 +196,7 @@ def _interpret_main():
                       "ep": [r["errs"] for r in ep], "ep_calls": [r["calls"] for r in ep]}))
 
 
-@pytest.fixture(scope="module")
-def interpreted():
-    pytest.importorskip("triton")
-    return run_under_interpreter(__file__)
+interpreted = interpreted_fixture(__file__)
 
 
 def test_kernels_under_triton_interpreter(interpreted):

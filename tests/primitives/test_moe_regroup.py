@@ -17,7 +17,7 @@ import torch
 
 from bumblebee.kernels import moe_regroup as rg
 from bumblebee.moe_permute import regroup_rows
-from tests.interpreter import run_under_interpreter
+from tests.interpreter import interpreted_fixture
 
 
 def reference(counts_CSL):
@@ -80,10 +80,7 @@ def _interpret_main():
     print(json.dumps({"ok": True, "fails": compare(rg.regroup, "cpu")}))
 
 
-@pytest.fixture(scope="module")
-def interpreted():
-    pytest.importorskip("triton")
-    return run_under_interpreter(__file__)
+interpreted = interpreted_fixture(__file__)
 
 
 def test_kernel_under_triton_interpreter(interpreted):

@@ -22,7 +22,7 @@ from bumblebee import switches
 from bumblebee.kernels import expert_gemm
 from bumblebee.kernels import swiglu as fused
 from bumblebee.primitives import moe_dispatch as chunked_mod
-from tests.interpreter import run_under_interpreter
+from tests.interpreter import interpreted_fixture
 
 FLOOR = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}
 CASES = [(1, 3), (37, 8), (5, 100), (129, 17), (3, 1500)]  # (M, I)
@@ -152,10 +152,7 @@ def _interpret_main():
     print(json.dumps({"ok": True, "failures": fails, "errs": errs}))
 
 
-@pytest.fixture(scope="module")
-def interpreted():
-    pytest.importorskip("triton")
-    return run_under_interpreter(__file__)
+interpreted = interpreted_fixture(__file__)
 
 
 def test_kernels_under_triton_interpreter(interpreted):
