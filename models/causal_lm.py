@@ -113,6 +113,20 @@ class CausalLM(HFCheckpointMixin, nn.Module):
             labels = labels.masked_fill(first.view_as(labels), -100)
         return segment_ids, position_ids, labels
 
+    def packed_forward(self, input_ids, labels, position_ids, cu_seqlens, return_logits):
+        """The forward of a decoder with MTP depths and packed-sequence support: (outputs with the
+        loss and MTP term, router logits of the layers). cu_seqlens: the B*T tokens are one packed
+        stream of sequences (positions restart per sequence unless given; no target crosses one)."""
+        segment_ids = None
+        if cu_seqlens is not None:
+            segment_ids, position_ids, labels = self.packed_inputs(input_ids, labels, position_ids, cu_seqlens)
+        position_ids = self.check_inputs(input_ids, labels, position_ids)
+        cos, sin = self.model.rotary_emb(position_ids, self.compute_dtype())
+        hidden, router_logits = self.model(input_ids, cos, sin, cu_seqlens)
+        out = self.lm_outputs(hidden, labels, return_logits, MTPCausalLMOutput())
+        self.add_mtp_loss(out, hidden, input_ids, labels, cos, sin, cu_seqlens, segment_ids)
+        return out, router_logits
+
     def add_mtp_loss(self, out, hidden, input_ids, labels, cos, sin, cu_seqlens=None, segment_ids=None):
         """Multi-token prediction through the `mtp` slot (when the model has depths): adds the
         scaled term to out.loss; out.mtp_loss (detached) and out.mtp_losses [D] report it."""

@@ -15,6 +15,16 @@ import torch.nn.functional as F
 from bumblebee.norms import RMSNorm
 from bumblebee.registry import resolve
 
+def mlp_residual(layer: nn.Module, x: torch.Tensor):
+    """A decoder layer's second half, x + mlp(post_attention_layernorm(x)): (hidden, router logits
+    [B*T, E] of an MoE `mlp`, or None for a dense one, as `layer.is_moe` says)."""
+    h = layer.post_attention_layernorm(x)
+    if layer.is_moe:
+        h, logits = layer.mlp(h)
+        return x + h, logits
+    return x + layer.mlp(h), None
+
+
 def rope_inv_freq(head_dim: int, rope: dict) -> tuple[torch.Tensor, float]:
     """Inverse frequencies and the cos/sin scale for a `rope_parameters` dict."""
     theta, kind = rope["rope_theta"], rope.get("rope_type", "default")

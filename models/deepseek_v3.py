@@ -24,8 +24,8 @@ import torch
 import torch.nn as nn
 
 from bumblebee.models import hf_io, moe
-from bumblebee.models.causal_lm import CausalLM, DecoderStack, MTPCausalLMOutput
-from bumblebee.models.components import RMSNorm, RotaryEmbedding, SwiGLU
+from bumblebee.models.causal_lm import CausalLM, DecoderStack
+from bumblebee.models.components import RMSNorm, RotaryEmbedding, SwiGLU, mlp_residual
 from bumblebee.models.config import hf_dtype, rope_parameters
 from bumblebee.registry import resolve
 
@@ -141,12 +141,7 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, cos, sin, cu_seqlens=None):
         """(hidden, router logits [B*T, E] or None for a dense layer)."""
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cu_seqlens)
-        h = self.post_attention_layernorm(x)
-        if self.is_moe:
-            h, logits = self.mlp(h)
-            return x + h, logits
-        return x + self.mlp(h), None
+        return mlp_residual(self, x + self.self_attn(self.input_layernorm(x), cos, sin, cu_seqlens))
 
 
 class MTPLayer(nn.Module):
@@ -198,14 +193,7 @@ class DeepseekV3ForCausalLM(CausalLM):
         """Logits [B, T, V] when labels is None (or return_logits). With labels: the loss, plus the MTP
         term (out.mtp_loss) when the model has MTP depths. cu_seqlens: the B*T tokens are one packed
         stream of sequences (positions restart per sequence unless given; no target crosses one)."""
-        segment_ids = None
-        if cu_seqlens is not None:
-            segment_ids, position_ids, labels = self.packed_inputs(input_ids, labels, position_ids, cu_seqlens)
-        position_ids = self.check_inputs(input_ids, labels, position_ids)
-        cos, sin = self.model.rotary_emb(position_ids, self.compute_dtype())
-        hidden, router_logits = self.model(input_ids, cos, sin, cu_seqlens)
-        out = self.lm_outputs(hidden, labels, return_logits, MTPCausalLMOutput())
-        self.add_mtp_loss(out, hidden, input_ids, labels, cos, sin, cu_seqlens, segment_ids)
+        out, router_logits = self.packed_forward(input_ids, labels, position_ids, cu_seqlens, return_logits)
         if output_router_logits:
             out.router_logits = router_logits
         return out

@@ -31,8 +31,8 @@ import torch
 import torch.nn as nn
 
 from bumblebee.models import hf_io, moe
-from bumblebee.models.causal_lm import CausalLM, DecoderStack, MTPCausalLMOutput
-from bumblebee.models.components import SwiGLU, rope_inv_freq, rotate_half
+from bumblebee.models.causal_lm import CausalLM, DecoderStack
+from bumblebee.models.components import SwiGLU, mlp_residual, rope_inv_freq, rotate_half
 from bumblebee.models.config import hf_dtype, rope_parameters
 from bumblebee.registry import resolve
 
@@ -266,11 +266,7 @@ class DecoderLayer(nn.Module):
             x = x + self.linear_attn(h, cu_seqlens)
         else:
             x = x + self.self_attn(h, cos, sin, cu_seqlens)
-        h = self.post_attention_layernorm(x)
-        if self.is_moe:
-            h, logits = self.mlp(h)
-            return x + h, logits
-        return x + self.mlp(h), None
+        return mlp_residual(self, x)
 
 
 class MTPDepth(nn.Module):
@@ -329,14 +325,7 @@ class Qwen3_5ForCausalLM(CausalLM):
         term (out.mtp_loss) when the model has an MTP head; MoE: aux_loss (times router_aux_loss_coef in
         the loss) when output_router_logits (default: the config's). cu_seqlens: the B*T tokens are one
         packed stream of sequences (positions restart per sequence unless given; no target crosses one)."""
-        segment_ids = None
-        if cu_seqlens is not None:
-            segment_ids, position_ids, labels = self.packed_inputs(input_ids, labels, position_ids, cu_seqlens)
-        position_ids = self.check_inputs(input_ids, labels, position_ids)
-        cos, sin = self.model.rotary_emb(position_ids, self.compute_dtype())
-        hidden, router_logits = self.model(input_ids, cos, sin, cu_seqlens)
-        out = self.lm_outputs(hidden, labels, return_logits, MTPCausalLMOutput())
-        self.add_mtp_loss(out, hidden, input_ids, labels, cos, sin, cu_seqlens, segment_ids)
+        out, router_logits = self.packed_forward(input_ids, labels, position_ids, cu_seqlens, return_logits)
         self.add_aux_loss(out, router_logits, output_router_logits)
         return out
 

@@ -15,7 +15,7 @@ import torch.nn as nn
 
 from bumblebee.models import moe
 from bumblebee.models.causal_lm import CausalLM, DecoderStack
-from bumblebee.models.components import GQAttention, RMSNorm, RotaryEmbedding, SwiGLU
+from bumblebee.models.components import GQAttention, RMSNorm, RotaryEmbedding, SwiGLU, mlp_residual
 from bumblebee.models.config import Qwen3Config
 
 
@@ -71,12 +71,7 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, cos, sin):
         """(hidden, router logits [B*T, E] or None for a dense layer)."""
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
-        h = self.post_attention_layernorm(x)
-        if self.is_moe:
-            h, logits = self.mlp(h)
-            return x + h, logits
-        return x + self.mlp(h), None
+        return mlp_residual(self, x + self.self_attn(self.input_layernorm(x), cos, sin))
 
 
 class Qwen3MoeModel(DecoderStack):
