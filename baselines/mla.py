@@ -14,10 +14,9 @@ H heads, R rope dim, N = B*T.
 from __future__ import annotations
 
 import torch
-import torch.nn as nn
 
-from bumblebee.checks import check_cu_seqlens, check_mla_config, check_mla_inputs
-from bumblebee.norms import RMSNorm
+from bumblebee.checks import check_cu_seqlens, check_mla_inputs
+from bumblebee.mla_projections import MLAProjections
 from bumblebee.registry import register
 
 def rope(x_BThR, cos_BTR, sin_BTR, interleave: bool):
@@ -31,29 +30,9 @@ def rope(x_BThR, cos_BTR, sin_BTR, interleave: bool):
 
 
 @register("mla", "naive", kind="baseline", twin="flash")
-class NaiveMLA(nn.Module):
-    """Per-head K/V expanded from the latent, explicit scores, fp32 softmax, causal (packed) mask."""
-
-    def __init__(self, dim, n_heads, *, q_lora_rank, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim,
-                 softmax_scale=None, rope_interleave=True, bias=False, lean_backward=True):
-        super().__init__()
-        check_mla_config(dim, n_heads, q_lora_rank, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim)
-        self.dim, self.n_heads, self.q_lora_rank, self.kv_lora_rank = dim, n_heads, q_lora_rank, kv_lora_rank
-        self.nope, self.rope_dim, self.v_dim = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
-        self.qk_dim = qk_nope_head_dim + qk_rope_head_dim
-        self.softmax_scale = self.qk_dim ** -0.5 if softmax_scale is None else softmax_scale
-        self.rope_interleave = rope_interleave
-        self.lean_backward = lean_backward  # accepted for the twin contract; the twin stores everything
-        if q_lora_rank is None:
-            self.q_proj = nn.Linear(dim, n_heads * self.qk_dim, bias=False)
-        else:
-            self.q_a_proj = nn.Linear(dim, q_lora_rank, bias=bias)
-            self.q_a_layernorm = RMSNorm(q_lora_rank)
-            self.q_b_proj = nn.Linear(q_lora_rank, n_heads * self.qk_dim, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(dim, kv_lora_rank + qk_rope_head_dim, bias=bias)
-        self.kv_a_layernorm = RMSNorm(kv_lora_rank)
-        self.kv_b_proj = nn.Linear(kv_lora_rank, n_heads * (qk_nope_head_dim + v_head_dim), bias=False)
-        self.o_proj = nn.Linear(n_heads * v_head_dim, dim, bias=bias)
+class NaiveMLA(MLAProjections):
+    """Per-head K/V expanded from the latent, explicit scores, fp32 softmax, causal (packed) mask.
+    `lean_backward` is accepted for the twin contract; the twin stores everything."""
 
     def forward(self, x_BTD, cos, sin, cu_seqlens=None):
         """x [B, T, D], cos/sin [B, T, R] (per-token positions) -> [B, T, D]."""

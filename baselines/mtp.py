@@ -20,19 +20,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from bumblebee.checks import check_mtp_inputs
 from bumblebee.registry import register
-
-
-def check_mtp_inputs(depth, hidden, input_ids, labels, segment_ids):
-    if hidden.dim() != 3 or input_ids.shape != hidden.shape[:2] or labels.shape != input_ids.shape:
-        raise ValueError(f"hidden [B, T, D], input_ids and labels [B, T] disagree: {tuple(hidden.shape)}, "
-                         f"{tuple(input_ids.shape)}, {tuple(labels.shape)}")
-    if segment_ids is not None and segment_ids.shape != input_ids.shape:
-        raise ValueError(f"segment_ids must be [B, T] = {list(input_ids.shape)}, got {tuple(segment_ids.shape)}")
-    T = input_ids.shape[1]
-    if depth + 1 >= T:
-        raise ValueError(f"MTP depth D={depth} (num_nextn_predict_layers) reaches beyond the sequence length "
-                         f"T={T} of input_ids: depth k predicts token t+k+1, so T must exceed D+1")
 
 
 def shifted_labels(labels_BT, shift, segment_ids_BT=None, ignore_index=-100):

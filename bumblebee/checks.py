@@ -121,6 +121,18 @@ def check_mla_inputs(x, cos, sin, dim, rope_dim):
             raise ValueError(f"{name} must be [B, T, qk_rope_head_dim] = {list(want)}, got {tuple(t.shape)}")
 
 
+def check_mtp_inputs(depth, hidden, input_ids, labels, segment_ids):
+    if hidden.dim() != 3 or input_ids.shape != hidden.shape[:2] or labels.shape != input_ids.shape:
+        raise ValueError(f"hidden [B, T, D], input_ids and labels [B, T] disagree: {tuple(hidden.shape)}, "
+                         f"{tuple(input_ids.shape)}, {tuple(labels.shape)}")
+    if segment_ids is not None and segment_ids.shape != input_ids.shape:
+        raise ValueError(f"segment_ids must be [B, T] = {list(input_ids.shape)}, got {tuple(segment_ids.shape)}")
+    T = input_ids.shape[1]
+    if depth + 1 >= T:
+        raise ValueError(f"MTP depth D={depth} (num_nextn_predict_layers) reaches beyond the sequence length "
+                         f"T={T} of input_ids: depth k predicts token t+k+1, so T must exceed D+1")
+
+
 MAX_CONV_KERNEL = 4  # the widths the fast causal convolutions serve (Qwen3.5 uses 4)
 
 

@@ -29,15 +29,14 @@ import contextlib
 import functools
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from bumblebee import recompute, switches
-from bumblebee.checks import check_cu_seqlens, check_mla_config, check_mla_inputs
+from bumblebee.checks import check_cu_seqlens, check_mla_inputs
 from bumblebee.kernels import mla_rope as _fused_rope
-from bumblebee.norms import RMSNorm
+from bumblebee.mla_projections import MLAProjections
 from bumblebee.registry import register
 
 _CUDA_ORDER = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
@@ -121,32 +120,11 @@ class _HandedOver:
 
 
 @register("mla", "flash", kind="primitive", twin="naive", default=True)
-class FlashMLA(nn.Module):
+class FlashMLA(MLAProjections):
     """SDPA (cuDNN first) MLA; lean backward recomputes per-head Q/K/V from the latents."""
 
     pad_v = False  # per instance: v zero-padded to the q/k head dim inside SDPA (see sdpa_causal)
-
-    def __init__(self, dim, n_heads, *, q_lora_rank, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim,
-                 softmax_scale=None, rope_interleave=True, bias=False, lean_backward=True):
-        super().__init__()
-        check_mla_config(dim, n_heads, q_lora_rank, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim)
-        self.dim, self.n_heads, self.q_lora_rank, self.kv_lora_rank = dim, n_heads, q_lora_rank, kv_lora_rank
-        self.nope, self.rope_dim, self.v_dim = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
-        self.qk_dim = qk_nope_head_dim + qk_rope_head_dim
-        self.softmax_scale = self.qk_dim ** -0.5 if softmax_scale is None else softmax_scale
-        self.rope_interleave = rope_interleave
-        self.lean_backward = lean_backward
-        self._handover = None  # see _lean_context
-        if q_lora_rank is None:
-            self.q_proj = nn.Linear(dim, n_heads * self.qk_dim, bias=False)
-        else:
-            self.q_a_proj = nn.Linear(dim, q_lora_rank, bias=bias)
-            self.q_a_layernorm = RMSNorm(q_lora_rank)
-            self.q_b_proj = nn.Linear(q_lora_rank, n_heads * self.qk_dim, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(dim, kv_lora_rank + qk_rope_head_dim, bias=bias)
-        self.kv_a_layernorm = RMSNorm(kv_lora_rank)
-        self.kv_b_proj = nn.Linear(kv_lora_rank, n_heads * (qk_nope_head_dim + v_head_dim), bias=False)
-        self.o_proj = nn.Linear(n_heads * v_head_dim, dim, bias=bias)
+    _handover = None  # per instance, set and cleared by _lean_context
 
     def forward(self, x_BTD, cos, sin, cu_seqlens=None):
         """x [B, T, D], cos/sin [B, T, R] (per-token positions) -> [B, T, D]."""

@@ -12,19 +12,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from bumblebee.checks import check_mtp_inputs
 from bumblebee.registry import register
-
-
-def _check(depth, hidden, input_ids, labels, segment_ids):
-    if hidden.dim() != 3 or input_ids.shape != hidden.shape[:2] or labels.shape != input_ids.shape:
-        raise ValueError(f"hidden [B, T, D], input_ids and labels [B, T] disagree: {tuple(hidden.shape)}, "
-                         f"{tuple(input_ids.shape)}, {tuple(labels.shape)}")
-    if segment_ids is not None and segment_ids.shape != input_ids.shape:
-        raise ValueError(f"segment_ids must be [B, T] = {list(input_ids.shape)}, got {tuple(segment_ids.shape)}")
-    T = input_ids.shape[1]
-    if depth + 1 >= T:
-        raise ValueError(f"MTP depth D={depth} (num_nextn_predict_layers) reaches beyond the sequence length "
-                         f"T={T} of input_ids: depth k predicts token t+k+1, so T must exceed D+1")
 
 
 def _shift_left(x_BT, shift, fill):
@@ -48,7 +37,7 @@ class LeanMTP(nn.Module):
                 segment_ids_BT=None):
         """(loss_scale / D * sum of the depth losses, the depth losses [D] detached)."""
         D = len(self.layers)
-        _check(D, hidden_BTD, input_ids_BT, labels_BT, segment_ids_BT)
+        check_mtp_inputs(D, hidden_BTD, input_ids_BT, labels_BT, segment_ids_BT)
         loss_fn = loss_fn or _materialized_ce
         W, ignore = hidden_BTD.shape[-1], self.ignore_index
         boundary = None  # [B, T] True where the next token starts another packed sequence
