@@ -5,7 +5,8 @@ sharded over `experts.ep_group`, dropless. The layer's N local tokens are split 
 (`chunks=C`, or a sequence of relative sizes for unequal chunks; default "auto": two chunks of
 relative sizes (1, 2), the first one third of the tokens, where the ep group's largest token count
 is >= AUTO_MIN_TOKENS for the ep size, else one chunk, decided alike on every rank from the count
-exchange). One count exchange for all chunks up front (the one host sync), then a pipeline, on
+exchange). One count exchange for all chunks up front (the one host sync; the plan every rank
+derives from it: `primitives/moe_dispatch_plan.py`), then a pipeline, on
 CUDA with communication on its own stream ("comm", one per device) ordered against the compute stream by events:
 
   forward   compute: P0 P1 | E0 | P2 E1 | P3 E2 ...      | U0 U1 U2 ...
@@ -59,7 +60,6 @@ from __future__ import annotations
 
 
 import contextlib
-import functools
 import os
 import weakref
 
@@ -73,8 +73,8 @@ from bumblebee.kernels import moe_regroup as _regroup_kernel
 from bumblebee.kernels import swiglu as _swiglu
 from bumblebee.kernels.expert_gemm import (TokensPerExpert, WgradJob, expert_dgrad, expert_dgrad_weighted,
                                            expert_forward, expert_wgrad, use_grouped_mm)
-from bumblebee.moe_permute import (copy_order, expert_major_index, inverse_index, regroup_rows, sum_copies, unpermute,
-                                   unpermute_grads)
+from bumblebee.moe_permute import expert_major_index, inverse_index, regroup_rows, sum_copies, unpermute, unpermute_grads
+from bumblebee.primitives.moe_dispatch_plan import exchange_counts, spec_word
 from bumblebee.registry import register
 
 _AGREED = weakref.WeakKeyDictionary()  # experts -> the config its first-call agreement check passed
@@ -88,7 +88,6 @@ DEFAULT_CHUNKS = "auto"  # or an int / relative sizes, as `chunks=`
 # at EP = 8: one chunk ahead at 8K, (1, 2) ahead by 21 points at 16K).
 AUTO_CHUNKS, AUTO_MIN_TOKENS = (1, 2), {2: 65536, 4: 16384}
 WGRAD = "auto"  # delayed wgrad of several chunks: "auto" (by bytes), "gather" (one GEMM) or "add" (per chunk)
-_HEAD = 5  # header words per message: local token count, bad-shape flag, bad-index flag, E, chunking
 
 
 def _fused_permute_from_env() -> str:
@@ -175,15 +174,6 @@ def _permute_fns(t: torch.Tensor):
     return unpermute, unpermute_grads, sum_copies, regroup_rows
 
 
-def chunk_bounds(n: int, spec: tuple) -> list:
-    """Token boundaries [0, b1, ..., n] of the chunks: floor(n * cumulative share)."""
-    total, acc, out = sum(spec), 0, [0]
-    for s in spec:
-        acc += s
-        out.append(n * acc // total)
-    return out
-
-
 def _chunk_spec(chunks) -> tuple:
     """(relative chunk sizes the counts are exchanged in, auto: whether one chunk may replace them)."""
     chunks = DEFAULT_CHUNKS if chunks is None else chunks
@@ -199,10 +189,6 @@ def _chunk_spec(chunks) -> tuple:
     if not spec or min(spec) < 1 or any(int(c) != c for c in chunks):
         raise ValueError(f"chunks must be an int >= 1 or a sequence of positive integer relative sizes, got {chunks}")
     return spec, False
-
-
-def _spec_word(spec: tuple, auto: bool = False) -> int:
-    return hash(spec + ((0,) if auto else ())) & 0xFFFFFFFF  # (.., 0) is no explicit spec: sizes are >= 1
 
 
 class _Schedule:
@@ -251,101 +237,9 @@ class _Schedule:
         self.keep.clear()
 
 
-def _exchange_counts(x_ND, weights_NK, indices_NK, E, spec, group, EP, early=None, auto=False):
-    """Sorted copy order, the host view of every chunk's splits (the one host sync) and the received
-    counts [C, S, L] of the active chunks, on the device (`kernels/moe_regroup.py` turns them into
-    the row indices). `early(order_M, copy_bounds)` is issued before the host sync (device work
-    that needs no host counts keeps the GPU busy while the host waits); its result is returned.
-    `auto`: below AUTO_MIN_TOKENS (for this EP) on every rank the chunks merge into one (counts summed
-    on the device before the sync), a decision every rank takes alike from the exchanged token counts."""
-    N, K = indices_NK.shape
-    L, C = E // EP, len(spec)
-    shape_bad = x_ND.dim() != 2 or x_ND.shape[0] != N or weights_NK.shape != (N, K)
-    flat_M = indices_NK.reshape(-1)
-    # bad ids travel in the header, every rank raises after the exchange; int32 keys: half the radix
-    # passes of the sort (C * E < 2^31), each pass a host launch in a host-bound small step
-    keys_M = flat_M.clamp(0, E - 1).to(torch.int32)
-    bad_idx = (keys_M != flat_M).any()
-    bounds = chunk_bounds(N, spec)
-    split = [b * K for b in bounds]
-    min_tokens = by_ep(AUTO_MIN_TOKENS, EP) if EP > 1 else float("inf")
-    may_merge = auto and C > 1 and N < min_tokens  # this rank's guess; merging needs every rank below
-    # chunks are contiguous in token order: sorting by chunk * E + expert keeps them apart; a rank that
-    # expects one chunk sorts by expert * C + chunk: the order of one chunk, counted per chunk for the message
-    order_M, inv_M, counts_CE = copy_order(keys_M, E, split, chunk_major=not may_merge)
-    dev = order_M.device
-    word = _spec_word(spec, auto)
-    head = _header(N, int(shape_bad), E, word, dev)
-    msg = torch.cat([head.expand(EP, _HEAD), counts_CE.view(C, EP, L).transpose(0, 1).reshape(EP, C * L)], dim=1)
-    msg[:, 2] = bad_idx
-    if group is None:
-        recv = msg
-    else:
-        recv = torch.empty_like(msg)
-        dist.all_to_all_single(recv, msg, group=group)
-    head_start = early(order_M, [0, N * K] if may_merge else split) if early is not None else None
-    # a rank that guessed one chunk also reads its counts summed over the chunks, summed on the device
-    merged = [t[:, _HEAD:].unflatten(1, (C, L)).sum(1) for t in (msg, recv)] if may_merge else []
-    host = torch.cat([t.reshape(-1) for t in [msg, recv] + merged]).tolist()  # the one host sync
-    W = _HEAD + C * L
-    sent = [host[r * W:(r + 1) * W] for r in range(EP)]
-    got = [host[EP * W + s * W:EP * W + (s + 1) * W] for s in range(EP)]
-    for s, row in enumerate(got):
-        if row[3] != E or row[4] != word:  # changed after the first-call check, same message size
-            raise ValueError(f"ranks of the ep group disagree on num_experts or chunks: rank {s} has "
-                             f"E={row[3]}, chunking {row[4]:#x}; this rank E={E}, chunking {word:#x}")
-        if row[1] or row[2]:
-            what = "inputs of mismatched shapes" if row[1] else f"expert indices outside [0, {E})"
-            if s == (dist.get_rank(group) if group is not None else 0) and row[1]:
-                what += (f": x {tuple(x_ND.shape)}, weights {tuple(weights_NK.shape)}, "
-                         f"indices {tuple(indices_NK.shape)}")
-            raise ValueError(f"moe_dispatch: rank {s} of the ep group passed {what}")
-    # per chunk of the plan, per rank: the counts per local expert sent to it / received from it
-    if auto and C > 1 and max(row[0] for row in got) < min_tokens:  # one chunk on every rank
-        sums = host[2 * EP * W:]
-        sent_CRL = [[sums[r * L:(r + 1) * L] for r in range(EP)]]
-        got_CRL = [[sums[(EP + s) * L:(EP + s + 1) * L] for s in range(EP)]]
-        recv_CSL = merged[1].unsqueeze(0)
-        spec, C, bounds = (1,), 1, [0, N]
-    else:
-        sent_CRL = [[row[_HEAD + c * L:_HEAD + (c + 1) * L] for row in sent] for c in range(C)]
-        got_CRL = [[row[_HEAD + c * L:_HEAD + (c + 1) * L] for row in got] for c in range(C)]
-        recv_CSL = recv[:, _HEAD:].view(EP, C, L).transpose(0, 1)
-        if may_merge:  # another rank holds more tokens: chunks after all, sorted chunk-major
-            order_M, inv_M, _ = copy_order(keys_M, E, split)
-            head_start = None
-
-    # A chunk that is empty on every rank is dropped by every rank alike (clamps C to the tokens).
-    active = [c for c in range(C) if any(b[c + 1] > b[c] for b in (chunk_bounds(row[0], spec) for row in got))]
-    plan, rows = [], 0
-    for c in active:
-        recv_SL = got_CRL[c]
-        R = sum(map(sum, recv_SL))
-        plan.append(dict(
-            chunk=c,
-            tokens=(bounds[c], bounds[c + 1]),
-            copies=(bounds[c] * K, bounds[c + 1] * K),  # the chunk's range in sorted order and in token order
-            in_splits=[sum(r) for r in sent_CRL[c]],
-            out_splits=[sum(r) for r in recv_SL],
-            tpe=list(map(sum, zip(*recv_SL))),  # zip/map: this host time is exposed
-            rows=(rows, rows + R),  # the chunk's slice of dest_R
-        ))
-        rows += R
-    if len(active) < C:
-        recv_CSL = recv_CSL[active]
-    return order_M, inv_M, plan, recv_CSL, head_start
-
-
 def _chunk_positions(inv_M, a, b):
     """Sorted positions of the copies a..b (one chunk, token order) relative to the chunk's start."""
     return inv_M[a:b] - a if a else inv_M[a:b]
-
-
-@functools.lru_cache(maxsize=16)
-def _header(N, shape_bad, E, word, device):
-    """The count message's header on the device, cached (read only): a copy from the host per layer
-    call costs host time in a step that is bound by it."""
-    return torch.tensor([N, shape_bad, 0, E, word], dtype=torch.int64).to(device)
 
 
 def _wgrad_by_gather(plan, D, I, L) -> bool:
@@ -373,8 +267,9 @@ class _ChunkedEP(torch.autograd.Function):
 
         def first_gather(order_M, copy_bounds):  # chunk 0's P, issued before the host sync
             return x_ND.index_select(0, order_M[copy_bounds[0]:copy_bounds[1]] // K)
-        order_M, inv_M, plan, recv_CSL, x0 = _exchange_counts(
-            x_ND, weights_NK, indices_NK, E, spec, group, EP, early=first_gather, auto=auto)
+        min_tokens = by_ep(AUTO_MIN_TOKENS, EP) if EP > 1 else float("inf")
+        order_M, inv_M, plan, recv_CSL, x0 = exchange_counts(
+            x_ND, weights_NK, indices_NK, E, spec, group, EP, min_tokens, early=first_gather, auto=auto)
         one = len(plan) == 1  # nothing to overlap: the exchanges run inline on the compute stream
         token_M = None if one and x0 is not None else order_M // K
         sched = _Schedule(x_ND.device, group)
@@ -538,7 +433,7 @@ def chunked_dispatch(x_ND, weights_NK, indices_NK, experts, num_experts, *, chun
     agree_once(experts, group, x_ND.device, {
         "impl (all_to_all=1, chunked=2)": 2, "num_experts": num_experts, "ep size": EP, "top_k": K,
         "model width": x_ND.shape[-1] if x_ND.dim() == 2 else -1, "chunk count": len(spec),
-        "chunk sizes": _spec_word(spec, auto)}, _AGREED)
+        "chunk sizes": spec_word(spec, auto)}, _AGREED)
     if num_experts % EP:
         raise ValueError(f"num_experts={num_experts} is not divisible by the ep group size {EP}")
     if indices_NK.dim() != 2:
