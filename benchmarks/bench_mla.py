@@ -1,5 +1,5 @@
-"""MLA on one GPU at DeepSeek-V3 sizes: the SDPA primitive (lean backward on and off), the twin,
-megatron-core's MLA, and a layout sweep of the attention core.
+"""MLA on one GPU at DeepSeek-V3 sizes: the primitive (lean backward on and off; its core on FA4 where
+flash-attn-4 is installed, else SDPA), the twin, megatron-core's MLA, and a sweep of the attention core.
 
     python benchmarks/bench_mla.py --out DIR     # writes DIR/mla.json (default benchmarks/results/)
     python benchmarks/bench_mla.py --smoke       # CPU, fp32, toy sizes: every code path, no timing claims
@@ -7,7 +7,9 @@ megatron-core's MLA, and a layout sweep of the attention core.
 
 One attention layer (hidden 7168, 128 heads, q_lora_rank 1536, kv_lora_rank 512, nope 128, rope 64,
 v 128), bf16, batch 1, causal, forward + backward, at 4K / 16K / 32K tokens:
-- `flash_lean`, `flash_plain`: `primitives.mla.FlashMLA` with the lean backward on / off;
+- `flash_lean`, `flash_plain`: `primitives.mla.FlashMLA` with the lean backward on / off, as it
+  runs by default (core on FA4 where installed; `mla_core_backend` in the results says which);
+- `flash_lean_sdpa`, `flash_plain_sdpa`: the same with the FA4 switch off (core on SDPA/cuDNN);
 - `flash_lean_pad_v` (16K): the same with `pad_v` (v zero-padded to 192 inside SDPA);
 - `naive`: `baselines.mla.NaiveMLA` (explicit scores: 4K only, it needs [128, T, T] fp32 scores);
 - `megatron`, `megatron_up_proj_recompute`: megatron-core's `MLASelfAttention` built from its local
@@ -15,7 +17,9 @@ v 128), bf16, batch 1, causal, forward + backward, at 4K / 16K / 32K tokens:
   counterpart of our lean backward). One adapter: the local spec's `DotProductAttention` does not
   accept the `k_channels`/`v_channels` that MLA passes it, so a subclass drops them (its unfused
   [b*h, s, s] scores path then runs as is). Tried at every length; an OOM is recorded as the reason;
-- `core_*`: the attention core alone, SDPA forward + backward on random q/k/v (layout sweep below).
+- `core_*`: the attention core alone, forward + backward on random q/k/v (sweep below); `core_cudnn`,
+  `core_bshd` and `core_fa4` also time the forward alone (`fwd_median_ms`, `fwd_useful_TFLOPs`,
+  useful forward FLOPs H * T^2 * (d_qk + d_v)).
 Useful FLOPs of the core, counted the same for every variant (also padded ones): causal forward +
 backward = 3 * H * T^2 * (d_qk + d_v) with d_qk = 192, d_v = 128 (2 matmuls forward, 4 backward,
 half of each under the causal mask; the backward's recomputed q.k is not counted). The rate is
@@ -29,7 +33,9 @@ the same with the assembly as one Triton kernel each way (`kernels/mla_rope.py`,
 with BUMBLEBEE_MLA_FUSED_ROPE=on, which also switches the `flash_*` layers); `core_prealloc` the
 same with q and k written into preallocated [B, T, H, 192] buffers; `core_cudnn_pad_v` v zero-padded
 to 192 ([B, H, T, d] as core_cudnn); `core_flash_pad_v` the flash backend (it refuses 192/128) with
-v padded to 192, BSHD views. The padded variants slice the output back to 128 before the backward.
+v padded to 192, BSHD views; `core_fa4` FlashAttention 4 (`primitives/flash_attention4.py`) on
+contiguous [B, T, H, d] (its native layout). The padded variants slice the output back to 128 before
+the backward.
 Saved activations: device memory held between forward and backward, less the output. Targets: core
 >= 60% of the matmul rate at 16K; lean saved <= 1/3 of plain at <= 15% extra time. megatron
 parity: our primitive's weights copied into megatron's module (same names up to a fixed map), fp32,
@@ -58,9 +64,11 @@ DSV3 = dict(dim=7168, n_heads=128, q_lora_rank=1536, kv_lora_rank=512, qk_nope_h
             qk_rope_head_dim=64, v_head_dim=128)
 SMOKE = dict(dim=64, n_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
              v_head_dim=8)
-IMPLS = ("flash_lean", "flash_plain", "naive", "megatron", "megatron_up_proj_recompute")
-CORE_VARIANTS = ("core_cudnn", "core_bshd", "core_primitive", "core_primitive_fused", "core_prealloc",
+IMPLS = ("flash_lean", "flash_plain", "flash_lean_sdpa", "flash_plain_sdpa", "naive", "megatron",
+         "megatron_up_proj_recompute")
+CORE_VARIANTS = ("core_cudnn", "core_bshd", "core_fa4", "core_primitive", "core_primitive_fused", "core_prealloc",
                  "core_cudnn_pad_v", "core_flash_pad_v")
+FORWARD_TIMED = ("core_cudnn", "core_bshd", "core_fa4")
 FLOP_FORMULA = "useful causal fwd+bwd FLOPs = 3 * H * T^2 * (d_qk + d_v), d_qk 192, d_v 128, H 128"
 OUT = Path(os.environ.get("BENCH_OUT", Path(__file__).parent / "results"))
 RESULTS: dict = {"cases": []}
@@ -91,6 +99,17 @@ def _rope(T, R=None):
 
 def _mem():
     return torch.cuda.memory_allocated() if _cuda() else 0
+
+
+def _core_backend(impl):
+    """Which attention core a FlashMLA case runs: "fa4" or "sdpa" (the twin: "explicit scores")."""
+    if not impl.startswith("flash"):
+        return "explicit scores"
+    from bumblebee.primitives import flash_attention4 as fa4, mla
+    s = CFG["sizes"]
+    dqk = s["qk_nope_head_dim"] + s["qk_rope_head_dim"]
+    on = mla.FA4 == "on" and not impl.endswith("_sdpa")
+    return "fa4" if on and fa4.supports(torch.device(CFG["device"]), CFG["dtype"], dqk, s["v_head_dim"]) else "sdpa"
 
 
 def _layer(impl):
@@ -239,8 +258,9 @@ def megatron_parity(sizes, T):
 
 # ---- the attention core alone -----------------------------------------------------------------------
 
-def _core_fn(variant, T):
-    """(fn) running forward + backward of one core variant at DeepSeek-V3 head sizes."""
+def _core_fn(variant, T, backward=True):
+    """(fn) running forward + backward (or the forward alone, without autograd) of one core variant at
+    DeepSeek-V3 head sizes."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from bumblebee.kernels.mla_rope import assemble_qk
@@ -254,7 +274,20 @@ def _core_fn(variant, T):
     pad = dqk - dv if variant.endswith("pad_v") else 0
 
     def leaf(*shape):
-        return torch.randn(*shape, device=dev, dtype=dt, requires_grad=True)
+        return torch.randn(*shape, device=dev, dtype=dt, requires_grad=backward)
+
+    if variant == "core_fa4":
+        from bumblebee.primitives import flash_attention4 as fa4
+        q0, k0, v0 = leaf(1, T, H, dqk), leaf(1, T, H, dqk), leaf(1, T, H, dv)
+        if not fa4.available(q0, v0):
+            raise RuntimeError("flash-attn-4 is not installed, or this device/dtype is not one it runs")
+        grad = torch.randn(1, T, H, dv, device=dev, dtype=dt)
+
+        def fa4_fn():
+            o = fa4.causal_attention(q0, k0, v0, dqk ** -0.5)
+            if backward:
+                o.backward(grad)
+        return fa4_fn
 
     if variant in ("core_primitive", "core_primitive_fused", "core_prealloc"):
         q_full, kv_full, k_pe = leaf(1, T, H, dqk), leaf(1, T, H, nope + dv), leaf(1, T, 1, R)
@@ -293,7 +326,8 @@ def _core_fn(variant, T):
             v = F.pad(v, (0, pad))
         with ctx():
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        (o[..., :dv] if pad else o).backward(grad)
+        if backward:
+            (o[..., :dv] if pad else o).backward(grad)
     return fn
 
 
@@ -313,6 +347,9 @@ def core_case(variant, T):
     rec["useful_TFLOPs"] = core_flops(T, H, dqk, dv) / rec["median_ms"] / 1e9
     if variant.endswith("pad_v"):
         rec["executed_TFLOPs"] = core_flops(T, H, dqk, dqk) / rec["median_ms"] / 1e9
+    if variant in FORWARD_TIMED:
+        rec["fwd_median_ms"] = _time_ms(_core_fn(variant, T, backward=False))
+        rec["fwd_useful_TFLOPs"] = core_flops(T, H, dqk, dv) / 3 / rec["fwd_median_ms"] / 1e9
     RESULTS["cases"].append(rec)
     return fn, rec
 
@@ -345,9 +382,14 @@ def mla_case(impl, T):
         m = _layer(impl)
         cos, sin = _rope(T)
         shims = contextlib.nullcontext
+        if impl.endswith("_sdpa"):
+            from bumblebee.primitives import mla
+            shims = lambda: mock.patch.object(mla, "FA4", "off")  # noqa: E731 - read at each forward
+        rec["core_backend"] = _core_backend(impl)
 
         def call():
-            return m(x, cos, sin)
+            with shims():
+                return m(x, cos, sin)
     if _cuda():
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -435,11 +477,17 @@ def write_results(path=None):
     except Exception:  # not installed, or fails to import
         megatron_version = None
     from bumblebee.primitives.mla import FUSED_ROPE as mla_fused_rope
+    try:
+        from importlib.metadata import version
+        fa4_version = version("flash-attn-4")
+    except Exception:  # not installed
+        fa4_version = None
     path = Path(path or OUT / "mla.json")
     path.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.update(device=torch.cuda.get_device_name() if _cuda() else "cpu (smoke)", torch=torch.__version__,
                    triton=triton_version, megatron_core=megatron_version,
                    cudnn=torch.backends.cudnn.version() if _cuda() else None, mla_fused_rope=mla_fused_rope,
+                   flash_attn_4=fa4_version, mla_core_backend=_core_backend("flash_lean"),
                    date=datetime.date.today().isoformat(), shapes=CFG["sizes"], dtype=str(CFG["dtype"]),
                    flop_formula=FLOP_FORMULA)
     summarize()

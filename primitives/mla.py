@@ -2,20 +2,23 @@
 
 Same parameters, names and math as the twin `bumblebee.baselines.mla.NaiveMLA`; what differs:
 
-- the attention core is `F.scaled_dot_product_attention` with the backend picked explicitly: on
-  CUDA cuDNN first (it runs q/k head dim 192 with v head dim 128; the flash backend refuses those
-  dims), then flash, memory-efficient, math. The CPU uses SDPA's own choice;
+- the attention core is FlashAttention 4 (`primitives/flash_attention4.py`) where flash-attn-4 is
+  installed and runs the shapes (Hopper/Blackwell, 16-bit; switch `FA4`, environment
+  BUMBLEBEE_MLA_FA4=off for SDPA); otherwise `F.scaled_dot_product_attention` with the backend picked
+  explicitly: on CUDA cuDNN first (it runs q/k head dim 192 with v head dim 128; the flash backend
+  refuses those dims), then flash, memory-efficient, math. The CPU uses SDPA's own choice;
 - lean backward (`lean_backward=True`, switchable per module at any time): the up-projections
   (`q_b_proj` or `q_proj`, `kv_b_proj`), the RoPE and the per-head K/V assembly run under a selective
   activation checkpoint that saves only the latents and the attention op's own outputs (output and
   log-sum-exp). The backward recomputes per-head Q/K/V from the latents (matmuls) but never reruns
   the attention itself. Saved per layer: latents + output instead of Q, K, V, output; inside the
   models' full recompute only the layer's input (`FlashMLA._lean_context`);
-- `cu_seqlens` (packed sequences): one causal SDPA call per sequence over the packed stream, so
-  every call stays on the fast backend (a block-diagonal mask would push SDPA off cuDNN/flash).
+- `cu_seqlens` (packed sequences): one FA4 varlen call for the whole stream; on SDPA one causal call
+  per sequence, so every call stays on the fast backend (a block-diagonal mask would push SDPA off
+  cuDNN/flash).
 - `pad_v` (per module, default off): v zero-padded to the q/k head dim inside SDPA, the extra output
   columns dropped; same result, for a backend whose equal-head-dim kernel outruns its 192/128 one
-  (measured in benchmarks/bench_mla.py, benchmarks/NOTES_mla.md).
+  (measured in benchmarks/bench_mla.py, benchmarks/NOTES_mla.md). SDPA path only.
 - `FUSED_ROPE` (default "on"; environment BUMBLEBEE_MLA_FUSED_ROPE=off for the torch path): the Q/K
   assembly (split, RoPE, concatenations, rope-key broadcast) as one Triton kernel each way
   (`kernels/mla_rope.py`), on CUDA (or under TRITON_INTERPRET=1) when cos/sin need no gradient;
@@ -38,6 +41,7 @@ from bumblebee.checks import check_cu_seqlens, check_mla_inputs
 from bumblebee.kernels import mla_rope as _fused_rope
 from bumblebee.mla_projections import MLAProjections
 from bumblebee.registry import register
+from bumblebee.primitives import flash_attention4 as _fa4
 
 _CUDA_ORDER = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
                SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
@@ -51,6 +55,17 @@ def _fused_rope_from_env() -> str:
 # (measured on an H200: the core step 18% faster at 4K, 5% at 16K, NOTES_mla.md);
 # BUMBLEBEE_MLA_FUSED_ROPE=off (read at import) selects the torch path.
 FUSED_ROPE = _fused_rope_from_env()
+
+
+# The attention core on FlashAttention 4 where it is installed and runs the shapes: "on" or "off".
+# "on" by default (measured on an H100: forward 1.19-1.24x, forward + backward 1.05x SDPA's cuDNN at
+# 16K-32K, NOTES_mla.md); BUMBLEBEE_MLA_FA4=off (read at import) keeps SDPA.
+FA4 = switches.from_env("BUMBLEBEE_MLA_FA4")
+
+
+def _use_fa4(x: torch.Tensor, qk_dim: int, v_dim: int) -> bool:
+    """True when FA4 is "on" and runs this layer's core for input x (device, dtype, head dims)."""
+    return switches.is_on("FA4", FA4) and _fa4.supports(x.device, x.dtype, qk_dim, v_dim)
 
 
 def _use_fused_rope(t: torch.Tensor, cos=None, sin=None) -> bool:
@@ -95,9 +110,11 @@ def sdpa_causal(q_BhTd, k_BhTd, v_BhTe, scale, pad_v=False):
 
 
 def _keep_attention_outputs(ctx, op, *args, **kwargs):
-    # SDPA's backend ops (cudnn/flash/efficient/flash_for_cpu) keep their outputs (o, logsumexp...);
-    # everything else in the region (up-projections, RoPE, concatenations) is recomputed.
-    return CheckpointPolicy.MUST_SAVE if "_scaled_dot_product" in str(op) else CheckpointPolicy.PREFER_RECOMPUTE
+    # SDPA's backend ops (cudnn/flash/efficient/flash_for_cpu) and FA4's forward op keep their outputs
+    # (o, logsumexp...); everything else in the region (up-projections, RoPE, concatenations) is recomputed.
+    name = str(op)
+    attention = "_scaled_dot_product" in name or "fa4_causal_fwd" in name
+    return CheckpointPolicy.MUST_SAVE if attention else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 _LEAN_CONTEXT = functools.partial(create_selective_checkpoint_contexts, _keep_attention_outputs)
@@ -135,12 +152,13 @@ class FlashMLA(MLAProjections):
         q_src = x_BTD if self.q_lora_rank is None else self.q_a_layernorm(self.q_a_proj(x_BTD))
         c_kv, k_rope = self.kv_a_proj_with_mqa(x_BTD).split([self.kv_lora_rank, self.rope_dim], dim=-1)
         c_kv = self.kv_a_layernorm(c_kv)
-        fused = _use_fused_rope(x_BTD, cos, sin)  # decided once: the lean backward's recompute takes the same path
+        # decided once: the lean backward's recompute takes the same paths
+        fused, fa4 = _use_fused_rope(x_BTD, cos, sin), _use_fa4(x_BTD, self.qk_dim, self.v_dim)
         if self.lean_backward and torch.is_grad_enabled():
-            o = checkpoint(self._core, q_src, c_kv, k_rope, cos, sin, segments, fused,
+            o = checkpoint(self._core, q_src, c_kv, k_rope, cos, sin, segments, fused, fa4,
                            use_reentrant=False, context_fn=self._lean_context())
         else:
-            o = self._core(q_src, c_kv, k_rope, cos, sin, segments, fused)
+            o = self._core(q_src, c_kv, k_rope, cos, sin, segments, fused, fa4)
         return self.o_proj(o)
 
     def _lean_context(self):
@@ -159,7 +177,7 @@ class FlashMLA(MLAProjections):
         self._handover = cached
         return lambda: (caching, contextlib.nullcontext())
 
-    def _core(self, q_src, c_kv, k_rope, cos, sin, segments, fused=False):
+    def _core(self, q_src, c_kv, k_rope, cos, sin, segments, fused=False, fa4=False):
         """Up-projections, RoPE, attention: latents -> [B, T, H*v]."""
         B, T, _ = c_kv.shape
         H = self.n_heads
@@ -172,6 +190,8 @@ class FlashMLA(MLAProjections):
             q = torch.cat((q_nope, rope_pairs(q_rope, cos, sin, self.rope_interleave)), dim=-1)
             k_rope = rope_pairs(k_rope[:, :, None], cos, sin, self.rope_interleave)
             k = torch.cat((k_nope, k_rope.expand(B, T, H, self.rope_dim)), dim=-1)
+        if fa4:
+            return self._core_fa4(q, k, v, segments).reshape(B, T, H * self.v_dim)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, T, d]
         if segments is None:
             o = sdpa_causal(q, k, v, self.softmax_scale, self.pad_v)
@@ -181,3 +201,13 @@ class FlashMLA(MLAProjections):
                            for a, b in segments], dim=2)
             o = o.reshape(H, B, T, self.v_dim).transpose(0, 1)
         return o.transpose(1, 2).reshape(B, T, H * self.v_dim)
+
+    def _core_fa4(self, q, k, v, segments):
+        """FA4 on [B, T, H, d] (BSHD, as the projections write it); packed: one varlen call."""
+        if segments is None:
+            return _fa4.causal_attention(q, k, v, self.softmax_scale)
+        B, T, H, _ = q.shape
+        cu = torch.tensor([0] + [b for _, b in segments], dtype=torch.int32).to(q.device, non_blocking=True)
+        longest = max(b - a for a, b in segments)
+        flat = (t.reshape(B * T, H, t.shape[-1]) for t in (q, k, v))
+        return _fa4.causal_attention(*flat, self.softmax_scale, cu_seqlens=cu, max_seqlen=longest)

@@ -11,6 +11,7 @@ from torch.utils.checkpoint import checkpoint
 from bumblebee import recompute
 
 from bumblebee.baselines.mla import NaiveMLA
+from bumblebee.primitives import mla
 from bumblebee.primitives.mla import FlashMLA
 
 
@@ -240,7 +241,9 @@ def test_bad_input(cls):
 @pytest.mark.gpu
 @pytest.mark.parametrize("lean", [True, False])
 @pytest.mark.parametrize("packed", [False, True])
-def test_bf16_within_torch_error(lean, packed):
+@pytest.mark.parametrize("fa4", ["on", "off"])  # FA4 where installed (else SDPA either way), SDPA
+def test_bf16_within_torch_error(monkeypatch, lean, packed, fa4):
+    monkeypatch.setattr(mla, "FA4", fa4)
     kw = dict(dim=256, n_heads=8, q_lora_rank=96, kv_lora_rank=64, qk_nope_head_dim=128, qk_rope_head_dim=64,
               v_head_dim=128)
     base64, _ = make_pair(torch.float64, "cuda", seed=4, **kw)
@@ -295,7 +298,7 @@ def test_lean_backward_peak_memory_gpu():
 
 @pytest.mark.gpu
 def test_lean_backward_inside_model_recompute_gpu():
-    """cuDNN, bf16: under the models' full recompute a layer holds nothing but its input after the
+    """cuDNN or FA4, bf16: under the models' full recompute a layer holds nothing but its input after the
     forward (the lean path alone holds latents + attention outputs); gradients as without recompute."""
     kw = dict(dim=1024, n_heads=32, q_lora_rank=384, kv_lora_rank=128, qk_nope_head_dim=128,
               qk_rope_head_dim=64, v_head_dim=128)
@@ -313,7 +316,8 @@ def test_lean_backward_inside_model_recompute_gpu():
         held[mode] = torch.cuda.memory_allocated() - before - y.numel() * y.element_size()
         with _Ops() as seen:
             out[mode] = torch.autograd.grad((y * g).sum(), [xs] + list(prim.parameters()))
-        forwards = [op for op in seen.ops if "scaled_dot_product" in op and "backward" not in op]
+        forwards = [op for op in seen.ops if ("scaled_dot_product" in op and "backward" not in op)
+                    or "fa4_causal_fwd" in op]
         assert len(forwards) == (1 if mode == "recompute" else 0), forwards
         del y
     assert held["recompute"] <= 0.02 * held["lean"], held

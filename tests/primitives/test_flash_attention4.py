@@ -1,0 +1,123 @@
+"""FlashAttention 4 core (primitives/flash_attention4.py) and FlashMLA on it.
+
+GPU cases need flash-attn-4 installed (skipped otherwise): the op against an fp32 reference within
+3x the error of SDPA's cuDNN backend on the same bf16 inputs, dense and packed; torch.library's
+opcheck of the custom ops; the lean MLA backward keeps FA4's outputs instead of rerunning it.
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint
+
+from bumblebee import recompute
+from bumblebee.primitives import flash_attention4 as fa4
+from bumblebee.primitives import mla
+
+from .test_mla import _Ops, make_pair, rel_err, rope_inputs
+
+
+def test_lean_policy_keeps_fa4_outputs():
+    op = torch.ops.bumblebee.fa4_causal_fwd.default
+    assert mla._keep_attention_outputs(None, op) == CheckpointPolicy.MUST_SAVE
+    assert mla._keep_attention_outputs(None, torch.ops.bumblebee.fa4_causal_bwd.default) != CheckpointPolicy.MUST_SAVE
+    assert mla._keep_attention_outputs(None, torch.ops.aten.mm.default) == CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def test_not_available_on_cpu_or_fp32():
+    q = torch.randn(1, 4, 2, 192)
+    assert not fa4.available(q, q[..., :128])
+    assert not fa4.available(q.double(), q[..., :128].double())
+
+
+def _fa4_cuda():
+    return torch.cuda.is_available() and fa4.available(torch.empty(1, 1, 1, 192, device="cuda", dtype=torch.bfloat16),
+                                                       torch.empty(1, 1, 1, 128, device="cuda", dtype=torch.bfloat16))
+
+
+needs_fa4 = pytest.mark.skipif(not _fa4_cuda(), reason="flash-attn-4 not installed or no Hopper/Blackwell GPU")
+
+
+def _reference(q, k, v, scale, segments):
+    """fp32 causal attention per segment; q/k/v [N, H, d] (float) -> [N, H, e]."""
+    outs = []
+    for a, b in segments:
+        qs, ks, vs = (t[a:b].transpose(0, 1) for t in (q, k, v))
+        outs.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale).transpose(0, 1))
+    return torch.cat(outs)
+
+
+def _cudnn(q, k, v, scale, segments):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+        return _reference(q, k, v, scale, segments)
+
+
+@pytest.mark.gpu
+@needs_fa4
+@pytest.mark.parametrize("lengths", [(300,), (100, 1, 257, 64)])
+def test_fa4_core_within_cudnn_error(lengths):
+    torch.manual_seed(0)
+    N, H, scale = sum(lengths), 8, 0.11
+    segments = [(sum(lengths[:i]), sum(lengths[:i + 1])) for i in range(len(lengths))]
+    q, k = (torch.randn(N, H, 192, device="cuda") for _ in "qk")
+    kv = torch.randn(N, H, 320, device="cuda")  # v is a strided slice, as the MLA projection writes it
+    do = torch.randn(N, H, 128, device="cuda")
+
+    def run(fn, dtype):
+        qq, kk, kvv = (t.to(dtype).requires_grad_() for t in (q, k, kv))
+        o = fn(qq, kk, kvv[..., 192:])
+        o.backward(do.to(dtype))
+        return [o.float(), qq.grad.float(), kk.grad.float(), kvv.grad[..., 192:].float()]
+
+    cu = torch.tensor([0] + [b for _, b in segments], device="cuda", dtype=torch.int32)
+    longest = max(lengths)
+    if len(lengths) == 1:
+        ours = run(lambda a, b, c: fa4.causal_attention(a[None], b[None], c[None], scale)[0], torch.bfloat16)
+    else:
+        ours = run(lambda a, b, c: fa4.causal_attention(a, b, c, scale, cu_seqlens=cu, max_seqlen=longest),
+                   torch.bfloat16)
+    ref = run(lambda a, b, c: _reference(a, b, c, scale, segments), torch.float32)
+    torch_bf16 = run(lambda a, b, c: _cudnn(a, b, c, scale, segments), torch.bfloat16)
+    for name, o, r, t in zip(("out", "dq", "dk", "dv"), ours, ref, torch_bf16):
+        assert rel_err(o, r) <= 3 * rel_err(t, r) + 1e-3, (name, rel_err(o, r), rel_err(t, r))
+
+
+@pytest.mark.gpu
+@needs_fa4
+def test_fa4_custom_ops_opcheck():
+    q, k = (torch.randn(1, 128, 4, 192, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in "qk")
+    v = torch.randn(1, 128, 4, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    torch.library.opcheck(fa4.fa4_causal_fwd, (q, k, v, None, 0, 0.1),
+                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+
+
+@pytest.mark.gpu
+@needs_fa4
+@pytest.mark.parametrize("packed", [False, True])
+def test_flash_mla_on_fa4_matches_sdpa_and_never_reruns_attention(monkeypatch, packed):
+    kw = dict(dim=512, n_heads=16, q_lora_rank=192, kv_lora_rank=128, qk_nope_head_dim=128,
+              qk_rope_head_dim=64, v_head_dim=128)
+    _, prim = make_pair(torch.bfloat16, "cuda", seed=3, **kw)
+    B, T = (1, 700) if packed else (2, 333)
+    cu = torch.tensor([0, 300, 301, 700], device="cuda", dtype=torch.int32) if packed else None
+    pos = torch.cat([torch.arange(n) for n in (300, 1, 399)])[None] if packed else None
+    cos, sin = rope_inputs(B, T, 64, torch.bfloat16, "cuda", positions=pos)
+    x = torch.randn(B, T, 512, device="cuda", dtype=torch.bfloat16)
+    g = torch.randn_like(x)
+    out = {}
+    for backend in ("off", "on"):
+        monkeypatch.setattr(mla, "FA4", backend)
+        for mode in ("lean", "recompute"):
+            xs = x.clone().requires_grad_()
+            y = prim(xs, cos, sin, cu) if mode == "lean" else checkpoint(
+                prim, xs, cos, sin, cu, use_reentrant=False, context_fn=recompute.contexts)
+            with _Ops() as seen:
+                grads = torch.autograd.grad((y * g).sum(), [xs] + list(prim.parameters()))
+            out[backend, mode] = [y.detach()] + list(grads)
+            if backend == "on":
+                fwd = [op for op in seen.ops if "fa4_causal_fwd" in op]
+                bwd = [op for op in seen.ops if "fa4_causal_bwd" in op]
+                assert len(fwd) == (1 if mode == "recompute" else 0) and len(bwd) == 1, seen.ops
+    for mode in ("lean", "recompute"):
+        for a, b in zip(out["on", mode], out["off", mode]):
+            assert rel_err(a, b) < 2e-2
