@@ -41,8 +41,8 @@ def _reference(q, k, v, scale, segments):
     """fp32 causal attention per segment; q/k/v [N, H, d] (float) -> [N, H, e]."""
     outs = []
     for a, b in segments:
-        qs, ks, vs = (t[a:b].transpose(0, 1) for t in (q, k, v))
-        outs.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale).transpose(0, 1))
+        qs, ks, vs = (t[a:b].transpose(0, 1)[None] for t in (q, k, v))  # [1, H, t, d]: cuDNN needs 4 dims
+        outs.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale)[0].transpose(0, 1))
     return torch.cat(outs)
 
 
