@@ -1,9 +1,11 @@
-"""Probe: FlashAttention 4 against SDPA's cuDNN backend on causal GQA with head dim 128, the shape of the
-Qwen3 / Qwen3.5 full-attention layers (32 query heads; 8 and 4 key/value heads), bf16, batch 1, BSHD.
+"""Probe: FlashAttention 4 against SDPA's cuDNN backend on causal GQA at the shapes of the Qwen3 attention
+layers (32 query heads, 8 or 4 key/value heads, head dim 128) and Qwen3.5's full-attention layers
+(16 query heads, 2 key/value heads, head dim 256), bf16, batch 1, BSHD.
 
 Checks first (T = 2048): output and q/k/v gradients of both against an fp32 reference (k/v repeated
 per query head). Then times forward alone and forward + backward at 8K, 32K and 64K tokens. Useful
 causal FLOPs: forward 2 * Hq * T^2 * d, forward + backward 3x that. One JSON line per case.
+Shapes: (query heads, key/value heads, head dim).
 
     python benchmarks/probe_fa4_gqa.py
 """
@@ -16,10 +18,11 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from timing import matmul_tflops, median_ms
 
-HQ, D = 32, 128
+SHAPES = ((32, 8, 128), (32, 4, 128), (16, 2, 256))
 
 
-def inputs(T, hk, seed=0):
+def inputs(T, shape, seed=0):
+    HQ, hk, D = shape
     g = torch.Generator(device="cuda").manual_seed(seed)
     q = torch.randn(1, T, HQ, D, device="cuda", dtype=torch.bfloat16, generator=g)
     k, v = (torch.randn(1, T, hk, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in "kv")
@@ -53,17 +56,18 @@ def grads(fn, q, k, v, do):
     return [o.detach().float(), qq.grad.float(), kk.grad.float(), vv.grad.float()]
 
 
-def check(T=2048, hk=8):
-    q, k, v, do = inputs(T, hk, seed=1)
+def check(shape, T=2048):
+    q, k, v, do = inputs(T, shape, seed=1)
     ref = grads(reference, q, k, v, do)
     for name, fn in (("cudnn", cudnn), ("fa4", fa4)):
         got = grads(fn, q, k, v, do)
         errs = {n: ((a - b).norm() / b.norm()).item() for n, a, b in zip(("o", "dq", "dk", "dv"), got, ref)}
-        print(json.dumps({"check": name, "tokens": T, "kv_heads": hk, "rel_err_vs_fp32": errs}), flush=True)
+        print(json.dumps({"check": name, "tokens": T, "shape": shape, "rel_err_vs_fp32": errs}), flush=True)
 
 
-def timed(name, fn, T, hk, rate):
-    q, k, v, do = inputs(T, hk)
+def timed(name, fn, T, shape, rate):
+    q, k, v, do = inputs(T, shape)
+    HQ, _, D = shape
 
     def fwd():
         with torch.no_grad():
@@ -74,7 +78,7 @@ def timed(name, fn, T, hk, rate):
         fn(qq, kk, vv).backward(do)
 
     useful = 2 * HQ * T * T * D  # causal forward: two matmuls of 2 * T^2 * d each, halved
-    out = {"impl": name, "tokens": T, "kv_heads": hk}
+    out = {"impl": name, "tokens": T, "shape": shape}
     for label, f, flops in (("fwd", fwd, useful), ("fwd_bwd", step, 3 * useful)):
         ms = median_ms(f, iters=10, warmup=3)
         out[label + "_ms"] = ms
@@ -87,8 +91,8 @@ if __name__ == "__main__":
     rate = matmul_tflops()
     print(json.dumps({"matmul_TFLOPs": rate, "device": torch.cuda.get_device_name(),
                       "cudnn": torch.backends.cudnn.version()}), flush=True)
-    check()
-    for hk in (8, 4):
+    for shape in SHAPES:
+        check(shape)
         for T in (8192, 32768, 65536):
             for name, fn in (("cudnn", cudnn), ("fa4", fa4)):
-                timed(name, fn, T, hk, rate)
+                timed(name, fn, T, shape, rate)
