@@ -1,24 +1,41 @@
-"""Causal GQA attention through PyTorch SDPA, with the backend picked explicitly.
+"""Causal GQA attention: FlashAttention 4 where installed and measured faster, else PyTorch SDPA with the
+backend picked explicitly.
 
 On CUDA the cuDNN backend ran causal GQA 1.8x faster than flash on an H200; it is tried first, then
 flash, then memory-efficient, then the math fallback. The CPU uses SDPA's own choice.
+FA4 (`primitives/flash_attention4.py`, package flash-attn-4) ran head dim 128 (32 query heads, 8 or 4
+key/value heads) 1.10-1.13x faster than cuDNN forward + backward at 8K-64K tokens on an H200, but head
+dim 256 (Qwen3.5's full attention) 0.91-1.04x (`benchmarks/results/probe_fa4_gqa.jsonl`): so FA4 serves
+head dims up to `FA4_MAX_HEAD_DIM` (switch `FA4`, environment BUMBLEBEE_ATTENTION_FA4=off for SDPA).
 """
 from __future__ import annotations
 
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from bumblebee import switches
 from bumblebee.checks import check_attention_inputs
+from bumblebee.primitives import flash_attention4 as _fa4
 from bumblebee.registry import register
 
 _CUDA_ORDER = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
                SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+FA4 = switches.from_env("BUMBLEBEE_ATTENTION_FA4")  # "on" (default) or "off", read at import
+FA4_MAX_HEAD_DIM = 128
+
+
+def _use_fa4(q, v) -> bool:
+    return (switches.is_on("FA4", FA4) and max(q.shape[-1], v.shape[-1]) <= FA4_MAX_HEAD_DIM
+            and _fa4.available(q, v))
 
 
 @register("attention", "sdpa", kind="primitive", twin="eager", default=True)
 def sdpa_attention(q, k, v, *, scale=None):
-    """SDPA causal attention with native GQA; cuDNN backend first on CUDA."""
+    """Causal attention with native GQA: FA4 where installed (head dim <= 128), else SDPA, cuDNN first."""
     check_attention_inputs(q, k, v)
+    if _use_fa4(q, v):  # FA4 takes [B, T, H, D]: the callers' [B, H, T, D] are transposed views of it
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        return _fa4.causal_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale).transpose(1, 2)
     if q.is_cuda:
         with sdpa_kernel(_CUDA_ORDER, set_priority=True):
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,

@@ -115,3 +115,32 @@ def test_flash_mla_on_fa4_matches_sdpa_and_never_reruns_attention(monkeypatch, p
     for mode in ("lean", "recompute"):
         for a, b in zip(out["on", mode], out["off", mode]):
             assert rel_err(a, b) < 2e-2
+
+
+@pytest.mark.gpu
+@needs_fa4
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_attention_slot_on_fa4_within_torch_bf16_error(monkeypatch, head_dim):
+    """The `attention` slot's primitive takes FA4 for head dims up to 128 (GQA 8:2, [B, H, T, D]
+    inputs), SDPA above; either way within 3x the error of SDPA's bf16 against float64."""
+    from bumblebee.primitives import attention
+    from bumblebee.registry import resolve
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(2, 8, 700, head_dim, device="cuda", generator=g)
+    k, v = (torch.randn(2, 2, 700, head_dim, device="cuda", generator=g) for _ in "kv")
+    do = torch.randn(2, 8, 700, head_dim, device="cuda", generator=g)
+
+    def run(dtype, fa4_switch="on"):
+        monkeypatch.setattr(attention, "FA4", fa4_switch)
+        leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+        with _Ops() as seen:
+            o = resolve("attention", "sdpa")(*leaves)
+            o.backward(do.to(dtype))
+        return [o.detach()] + [t.grad for t in leaves], [op for op in seen.ops if "fa4_causal" in op]
+
+    exact, _ = run(torch.float64, "off")
+    ours, fa4_ops = run(torch.bfloat16)
+    torch_bf16, _ = run(torch.bfloat16, "off")
+    assert len(fa4_ops) == (2 if head_dim <= attention.FA4_MAX_HEAD_DIM else 0), fa4_ops
+    for a, t, r in zip(ours, torch_bf16, exact):
+        assert rel_err(a, r) <= 3 * rel_err(t, r) + 1e-3, (rel_err(a, r), rel_err(t, r))
