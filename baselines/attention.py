@@ -6,14 +6,27 @@ from __future__ import annotations
 
 import torch
 
+from bumblebee import packing
 from bumblebee.checks import check_attention_inputs
 from bumblebee.registry import register
 
 
 @register("attention", "eager", kind="baseline", twin="sdpa")
-def eager_attention(q, k, v, *, scale=None):
-    """Explicit causal scores and fp32 softmax over repeated K/V heads."""
+def eager_attention(q, k, v, *, scale=None, cu_seqlens=None):
+    """Explicit causal scores and fp32 softmax over repeated K/V heads. cu_seqlens: the B*T tokens are
+    one packed stream; a token attends to earlier tokens of its own sequence only (block-diagonal mask)."""
     check_attention_inputs(q, k, v)
+    B, T = q.shape[0], q.shape[2]
+    if cu_seqlens is not None:
+        spans = packing.segments(cu_seqlens, B * T)
+        lengths = torch.tensor([b - a for a, b in spans], device=q.device)
+        seq = torch.repeat_interleave(torch.arange(len(spans), device=q.device), lengths)
+        o = _eager(*(packing.to_stream(t) for t in (q, k, v)), scale, seq[:, None] == seq[None, :])
+        return packing.from_stream(o, B, T)
+    return _eager(q, k, v, scale)
+
+
+def _eager(q, k, v, scale, allowed=None):
     groups = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(groups, dim=1)
     v = v.repeat_interleave(groups, dim=1)
@@ -21,6 +34,8 @@ def eager_attention(q, k, v, *, scale=None):
     scores = (q @ k.transpose(-1, -2)) * scale
     T = q.shape[2]
     causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+    if allowed is not None:
+        causal = causal & allowed
     scores = scores.masked_fill(~causal, float("-inf"))
     probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
     return probs @ v

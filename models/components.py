@@ -120,7 +120,8 @@ class GQAttention(nn.Module):
         self.qk_norm = qk_norm
         self.attend = resolve("attention", attention)
 
-    def forward(self, x_BTD, cos, sin):
+    def forward(self, x_BTD, cos, sin, cu_seqlens=None):
+        """cu_seqlens: the B*T tokens are one packed stream of sequences (cos/sin per token)."""
         B, T, _ = x_BTD.shape
         q = self.q_proj(x_BTD).view(B, T, self.n_heads, self.head_dim)
         k = self.k_proj(x_BTD).view(B, T, self.n_kv_heads, self.head_dim)
@@ -129,8 +130,14 @@ class GQAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q.transpose(1, 2), cos, sin)
         k = apply_rope(k.transpose(1, 2), cos, sin)
-        o = self.attend(q, k, v.transpose(1, 2), scale=self.head_dim ** -0.5)  # [B, H, T, Dh]
+        o = self.attend(q, k, v.transpose(1, 2), scale=self.head_dim ** -0.5, **packed(cu_seqlens))  # [B, H, T, Dh]
         return self.o_proj(o.transpose(1, 2).reshape(B, T, -1))
+
+
+def packed(cu_seqlens) -> dict:
+    """The attention slot's packed-sequence keyword, given only for a packed batch: an implementation
+    registered without `cu_seqlens` still serves unpacked ones."""
+    return {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}
 
 
 @dataclass

@@ -1,6 +1,7 @@
 """Qwen3 dense: GQA with per-head q/k RMSNorm, half-rotation RoPE, SwiGLU, tied or untied head.
 
-Slots: `attention` (sdpa | eager), `cross_entropy` (materialized_ce | linear_ce). Module names equal
+Slots: `attention` (sdpa | eager), `cross_entropy` (materialized_ce | linear_ce). Packed sequences
+through `cu_seqlens`. Module names equal
 transformers' Qwen3ForCausalLM, so state_dict keys are the Hugging Face checkpoint keys.
 """
 from __future__ import annotations
@@ -22,8 +23,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
-    def forward(self, x, cos, sin):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+    def forward(self, x, cos, sin, cu_seqlens=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cu_seqlens)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -36,11 +37,11 @@ class Qwen3Model(nn.Module):
         self.rotary_emb = RotaryEmbedding(c.head_dim, c.rope)
         self.recompute = False  # full activation recompute: keep only each layer's input
 
-    def forward(self, input_ids, position_ids):
+    def forward(self, input_ids, position_ids, cu_seqlens=None):
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary_emb(position_ids, x.dtype)
         for layer in self.layers:
-            x = run_layer(layer, self.recompute, x, cos, sin)
+            x = run_layer(layer, self.recompute, x, cos, sin, cu_seqlens)
         return self.norm(x)
 
 
@@ -50,7 +51,11 @@ class Qwen3ForCausalLM(CausalLM):
     def __init__(self, config: Qwen3Config, impl: dict | None = None):
         super().__init__(config, impl, Qwen3Model)
 
-    def forward(self, input_ids, labels=None, position_ids=None, return_logits=None):
-        """Logits [B, T, V] when labels is None (or return_logits); the loss never needs them."""
+    def forward(self, input_ids, labels=None, position_ids=None, cu_seqlens=None, return_logits=None):
+        """Logits [B, T, V] when labels is None (or return_logits); the loss never needs them.
+        cu_seqlens: the B*T tokens are one packed stream of sequences (positions restart per sequence
+        unless given; no target crosses one)."""
+        if cu_seqlens is not None:
+            _, position_ids, labels = self.packed_inputs(input_ids, labels, position_ids, cu_seqlens)
         position_ids = self.check_inputs(input_ids, labels, position_ids)
-        return self.lm_outputs(self.model(input_ids, position_ids), labels, return_logits)
+        return self.lm_outputs(self.model(input_ids, position_ids, cu_seqlens), labels, return_logits)

@@ -32,7 +32,7 @@ import torch.nn as nn
 
 from bumblebee.models import hf_io, moe
 from bumblebee.models.causal_lm import CausalLM, DecoderStack
-from bumblebee.models.components import SwiGLU, mlp_residual, rope_inv_freq, rotate_half
+from bumblebee.models.components import SwiGLU, mlp_residual, packed, rope_inv_freq, rotate_half
 from bumblebee.models.config import hf_dtype, rope_parameters
 from bumblebee.registry import resolve
 
@@ -223,14 +223,7 @@ class GatedAttention(nn.Module):
         k = self.k_norm(self.k_proj(x_BTD).view(B, T, self.n_kv_heads, self.head_dim))
         k = apply_partial_rope(k.transpose(1, 2), cos, sin)
         v = self.v_proj(x_BTD).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        scale = self.head_dim ** -0.5
-        if cu_seqlens is None:
-            o = self.attend(q, k, v, scale=scale)  # [B, H, T, Dh]
-        else:  # packed: one causal call per sequence of the flattened stream
-            flat = [t.transpose(0, 1).reshape(t.shape[1], B * T, self.head_dim)[None] for t in (q, k, v)]
-            cu = cu_seqlens.tolist()
-            o = torch.cat([self.attend(*(t[:, :, a:b] for t in flat), scale=scale) for a, b in zip(cu, cu[1:])], 2)
-            o = o[0].reshape(self.n_heads, B, T, self.head_dim).transpose(0, 1)
+        o = self.attend(q, k, v, scale=self.head_dim ** -0.5, **packed(cu_seqlens))  # [B, H, T, Dh]
         o = o.transpose(1, 2).reshape(B, T, -1) * torch.sigmoid(gate.reshape(B, T, -1))
         return self.o_proj(o)
 

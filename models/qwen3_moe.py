@@ -69,9 +69,9 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
-    def forward(self, x, cos, sin):
+    def forward(self, x, cos, sin, cu_seqlens=None):
         """(hidden, router logits [B*T, E] or None for a dense layer)."""
-        return mlp_residual(self, x + self.self_attn(self.input_layernorm(x), cos, sin))
+        return mlp_residual(self, x + self.self_attn(self.input_layernorm(x), cos, sin, cu_seqlens))
 
 
 class Qwen3MoeModel(DecoderStack):
@@ -92,11 +92,11 @@ class Qwen3MoeForCausalLM(CausalLM):
     def ours_to_hf_state(self, state):
         return moe.ours_to_hf_state(state)
 
-    def forward(self, input_ids, labels=None, position_ids=None, return_logits=None, output_router_logits=None):
+    def forward(self, input_ids, labels=None, position_ids=None, cu_seqlens=None, return_logits=None,
+                output_router_logits=None):
         """Logits [B, T, V] when labels is None (or return_logits); aux_loss and router_logits when
-        output_router_logits (default: the config's), the loss then including coef * aux_loss."""
-        position_ids = self.check_inputs(input_ids, labels, position_ids)
-        cos, sin = self.model.rotary_emb(position_ids, self.compute_dtype())
-        hidden, router_logits = self.model(input_ids, cos, sin)
-        out = self.lm_outputs(hidden, labels, return_logits, moe.MoECausalLMOutput())
+        output_router_logits (default: the config's), the loss then including coef * aux_loss.
+        cu_seqlens: the B*T tokens are one packed stream of sequences (positions restart per sequence
+        unless given; no target crosses one)."""
+        out, router_logits = self.packed_forward(input_ids, labels, position_ids, cu_seqlens, return_logits)
         return self.add_aux_loss(out, router_logits, output_router_logits)

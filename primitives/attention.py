@@ -10,10 +10,11 @@ head dims up to `FA4_MAX_HEAD_DIM` (switch `FA4`, environment BUMBLEBEE_ATTENTIO
 """
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from bumblebee import switches
+from bumblebee import packing, switches
 from bumblebee.checks import check_attention_inputs
 from bumblebee.primitives import flash_attention4 as _fa4
 from bumblebee.registry import register
@@ -30,15 +31,30 @@ def _use_fa4(q, v) -> bool:
 
 
 @register("attention", "sdpa", kind="primitive", twin="eager", default=True)
-def sdpa_attention(q, k, v, *, scale=None):
-    """Causal attention with native GQA: FA4 where installed (head dim <= 128), else SDPA, cuDNN first."""
+def sdpa_attention(q, k, v, *, scale=None, cu_seqlens=None):
+    """Causal attention with native GQA: FA4 where installed (head dim <= 128), else SDPA, cuDNN first.
+    cu_seqlens: the B*T tokens are one packed stream of sequences; attention stays inside each
+    (FA4: one varlen launch; SDPA: one call per sequence)."""
     check_attention_inputs(q, k, v)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    B, T = q.shape[0], q.shape[2]
+    spans = None if cu_seqlens is None else packing.segments(cu_seqlens, B * T)
     if _use_fa4(q, v):  # FA4 takes [B, T, H, D]: the callers' [B, H, T, D] are transposed views of it
-        scale = q.shape[-1] ** -0.5 if scale is None else scale
-        return _fa4.causal_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale).transpose(1, 2)
+        if spans is None:
+            return _fa4.causal_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale).transpose(1, 2)
+        flat = [t.transpose(1, 2).reshape(B * T, t.shape[1], t.shape[-1]) for t in (q, k, v)]
+        o = _fa4.causal_attention(*flat, scale, cu_seqlens=cu_seqlens, max_seqlen=max(b - a for a, b in spans))
+        return o.view(B, T, q.shape[1], -1).transpose(1, 2)
+    if spans is None:
+        return _sdpa(q, k, v, scale)
+    stream = [packing.to_stream(t) for t in (q, k, v)]
+    o = torch.cat([_sdpa(*(t[:, :, a:b] for t in stream), scale) for a, b in spans], dim=2)
+    return packing.from_stream(o, B, T)
+
+
+def _sdpa(q, k, v, scale):
+    gqa = k.shape[1] != q.shape[1]
     if q.is_cuda:
         with sdpa_kernel(_CUDA_ORDER, set_priority=True):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
-                                                  enable_gqa=k.shape[1] != q.shape[1])
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
-                                          enable_gqa=k.shape[1] != q.shape[1])
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)

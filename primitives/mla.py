@@ -36,8 +36,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from bumblebee import recompute, switches
-from bumblebee.checks import check_cu_seqlens, check_mla_inputs
+from bumblebee import packing, recompute, switches
+from bumblebee.checks import check_mla_inputs
 from bumblebee.kernels import mla_rope as _fused_rope
 from bumblebee.mla_projections import MLAProjections
 from bumblebee.registry import register
@@ -74,11 +74,6 @@ def _use_fused_rope(t: torch.Tensor, cos=None, sin=None) -> bool:
     if not switches.is_on("FUSED_ROPE", FUSED_ROPE) or any(c is not None and c.requires_grad for c in (cos, sin)):
         return False
     return _fused_rope.use_triton(t)
-
-
-def _segments(cu_seqlens, n_tokens) -> tuple[tuple[int, int], ...]:
-    cu = check_cu_seqlens(cu_seqlens, n_tokens)  # one host sync per forward
-    return tuple(zip(cu, cu[1:]))
 
 
 def rope_pairs(x_BThR, cos_BTR, sin_BTR, interleave: bool):
@@ -147,7 +142,7 @@ class FlashMLA(MLAProjections):
         """x [B, T, D], cos/sin [B, T, R] (per-token positions) -> [B, T, D]."""
         check_mla_inputs(x_BTD, cos, sin, self.dim, self.rope_dim)
         B, T, _ = x_BTD.shape
-        segments = None if cu_seqlens is None else _segments(cu_seqlens, B * T)
+        segments = None if cu_seqlens is None else tuple(packing.segments(cu_seqlens, B * T))  # one host sync
         # the latents: all that the lean backward keeps of the input side
         q_src = x_BTD if self.q_lora_rank is None else self.q_a_layernorm(self.q_a_proj(x_BTD))
         c_kv, k_rope = self.kv_a_proj_with_mqa(x_BTD).split([self.kv_lora_rank, self.rope_dim], dim=-1)
@@ -196,10 +191,10 @@ class FlashMLA(MLAProjections):
         if segments is None:
             o = sdpa_causal(q, k, v, self.softmax_scale, self.pad_v)
         else:  # packed: [1, H, N, d], one causal call per sequence
-            q, k, v = (t.transpose(0, 1).reshape(1, H, B * T, -1) for t in (q, k, v))
+            q, k, v = (packing.to_stream(t) for t in (q, k, v))
             o = torch.cat([sdpa_causal(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], self.softmax_scale, self.pad_v)
                            for a, b in segments], dim=2)
-            o = o.reshape(H, B, T, self.v_dim).transpose(0, 1)
+            o = packing.from_stream(o, B, T)
         return o.transpose(1, 2).reshape(B, T, H * self.v_dim)
 
     def _core_fa4(self, q, k, v, segments):

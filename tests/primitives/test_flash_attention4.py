@@ -120,21 +120,24 @@ def test_flash_mla_on_fa4_matches_sdpa_and_never_reruns_attention(monkeypatch, p
 @pytest.mark.gpu
 @needs_fa4
 @pytest.mark.parametrize("head_dim", [128, 256])
-def test_attention_slot_on_fa4_within_torch_bf16_error(monkeypatch, head_dim):
+@pytest.mark.parametrize("packed", [False, True])
+def test_attention_slot_on_fa4_within_torch_bf16_error(monkeypatch, head_dim, packed):
     """The `attention` slot's primitive takes FA4 for head dims up to 128 (GQA 8:2, [B, H, T, D]
-    inputs), SDPA above; either way within 3x the error of SDPA's bf16 against float64."""
+    inputs; packed: one varlen launch), SDPA above; either way within 3x the error of SDPA's bf16
+    against float64."""
     from bumblebee.primitives import attention
     from bumblebee.registry import resolve
     g = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(2, 8, 700, head_dim, device="cuda", generator=g)
     k, v = (torch.randn(2, 2, 700, head_dim, device="cuda", generator=g) for _ in "kv")
     do = torch.randn(2, 8, 700, head_dim, device="cuda", generator=g)
+    cu = torch.tensor([0, 300, 301, 1400], device="cuda", dtype=torch.int32) if packed else None
 
     def run(dtype, fa4_switch="on"):
         monkeypatch.setattr(attention, "FA4", fa4_switch)
         leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
         with _Ops() as seen:
-            o = resolve("attention", "sdpa")(*leaves)
+            o = resolve("attention", "sdpa")(*leaves, cu_seqlens=cu)
             o.backward(do.to(dtype))
         return [o.detach()] + [t.grad for t in leaves], [op for op in seen.ops if "fa4_causal" in op]
 

@@ -1,0 +1,29 @@
+"""Packed sequences: a batch [B, T] read as one stream of B*T tokens cut at `cu_seqlens` [S + 1].
+
+Attention tensors are [B, heads, T, D]; these helpers view them as the stream [1, heads, B*T, D]
+(row-major over B then T, the order `cu_seqlens` counts in) and back.
+"""
+from __future__ import annotations
+
+import torch
+
+from bumblebee.checks import check_cu_seqlens
+
+
+def to_stream(t_BhTd: torch.Tensor) -> torch.Tensor:
+    """[B, h, T, d] -> [1, h, B*T, d]."""
+    B, h, T, d = t_BhTd.shape
+    return t_BhTd.transpose(0, 1).reshape(1, h, B * T, d)
+
+
+def from_stream(t_1hNd: torch.Tensor, B: int, T: int) -> torch.Tensor:
+    """[1, h, B*T, d] -> [B, h, T, d]."""
+    _, h, _, d = t_1hNd.shape
+    return t_1hNd[0].reshape(h, B, T, d).transpose(0, 1)
+
+
+def segments(cu_seqlens, n_tokens: int) -> list[tuple[int, int]]:
+    """[(start, end)] of every sequence; ValueError (naming cu_seqlens) unless it covers 0..n_tokens
+    strictly increasing. One host sync."""
+    cu = check_cu_seqlens(cu_seqlens, n_tokens)
+    return list(zip(cu, cu[1:]))
