@@ -1,8 +1,9 @@
 """Causal attention on FlashAttention 4 (`flash_attn.cute`, package flash-attn-4) where it is installed.
 
 FA4 runs q/k head dim 192 with v head dim 128 (MLA) on Hopper and Blackwell, dense or packed
-(`cu_seqlens`, all sequences in one launch). On an H100 its MLA forward ran 1.19-1.24x faster than
-SDPA's cuDNN backend and forward + backward 1.05x (benchmarks/NOTES_mla.md).
+(`cu_seqlens`, all sequences in one launch). At 16K-32K tokens its MLA forward ran 1.12-1.14x faster
+than SDPA's cuDNN backend on an H200 (1.19-1.24x on an H100) and forward + backward 1.03-1.05x
+(benchmarks/NOTES_mla.md); GQA with head dim 128 1.10-1.13x (benchmarks/results/probe_fa4_gqa.jsonl).
 
 Its forward and backward are wrapped as two torch custom ops so that a selective activation
 checkpoint sees one op (`bumblebee::fa4_causal_fwd`) whose outputs (o, lse) it can keep, as it keeps
