@@ -41,3 +41,11 @@ def matmul_tflops(n=8192, device="cuda"):
     a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
     b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
     return 2 * n ** 3 / median_ms(lambda: a @ b, iters=20) / 1e9
+
+
+def synced(fn):
+    """fn followed by a device synchronize: what pytest-benchmark's wall clock should time."""
+    def run():
+        fn()
+        torch.cuda.synchronize()
+    return run

@@ -1,0 +1,201 @@
+"""The `attention` slot on one GPU at Qwen3's shape (32 query heads, 8 key/value heads, head dim 128),
+bf16, causal, forward + backward, dense (batch 1) and packed (`cu_seqlens`).
+
+    python benchmarks/bench_attention.py --out DIR   # writes DIR/attention.json (default benchmarks/results/)
+    python benchmarks/bench_attention.py --smoke     # CPU, fp32, toy sizes: every code path, no timing claims
+
+Implementations, all through the same [B, H, T, D] interface:
+- `sdpa`: the primitive as it runs by default (FlashAttention 4 where flash-attn-4 is installed and
+  the head dim is <= 128; `attention_core` in the results says which);
+- `sdpa_no_fa4`: the primitive with its FA4 switch off (SDPA, cuDNN first; packed: one call per sequence);
+- `eager`: the twin (explicit [B, H, N, N] fp32 scores; up to 8K tokens);
+- anchors: `flash_backend` (SDPA's flash backend, FlashAttention 2; dense only) and `fa4_direct`
+  (flash_attn.cute.flash_attn_func / flash_attn_varlen_func called on [B, T, H, D] tensors, no slot).
+Cases: dense 8K / 32K / 64K tokens; packed 32K tokens as 8 x 4K, 64 x 512 and 256 x 128 sequences
+(RL-style batches). Useful causal FLOPs: 6 * Hq * d * sum over sequences of L^2 (forward two matmuls,
+backward four, half under the mask). Rates are read against a bf16 8192^3 matmul measured in the same
+process. Every case times a fixed number of iterations with CUDA events (median ms) after warm-up.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+from pathlib import Path
+from unittest import mock
+
+import pytest
+import torch
+from timing import matmul_tflops, median_ms, synced
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+SHAPE = dict(q_heads=32, kv_heads=8, head_dim=128)
+SMOKE_SHAPE = dict(q_heads=4, kv_heads=2, head_dim=8)
+DENSE = (8192, 32768, 65536)
+PACKED = ((8, 4096), (64, 512), (256, 128))  # (sequences, length): 32K tokens each
+IMPLS = ("sdpa", "sdpa_no_fa4", "eager", "flash_backend", "fa4_direct")
+OUT = Path(os.environ.get("BENCH_OUT", Path(__file__).parent / "results"))
+RESULTS: dict = {"cases": []}
+CFG = {"shape": SHAPE, "device": "cuda", "dtype": torch.bfloat16}
+
+
+def _cuda():
+    return CFG["device"] == "cuda"
+
+
+def _case_fn(impl, lengths):
+    """fn running forward + backward of `impl` on one packed stream of sequences `lengths` (a single
+    length is a dense batch of 1)."""
+    from bumblebee.primitives import attention
+    from bumblebee.registry import resolve
+
+    s, dev, dt = CFG["shape"], CFG["device"], CFG["dtype"]
+    N, packed = sum(lengths), len(lengths) > 1
+    if impl == "eager" and N > 8192:
+        raise RuntimeError("the twin holds [B, H, N, N] fp32 scores: run up to 8K tokens")
+    if impl == "flash_backend" and packed:
+        raise RuntimeError("dense only (SDPA has no varlen entry)")
+    g = torch.Generator(device=dev).manual_seed(N)
+    q, k, v = (torch.randn(1, N, h, s["head_dim"], device=dev, dtype=dt, generator=g).requires_grad_()
+               for h in (s["q_heads"], s["kv_heads"], s["kv_heads"]))
+    grad = torch.randn(1, N, s["q_heads"], s["head_dim"], device=dev, dtype=dt, generator=g)
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), device=dev, dtype=torch.int32)
+    kw = {"cu_seqlens": cu} if packed else {}
+    if impl == "fa4_direct":
+        from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
+
+        def call():
+            if packed:
+                o = flash_attn_varlen_func(q[0], k[0], v[0], cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lengths),
+                                           max_seqlen_k=max(lengths), causal=True)
+                return (o[0] if isinstance(o, tuple) else o)[None]
+            o = flash_attn_func(q, k, v, causal=True)
+            return o[0] if isinstance(o, tuple) else o
+    elif impl == "flash_backend":
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        def call():
+            with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+                o = torch.nn.functional.scaled_dot_product_attention(
+                    q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True)
+            return o.transpose(1, 2)
+    else:
+        fn = resolve("attention", "eager" if impl == "eager" else "sdpa")
+        switch = "off" if impl == "sdpa_no_fa4" else attention.FA4
+
+        def call():
+            with mock.patch.object(attention, "FA4", switch):
+                return fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), **kw).transpose(1, 2)
+
+    def step():
+        call().backward(grad)
+    return step
+
+
+def _core(impl):
+    from bumblebee.primitives import attention, flash_attention4 as fa4
+    if impl in ("eager", "flash_backend"):
+        return {"eager": "explicit scores", "flash_backend": "sdpa flash"}[impl]
+    if impl == "fa4_direct":
+        return "fa4"
+    s = CFG["shape"]
+    on = impl == "sdpa" and attention.FA4 == "on" and s["head_dim"] <= attention.FA4_MAX_HEAD_DIM
+    return "fa4" if on and fa4.supports(torch.device(CFG["device"]), CFG["dtype"], s["head_dim"], s["head_dim"]) else "sdpa"
+
+
+def _name(lengths):
+    return f"dense-{lengths[0] // 1024}K" if len(lengths) == 1 else f"packed-{len(lengths)}x{lengths[0]}"
+
+
+def run_case(impl, lengths):
+    rec = {"case": _name(lengths), "impl": impl, "tokens": sum(lengths), "sequences": len(lengths), "attention_core": _core(impl)}
+    if _cuda():
+        torch.cuda.empty_cache()
+    fn = _case_fn(impl, lengths)
+    if _cuda():
+        torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated() if _cuda() else 0
+    rec["median_ms"] = median_ms(fn, iters=10, warmup=3, cuda=_cuda())
+    rec["peak_MB"] = (torch.cuda.max_memory_allocated() - base) / 2 ** 20 if _cuda() else None
+    s = CFG["shape"]
+    rec["useful_TFLOPs"] = 6 * s["q_heads"] * s["head_dim"] * sum(n * n for n in lengths) / rec["median_ms"] / 1e9
+    RESULTS["cases"].append(rec)
+    return fn, rec
+
+
+@pytest.mark.parametrize("lengths", [(t,) for t in DENSE] + [(n,) * c for c, n in PACKED],
+                         ids=lambda x: f"{len(x)}x{x[0]}")
+@pytest.mark.parametrize("impl", IMPLS)
+def test_attention(benchmark, impl, lengths):
+    benchmark.group = f"attention-{len(lengths)}x{lengths[0]}"
+    try:
+        fn, rec = run_case(impl, lengths)
+    except (RuntimeError, ImportError) as e:
+        pytest.skip(str(e))
+    benchmark.extra_info.update(rec)
+    benchmark.pedantic(synced(fn), rounds=5, warmup_rounds=1)
+
+
+def summarize():
+    by = {(c["case"], c["impl"]): c for c in RESULTS["cases"] if "median_ms" in c}
+    rate = RESULTS.get("matmul_bf16_TFLOPs")
+    out = {}
+    for case in dict.fromkeys(c["case"] for c in RESULTS["cases"]):
+        s = {}
+        if (case, "sdpa") in by and (case, "sdpa_no_fa4") in by:
+            s["speedup_sdpa_vs_no_fa4"] = by[(case, "sdpa_no_fa4")]["median_ms"] / by[(case, "sdpa")]["median_ms"]
+        if rate:
+            s["fraction_of_matmul"] = {i: by[(case, i)]["useful_TFLOPs"] / rate for i in IMPLS if (case, i) in by}
+        out[case] = s
+    RESULTS["summary"] = out
+
+
+def write_results(path):
+    try:
+        from importlib.metadata import version
+        fa4_version = version("flash-attn-4")
+    except Exception:  # not installed
+        fa4_version = None
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.update(device=torch.cuda.get_device_name() if _cuda() else "cpu (smoke)", torch=torch.__version__,
+                   cudnn=torch.backends.cudnn.version() if _cuda() else None, flash_attn_4=fa4_version,
+                   date=datetime.date.today().isoformat(), shape=CFG["shape"], dtype=str(CFG["dtype"]))
+    summarize()
+    path.write_text(json.dumps(RESULTS, indent=2, default=str))
+    return path
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=str(OUT), help="folder for attention.json")
+    ap.add_argument("--smoke", action="store_true", help="CPU, fp32, toy sizes: runs every code path")
+    args = ap.parse_args(argv)
+    dense, packed = DENSE, PACKED
+    if args.smoke:
+        CFG.update(shape=SMOKE_SHAPE, device="cpu", dtype=torch.float32)
+        dense, packed = (64,), ((4, 16),)
+    elif not torch.cuda.is_available():
+        raise SystemExit("needs CUDA (or --smoke)")
+    if _cuda():
+        RESULTS["matmul_bf16_TFLOPs"] = matmul_tflops()
+    for lengths in [(t,) for t in dense] + [(n,) * c for c, n in packed]:
+        for impl in IMPLS:
+            try:
+                run_case(impl, lengths)
+            except Exception as e:  # a backend that refuses, a package not installed, out of memory
+                RESULTS["cases"].append({"case": _name(lengths), "impl": impl,
+                                         "error": f"{type(e).__name__}: {str(e)[:300]}"})
+            if _cuda():
+                torch.cuda.empty_cache()
+    for c in RESULTS["cases"]:
+        print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in c.items()})
+    out = Path(args.out)
+    print("written", write_results(out / "attention.json" if out.suffix != ".json" else out))
+    print(json.dumps(RESULTS["summary"], indent=2))
+
+
+if __name__ == "__main__":
+    main()
