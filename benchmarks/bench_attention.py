@@ -1,5 +1,6 @@
-"""The `attention` slot on one GPU at Qwen3's shape (32 query heads, 8 key/value heads, head dim 128),
-bf16, causal, forward + backward, dense (batch 1) and packed (`cu_seqlens`).
+"""The `attention` slot on one GPU at Qwen3's shape (32 query heads, 8 key/value heads, head dim 128) and
+Qwen3.5's full-attention shape (16 query heads, 2 key/value heads, head dim 256), bf16, causal,
+forward + backward, dense (batch 1) and packed (`cu_seqlens`).
 
     python benchmarks/bench_attention.py --out DIR   # writes DIR/attention.json (default benchmarks/results/)
     python benchmarks/bench_attention.py --smoke     # CPU, fp32, toy sizes: every code path, no timing claims
@@ -11,8 +12,8 @@ Implementations, all through the same [B, H, T, D] interface:
 - `eager`: the twin (explicit [B, H, N, N] fp32 scores; up to 8K tokens);
 - anchors: `flash_backend` (SDPA's flash backend, FlashAttention 2; dense only) and `fa4_direct`
   (flash_attn.cute.flash_attn_func / flash_attn_varlen_func called on [B, T, H, D] tensors, no slot).
-Cases: dense 8K / 32K / 64K tokens; packed 32K tokens as 8 x 4K, 64 x 512 and 256 x 128 sequences
-(RL-style batches). Useful causal FLOPs: 6 * Hq * d * sum over sequences of L^2 (forward two matmuls,
+Cases (`CASES`): Qwen3 dense 8K / 32K / 64K tokens and packed 32K tokens as 8 x 4K, 64 x 512 and
+256 x 128 sequences (RL-style batches); Qwen3.5 dense 32K and packed 64 x 512. Useful causal FLOPs: 6 * Hq * d * sum over sequences of L^2 (forward two matmuls,
 backward four, half under the mask). Rates are read against a bf16 8192^3 matmul measured in the same
 process. Every case times a fixed number of iterations with CUDA events (median ms) after warm-up.
 """
@@ -31,14 +32,15 @@ from timing import matmul_tflops, median_ms, synced
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
-SHAPE = dict(q_heads=32, kv_heads=8, head_dim=128)
+SHAPES = {"qwen3": dict(q_heads=32, kv_heads=8, head_dim=128), "qwen3.5": dict(q_heads=16, kv_heads=2, head_dim=256)}
 SMOKE_SHAPE = dict(q_heads=4, kv_heads=2, head_dim=8)
-DENSE = (8192, 32768, 65536)
-PACKED = ((8, 4096), (64, 512), (256, 128))  # (sequences, length): 32K tokens each
+CASES = ([("qwen3", (t,)) for t in (8192, 32768, 65536)]
+         + [("qwen3", (n,) * c) for c, n in ((8, 4096), (64, 512), (256, 128))]  # 32K tokens each
+         + [("qwen3.5", (32768,)), ("qwen3.5", (512,) * 64)])
 IMPLS = ("sdpa", "sdpa_no_fa4", "eager", "flash_backend", "fa4_direct")
 OUT = Path(os.environ.get("BENCH_OUT", Path(__file__).parent / "results"))
 RESULTS: dict = {"cases": []}
-CFG = {"shape": SHAPE, "device": "cuda", "dtype": torch.bfloat16}
+CFG = {"shape": SHAPES["qwen3"], "device": "cuda", "dtype": torch.bfloat16}  # shape: set per case
 
 
 def _cuda():
@@ -94,23 +96,26 @@ def _case_fn(impl, lengths):
     return step
 
 
-def _core(impl):
+def _core(impl, packed):
     from bumblebee.primitives import attention, flash_attention4 as fa4
     if impl in ("eager", "flash_backend"):
         return {"eager": "explicit scores", "flash_backend": "sdpa flash"}[impl]
     if impl == "fa4_direct":
         return "fa4"
     s = CFG["shape"]
-    on = impl == "sdpa" and attention.FA4 == "on" and s["head_dim"] <= attention.FA4_MAX_HEAD_DIM
+    on = impl == "sdpa" and attention.FA4 == "on" and (packed or s["head_dim"] <= attention.FA4_MAX_HEAD_DIM)
     return "fa4" if on and fa4.supports(torch.device(CFG["device"]), CFG["dtype"], s["head_dim"], s["head_dim"]) else "sdpa"
 
 
-def _name(lengths):
-    return f"dense-{lengths[0] // 1024}K" if len(lengths) == 1 else f"packed-{len(lengths)}x{lengths[0]}"
+def _name(shape, lengths):
+    kind = f"dense-{lengths[0] // 1024}K" if len(lengths) == 1 else f"packed-{len(lengths)}x{lengths[0]}"
+    return f"{shape}-{kind}"
 
 
-def run_case(impl, lengths):
-    rec = {"case": _name(lengths), "impl": impl, "tokens": sum(lengths), "sequences": len(lengths), "attention_core": _core(impl)}
+def run_case(impl, shape, lengths):
+    CFG["shape"] = SHAPES[shape] if CFG["device"] == "cuda" else SMOKE_SHAPE
+    rec = {"case": _name(shape, lengths), "impl": impl, "tokens": sum(lengths), "sequences": len(lengths),
+           "shape": CFG["shape"], "attention_core": _core(impl, len(lengths) > 1)}
     if _cuda():
         torch.cuda.empty_cache()
     fn = _case_fn(impl, lengths)
@@ -125,13 +130,12 @@ def run_case(impl, lengths):
     return fn, rec
 
 
-@pytest.mark.parametrize("lengths", [(t,) for t in DENSE] + [(n,) * c for c, n in PACKED],
-                         ids=lambda x: f"{len(x)}x{x[0]}")
+@pytest.mark.parametrize("case", CASES, ids=lambda c: _name(*c))
 @pytest.mark.parametrize("impl", IMPLS)
-def test_attention(benchmark, impl, lengths):
-    benchmark.group = f"attention-{len(lengths)}x{lengths[0]}"
+def test_attention(benchmark, impl, case):
+    benchmark.group = f"attention-{_name(*case)}"
     try:
-        fn, rec = run_case(impl, lengths)
+        fn, rec = run_case(impl, *case)
     except (RuntimeError, ImportError) as e:
         pytest.skip(str(e))
     benchmark.extra_info.update(rec)
@@ -162,7 +166,7 @@ def write_results(path):
     path.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.update(device=torch.cuda.get_device_name() if _cuda() else "cpu (smoke)", torch=torch.__version__,
                    cudnn=torch.backends.cudnn.version() if _cuda() else None, flash_attn_4=fa4_version,
-                   date=datetime.date.today().isoformat(), shape=CFG["shape"], dtype=str(CFG["dtype"]))
+                   date=datetime.date.today().isoformat(), shapes=SHAPES, dtype=str(CFG["dtype"]))
     summarize()
     path.write_text(json.dumps(RESULTS, indent=2, default=str))
     return path
@@ -173,20 +177,20 @@ def main(argv=None):
     ap.add_argument("--out", default=str(OUT), help="folder for attention.json")
     ap.add_argument("--smoke", action="store_true", help="CPU, fp32, toy sizes: runs every code path")
     args = ap.parse_args(argv)
-    dense, packed = DENSE, PACKED
+    cases = CASES
     if args.smoke:
-        CFG.update(shape=SMOKE_SHAPE, device="cpu", dtype=torch.float32)
-        dense, packed = (64,), ((4, 16),)
+        CFG.update(device="cpu", dtype=torch.float32)
+        cases = [("qwen3", (64,)), ("qwen3", (16,) * 4)]
     elif not torch.cuda.is_available():
         raise SystemExit("needs CUDA (or --smoke)")
     if _cuda():
         RESULTS["matmul_bf16_TFLOPs"] = matmul_tflops()
-    for lengths in [(t,) for t in dense] + [(n,) * c for c, n in packed]:
+    for shape, lengths in cases:
         for impl in IMPLS:
             try:
-                run_case(impl, lengths)
+                run_case(impl, shape, lengths)
             except Exception as e:  # a backend that refuses, a package not installed, out of memory
-                RESULTS["cases"].append({"case": _name(lengths), "impl": impl,
+                RESULTS["cases"].append({"case": _name(shape, lengths), "impl": impl,
                                          "error": f"{type(e).__name__}: {str(e)[:300]}"})
             if _cuda():
                 torch.cuda.empty_cache()

@@ -5,8 +5,10 @@ On CUDA the cuDNN backend ran causal GQA 1.8x faster than flash on an H200; it i
 flash, then memory-efficient, then the math fallback. The CPU uses SDPA's own choice.
 FA4 (`primitives/flash_attention4.py`, package flash-attn-4) ran head dim 128 (32 query heads, 8 or 4
 key/value heads) 1.10-1.13x faster than cuDNN forward + backward at 8K-64K tokens on an H200, but head
-dim 256 (Qwen3.5's full attention) 0.91-1.04x (`benchmarks/results/probe_fa4_gqa.jsonl`): so FA4 serves
-head dims up to `FA4_MAX_HEAD_DIM` (switch `FA4`, environment BUMBLEBEE_ATTENTION_FA4=off for SDPA).
+dim 256 (Qwen3.5's full attention) 0.91-1.04x (`benchmarks/results/probe_fa4_gqa.jsonl`): so dense
+batches take FA4 for head dims up to `FA4_MAX_HEAD_DIM`, packed batches (one varlen launch instead of
+one SDPA call per sequence) for every head dim it runs (`benchmarks/bench_attention.py`). Switch `FA4`,
+environment BUMBLEBEE_ATTENTION_FA4=off for SDPA.
 """
 from __future__ import annotations
 
@@ -25,21 +27,24 @@ FA4 = switches.from_env("BUMBLEBEE_ATTENTION_FA4")  # "on" (default) or "off", r
 FA4_MAX_HEAD_DIM = 128
 
 
-def _use_fa4(q, v) -> bool:
-    return (switches.is_on("FA4", FA4) and max(q.shape[-1], v.shape[-1]) <= FA4_MAX_HEAD_DIM
+def _use_fa4(q, v, packed: bool) -> bool:
+    """Dense: head dims up to FA4_MAX_HEAD_DIM. Packed: every head dim FA4 runs (one varlen launch
+    against one SDPA call per sequence: 12x at 64 sequences of 512 tokens, bench_attention.py)."""
+    return (switches.is_on("FA4", FA4) and (packed or max(q.shape[-1], v.shape[-1]) <= FA4_MAX_HEAD_DIM)
             and _fa4.available(q, v))
 
 
 @register("attention", "sdpa", kind="primitive", twin="eager", default=True)
 def sdpa_attention(q, k, v, *, scale=None, cu_seqlens=None):
-    """Causal attention with native GQA: FA4 where installed (head dim <= 128), else SDPA, cuDNN first.
+    """Causal attention with native GQA: FA4 where installed (dense: head dim <= 128; packed: any it runs),
+    else SDPA, cuDNN first.
     cu_seqlens: the B*T tokens are one packed stream of sequences; attention stays inside each
     (FA4: one varlen launch; SDPA: one call per sequence)."""
     check_attention_inputs(q, k, v)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     B, T = q.shape[0], q.shape[2]
     spans = None if cu_seqlens is None else packing.segments(cu_seqlens, B * T)
-    if _use_fa4(q, v):  # FA4 takes [B, T, H, D]: the callers' [B, H, T, D] are transposed views of it
+    if _use_fa4(q, v, spans is not None):  # FA4 takes [B, T, H, D]: the callers' [B, H, T, D] are transposed views of it
         if spans is None:
             return _fa4.causal_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale).transpose(1, 2)
         flat = [t.transpose(1, 2).reshape(B * T, t.shape[1], t.shape[-1]) for t in (q, k, v)]
