@@ -64,8 +64,10 @@ FA4 = switches.from_env("BUMBLEBEE_MLA_FA4")
 
 
 def _use_fa4(x: torch.Tensor, qk_dim: int, v_dim: int) -> bool:
-    """True when FA4 is "on" and runs this layer's core for input x (device, dtype, head dims)."""
-    return switches.is_on("FA4", FA4) and _fa4.supports(x.device, x.dtype, qk_dim, v_dim)
+    """True when FA4 is "on" and runs this layer's core for input x: its device, head dims, and the
+    dtype the projections will produce (autocast's where it is on)."""
+    dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+    return switches.is_on("FA4", FA4) and _fa4.supports(x.device, dtype, qk_dim, v_dim)
 
 
 def _use_fused_rope(t: torch.Tensor, cos=None, sin=None) -> bool:
@@ -185,7 +187,7 @@ class FlashMLA(MLAProjections):
             q = torch.cat((q_nope, rope_pairs(q_rope, cos, sin, self.rope_interleave)), dim=-1)
             k_rope = rope_pairs(k_rope[:, :, None], cos, sin, self.rope_interleave)
             k = torch.cat((k_nope, k_rope.expand(B, T, H, self.rope_dim)), dim=-1)
-        if fa4:
+        if fa4 and q.dtype == k.dtype == v.dtype and _fa4.available(q, v):  # e.g. autocast with the torch RoPE: SDPA
             return self._core_fa4(q, k, v, segments).reshape(B, T, H * self.v_dim)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, T, d]
         if segments is None:

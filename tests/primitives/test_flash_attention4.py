@@ -147,3 +147,24 @@ def test_attention_slot_on_fa4_within_torch_bf16_error(monkeypatch, head_dim, pa
     assert len(fa4_ops) == (2 if packed or head_dim <= attention.FA4_MAX_HEAD_DIM else 0), fa4_ops
     for a, t, r in zip(ours, torch_bf16, exact):
         assert rel_err(a, r) <= 3 * rel_err(t, r) + 1e-3, (rel_err(a, r), rel_err(t, r))
+
+
+@pytest.mark.gpu
+@needs_fa4
+@pytest.mark.parametrize("fused_rope", ["on", "off"])
+def test_flash_mla_under_autocast(monkeypatch, fused_rope):
+    """fp32 parameters under bf16 autocast: with the fused Q/K assembly q/k/v arrive in bf16 and FA4
+    runs; with the torch RoPE (fp32 cos/sin promote q/k) the layer falls back to SDPA instead of
+    handing FA4 mixed dtypes. Either way the output is the fp32 twin's within bf16 error."""
+    monkeypatch.setattr(mla, "FUSED_ROPE", fused_rope)
+    kw = dict(dim=512, n_heads=16, q_lora_rank=192, kv_lora_rank=128, qk_nope_head_dim=128,
+              qk_rope_head_dim=64, v_head_dim=128)
+    base, prim = make_pair(torch.float32, "cuda", seed=5, **kw)
+    cos, sin = rope_inputs(1, 300, 64, torch.float32, "cuda")
+    x = torch.randn(1, 300, 512, device="cuda", requires_grad=True)
+    with torch.autocast("cuda", dtype=torch.bfloat16), _Ops() as seen:
+        y = prim(x, cos, sin)
+        y.float().sum().backward()
+    fa4_fwd = [op for op in seen.ops if "fa4_causal_fwd" in op]
+    assert len(fa4_fwd) == (1 if fused_rope == "on" else 0), fa4_fwd
+    assert rel_err(y.float(), base(x, cos, sin).detach()) < 2e-2
