@@ -155,7 +155,7 @@ def test_attention_slot_on_fa4_within_torch_bf16_error(monkeypatch, head_dim, pa
 def test_flash_mla_under_autocast(monkeypatch, fused_rope):
     """fp32 parameters under bf16 autocast: with the fused Q/K assembly q/k/v arrive in bf16 and FA4
     runs; with the torch RoPE (fp32 cos/sin promote q/k) the layer falls back to SDPA instead of
-    handing FA4 mixed dtypes. Either way the output is the fp32 twin's within bf16 error."""
+    handing FA4 mixed dtypes. Either way the output is within 3x the twin's own autocast error."""
     monkeypatch.setattr(mla, "FUSED_ROPE", fused_rope)
     kw = dict(dim=512, n_heads=16, q_lora_rank=192, kv_lora_rank=128, qk_nope_head_dim=128,
               qk_rope_head_dim=64, v_head_dim=128)
@@ -167,4 +167,7 @@ def test_flash_mla_under_autocast(monkeypatch, fused_rope):
         y.float().sum().backward()
     fa4_fwd = [op for op in seen.ops if "fa4_causal_fwd" in op]
     assert len(fa4_fwd) == (1 if fused_rope == "on" else 0), fa4_fwd
-    assert rel_err(y.float(), base(x, cos, sin).detach()) < 2e-2
+    exact = base(x, cos, sin).detach()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        torch_bf16 = base(x, cos, sin).detach()  # the twin under the same autocast: torch's own error
+    assert rel_err(y.float(), exact) <= 3 * rel_err(torch_bf16.float(), exact) + 1e-3
