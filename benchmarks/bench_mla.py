@@ -11,6 +11,8 @@ v 128), bf16, batch 1, causal, forward + backward, at 4K / 16K / 32K tokens:
   runs by default (core on FA4 where installed; `mla_core_backend` in the results says which);
 - `flash_lean_sdpa`, `flash_plain_sdpa`: the same with the FA4 switch off (core on SDPA/cuDNN);
 - `flash_lean_pad_v` (16K): the same with `pad_v` (v zero-padded to 192 inside SDPA);
+- `flash_lean_packed`, `flash_lean_packed_sdpa` (16K): the lean layer on a packed batch of 32 sequences
+  of 512 tokens (`cu_seqlens`; an RL-style batch), FA4 (one varlen launch) vs SDPA (one call per sequence);
 - `naive`: `baselines.mla.NaiveMLA` (explicit scores: 4K only, it needs [128, T, T] fp32 scores);
 - `megatron`, `megatron_up_proj_recompute`: megatron-core's `MLASelfAttention` built from its local
   (non-transformer-engine) layer spec, plain and with `recompute_modules=["mla_up_proj"]` (its
@@ -72,7 +74,8 @@ FORWARD_TIMED = ("core_cudnn", "core_bshd", "core_fa4")
 FLOP_FORMULA = "useful causal fwd+bwd FLOPs = 3 * H * T^2 * (d_qk + d_v), d_qk 192, d_v 128, H 128"
 OUT = Path(os.environ.get("BENCH_OUT", Path(__file__).parent / "results"))
 RESULTS: dict = {"cases": []}
-CFG = {"sizes": DSV3, "device": "cuda", "dtype": torch.bfloat16}  # --smoke switches to SMOKE / cpu / fp32
+# --smoke switches to SMOKE / cpu / fp32 / 16; packed_len: tokens per sequence in the packed cases
+CFG = {"sizes": DSV3, "device": "cuda", "dtype": torch.bfloat16, "packed_len": 512}
 
 
 def _cuda():
@@ -381,6 +384,9 @@ def mla_case(impl, T):
     else:
         m = _layer(impl)
         cos, sin = _rope(T)
+        n = CFG["packed_len"] if "_packed" in impl else T
+        cu = torch.arange(0, T + 1, n, device=dev, dtype=torch.int32) if "_packed" in impl else None
+        rec["sequences"] = T // n
         shims = contextlib.nullcontext
         if impl.endswith("_sdpa"):
             from bumblebee.primitives import mla
@@ -389,7 +395,7 @@ def mla_case(impl, T):
 
         def call():
             with shims():
-                return m(x, cos, sin)
+                return m(x, cos, sin, cu)
     if _cuda():
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -454,6 +460,9 @@ def summarize():
         if (key, "core_primitive_fused") in by and (key, "core_primitive") in by:
             s["fused_rope_time_ratio_core"] = (by[(key, "core_primitive_fused")]["median_ms"]
                                                / by[(key, "core_primitive")]["median_ms"])
+        if (key, "flash_lean_packed") in by and (key, "flash_lean_packed_sdpa") in by:
+            s["packed_fa4_speedup_lean"] = (by[(key, "flash_lean_packed_sdpa")]["median_ms"]
+                                            / by[(key, "flash_lean_packed")]["median_ms"])
         if (key, "flash_lean_pad_v") in by and (key, "flash_lean") in by:
             s["pad_v_time_ratio_lean"] = by[(key, "flash_lean_pad_v")]["median_ms"] / by[(key, "flash_lean")]["median_ms"]
         for ref in ("naive", "megatron", "megatron_up_proj_recompute"):
@@ -514,7 +523,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     tokens, parity_T = TOKENS, 512
     if args.smoke:
-        CFG.update(sizes=SMOKE, device="cpu", dtype=torch.float32)
+        CFG.update(sizes=SMOKE, device="cpu", dtype=torch.float32, packed_len=16)
         tokens, parity_T = (32, 48), 24
     elif not torch.cuda.is_available():
         raise SystemExit("needs CUDA (or --smoke)")
@@ -523,7 +532,7 @@ def main(argv=None):
     for T in tokens:
         layer_impls = [i for i in IMPLS if not i.startswith("megatron") and (i != "naive" or T <= 4096)]
         if T == 16384 or args.smoke and T == tokens[0]:
-            layer_impls.append("flash_lean_pad_v")
+            layer_impls += ["flash_lean_pad_v", "flash_lean_packed", "flash_lean_packed_sdpa"]
         for impl in layer_impls + list(CORE_VARIANTS):
             _attempt(mla_case, impl, T, impl=impl, T=T)
     if not args.no_megatron:  # last: its persistent score buffer and any OOM come after everything else
