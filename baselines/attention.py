@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from bumblebee import packing
-from bumblebee.checks import check_attention_inputs
+from bumblebee.checks import check_attention_inputs, check_cu_seqlens
 from bumblebee.registry import register
 
 
@@ -18,9 +18,7 @@ def eager_attention(q, k, v, *, scale=None, cu_seqlens=None):
     check_attention_inputs(q, k, v)
     B, T = q.shape[0], q.shape[2]
     if cu_seqlens is not None:
-        spans = packing.segments(cu_seqlens, B * T)
-        lengths = torch.tensor([b - a for a, b in spans], device=q.device)
-        seq = torch.repeat_interleave(torch.arange(len(spans), device=q.device), lengths)
+        seq = packing.sequence_ids(check_cu_seqlens(cu_seqlens, B * T), q.device)
         o = _eager(*(packing.to_stream(t) for t in (q, k, v)), scale, seq[:, None] == seq[None, :])
         return packing.from_stream(o, B, T)
     return _eager(q, k, v, scale)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from bumblebee import packing
 from bumblebee.checks import check_cu_seqlens, check_mla_inputs
 from bumblebee.mla_projections import MLAProjections
 from bumblebee.registry import register
@@ -55,9 +56,7 @@ class NaiveMLA(MLAProjections):
         if cu_seqlens is None:
             segment = torch.zeros(B, T, dtype=torch.long, device=x_BTD.device)
         else:  # one packed stream of B*T tokens
-            cu = check_cu_seqlens(cu_seqlens, B * T)
-            lengths = torch.tensor([b - a for a, b in zip(cu, cu[1:])], device=x_BTD.device)
-            segment = torch.repeat_interleave(torch.arange(len(lengths), device=x_BTD.device), lengths)[None]
+            segment = packing.sequence_ids(check_cu_seqlens(cu_seqlens, B * T), x_BTD.device)[None]
             q, k, v = (t.reshape(1, B * T, H, -1) for t in (q, k, v))
         n = q.shape[1]
         scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * self.softmax_scale

@@ -97,7 +97,8 @@ def _case_fn(impl, lengths):
 
 
 def _core(impl, packed):
-    from bumblebee.primitives import attention, flash_attention4 as fa4
+    from bumblebee.kernels import flash_attention4 as fa4
+    from bumblebee.primitives import attention
     if impl in ("eager", "flash_backend"):
         return {"eager": "explicit scores", "flash_backend": "sdpa flash"}[impl]
     if impl == "fa4_direct":

@@ -27,3 +27,9 @@ def segments(cu_seqlens, n_tokens: int) -> list[tuple[int, int]]:
     strictly increasing. One host sync."""
     cu = check_cu_seqlens(cu_seqlens, n_tokens)
     return list(zip(cu, cu[1:]))
+
+
+def sequence_ids(cu: list[int], device) -> torch.Tensor:
+    """[cu[-1]] the sequence index of every token, from validated host boundaries (`check_cu_seqlens`)."""
+    lengths = torch.tensor([b - a for a, b in zip(cu, cu[1:])], device=device)
+    return torch.repeat_interleave(torch.arange(len(cu) - 1, device=device), lengths)

@@ -11,6 +11,7 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
+from bumblebee import packing
 from bumblebee import recompute as recompute_phase
 from bumblebee.checks import check_cu_seqlens, check_token_ids
 from bumblebee.models.components import CausalLMOutput, causal_lm_loss
@@ -102,11 +103,11 @@ class CausalLM(HFCheckpointMixin, nn.Module):
             raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
         n, dev = input_ids.numel(), input_ids.device
         cu = check_cu_seqlens(cu_seqlens, n)  # one host sync per packed batch
-        lengths = torch.tensor([b - a for a, b in zip(cu, cu[1:])], device=dev)
-        segment_ids = torch.repeat_interleave(torch.arange(len(cu) - 1, device=dev), lengths).view_as(input_ids)
+        segment_ids = packing.sequence_ids(cu, dev)
         if position_ids is None:
-            starts = torch.repeat_interleave(torch.tensor(cu[:-1], device=dev), lengths)
+            starts = torch.tensor(cu[:-1], device=dev)[segment_ids]
             position_ids = (torch.arange(n, device=dev) - starts).view_as(input_ids)
+        segment_ids = segment_ids.view_as(input_ids)
         if labels is not None:  # the last token of a sequence does not predict the next one's first
             first = torch.zeros(n, dtype=torch.bool, device=dev)
             first[cu[1:-1]] = True

@@ -3,7 +3,7 @@ backend picked explicitly.
 
 On CUDA the cuDNN backend ran causal GQA 1.8x faster than flash on an H200; it is tried first, then
 flash, then memory-efficient, then the math fallback. The CPU uses SDPA's own choice.
-FA4 (`primitives/flash_attention4.py`, package flash-attn-4) ran head dim 128 (32 query heads, 8 or 4
+FA4 (`kernels/flash_attention4.py`, package flash-attn-4) ran head dim 128 (32 query heads, 8 or 4
 key/value heads) 1.10-1.13x faster than cuDNN forward + backward at 8K-64K tokens on an H200, but head
 dim 256 (Qwen3.5's full attention) 0.91-1.04x (`benchmarks/results/probe_fa4_gqa.jsonl`): so dense
 batches take FA4 for head dims up to `FA4_MAX_HEAD_DIM`, packed batches (one varlen launch instead of
@@ -18,7 +18,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from bumblebee import packing, switches
 from bumblebee.checks import check_attention_inputs
-from bumblebee.primitives import flash_attention4 as _fa4
+from bumblebee.kernels import flash_attention4 as _fa4
 from bumblebee.registry import register
 
 _CUDA_ORDER = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,

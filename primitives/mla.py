@@ -2,7 +2,7 @@
 
 Same parameters, names and math as the twin `bumblebee.baselines.mla.NaiveMLA`; what differs:
 
-- the attention core is FlashAttention 4 (`primitives/flash_attention4.py`) where flash-attn-4 is
+- the attention core is FlashAttention 4 (`kernels/flash_attention4.py`) where flash-attn-4 is
   installed and runs the shapes (Hopper/Blackwell, 16-bit; switch `FA4`, environment
   BUMBLEBEE_MLA_FA4=off for SDPA); otherwise `F.scaled_dot_product_attention` with the backend picked
   explicitly: on CUDA cuDNN first (it runs q/k head dim 192 with v head dim 128; the flash backend
@@ -41,7 +41,7 @@ from bumblebee.checks import check_mla_inputs
 from bumblebee.kernels import mla_rope as _fused_rope
 from bumblebee.mla_projections import MLAProjections
 from bumblebee.registry import register
-from bumblebee.primitives import flash_attention4 as _fa4
+from bumblebee.kernels import flash_attention4 as _fa4
 
 _CUDA_ORDER = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
                SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
@@ -152,10 +152,10 @@ class FlashMLA(MLAProjections):
         # decided once: the lean backward's recompute takes the same paths
         fused, fa4 = _use_fused_rope(x_BTD, cos, sin), _use_fa4(x_BTD, self.qk_dim, self.v_dim)
         if self.lean_backward and torch.is_grad_enabled():
-            o = checkpoint(self._core, q_src, c_kv, k_rope, cos, sin, segments, fused, fa4,
+            o = checkpoint(self._core, q_src, c_kv, k_rope, cos, sin, segments, fused, fa4, cu_seqlens,
                            use_reentrant=False, context_fn=self._lean_context())
         else:
-            o = self._core(q_src, c_kv, k_rope, cos, sin, segments, fused, fa4)
+            o = self._core(q_src, c_kv, k_rope, cos, sin, segments, fused, fa4, cu_seqlens)
         return self.o_proj(o)
 
     def _lean_context(self):
@@ -174,7 +174,7 @@ class FlashMLA(MLAProjections):
         self._handover = cached
         return lambda: (caching, contextlib.nullcontext())
 
-    def _core(self, q_src, c_kv, k_rope, cos, sin, segments, fused=False, fa4=False):
+    def _core(self, q_src, c_kv, k_rope, cos, sin, segments, fused=False, fa4=False, cu_seqlens=None):
         """Up-projections, RoPE, attention: latents -> [B, T, H*v]."""
         B, T, _ = c_kv.shape
         H = self.n_heads
@@ -188,7 +188,7 @@ class FlashMLA(MLAProjections):
             k_rope = rope_pairs(k_rope[:, :, None], cos, sin, self.rope_interleave)
             k = torch.cat((k_nope, k_rope.expand(B, T, H, self.rope_dim)), dim=-1)
         if fa4 and q.dtype == k.dtype == v.dtype and _fa4.available(q, v):  # e.g. autocast with the torch RoPE: SDPA
-            return self._core_fa4(q, k, v, segments).reshape(B, T, H * self.v_dim)
+            return self._core_fa4(q, k, v, segments, cu_seqlens).reshape(B, T, H * self.v_dim)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, T, d]
         if segments is None:
             o = sdpa_causal(q, k, v, self.softmax_scale, self.pad_v)
@@ -199,12 +199,11 @@ class FlashMLA(MLAProjections):
             o = packing.from_stream(o, B, T)
         return o.transpose(1, 2).reshape(B, T, H * self.v_dim)
 
-    def _core_fa4(self, q, k, v, segments):
+    def _core_fa4(self, q, k, v, segments, cu_seqlens):
         """FA4 on [B, T, H, d] (BSHD, as the projections write it); packed: one varlen call."""
         if segments is None:
             return _fa4.causal_attention(q, k, v, self.softmax_scale)
         B, T, H, _ = q.shape
-        cu = torch.tensor([0] + [b for _, b in segments], dtype=torch.int32).to(q.device, non_blocking=True)
-        longest = max(b - a for a, b in segments)
         flat = (t.reshape(B * T, H, t.shape[-1]) for t in (q, k, v))
-        return _fa4.causal_attention(*flat, self.softmax_scale, cu_seqlens=cu, max_seqlen=longest)
+        return _fa4.causal_attention(*flat, self.softmax_scale, cu_seqlens=cu_seqlens,
+                                     max_seqlen=max(b - a for a, b in segments))

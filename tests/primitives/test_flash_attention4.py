@@ -1,4 +1,4 @@
-"""FlashAttention 4 core (primitives/flash_attention4.py) and FlashMLA on it.
+"""FlashAttention 4 core (kernels/flash_attention4.py) and FlashMLA on it.
 
 GPU cases need flash-attn-4 installed (skipped otherwise): the op against an fp32 reference within
 3x the error of SDPA (its own backend choice) on the same bf16 inputs, dense and packed; torch.library's
@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint
 
 from bumblebee import recompute
-from bumblebee.primitives import flash_attention4 as fa4
+from bumblebee.kernels import flash_attention4 as fa4
 from bumblebee.primitives import mla
 
 from .test_mla import _Ops, make_pair, rel_err, rope_inputs
