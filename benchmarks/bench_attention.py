@@ -8,12 +8,18 @@ forward + backward, dense (batch 1) and packed (`cu_seqlens`).
 Implementations, all through the same [B, H, T, D] interface:
 - `sdpa`: the primitive as it runs by default (FlashAttention 4 where flash-attn-4 is installed and
   the head dim is <= 128; `attention_core` in the results says which);
-- `sdpa_no_fa4`: the primitive with its FA4 switch off (SDPA, cuDNN first; packed: one call per sequence);
+- `sdpa_no_fa4`: the primitive with its FA4 switch off (SDPA, cuDNN first; packed: PyTorch's FlashAttention 2
+  varlen kernel while sequences average under `kernels/varlen_attention.MAX_MEAN_LENGTH` tokens, else one
+  SDPA call per sequence);
+- `sdpa_per_sequence`: FA4 and varlen switches off (packed: one SDPA call per sequence, cuDNN first);
 - `eager`: the twin (explicit [B, H, N, N] fp32 scores; up to 8K tokens);
-- anchors: `flash_backend` (SDPA's flash backend, FlashAttention 2; dense only) and `fa4_direct`
-  (flash_attn.cute.flash_attn_func / flash_attn_varlen_func called on [B, T, H, D] tensors, no slot).
-Cases (`CASES`): Qwen3 dense 8K / 32K / 64K tokens and packed 32K tokens as 8 x 4K, 64 x 512 and
-256 x 128 sequences (RL-style batches); Qwen3.5 dense 32K and packed 64 x 512. Useful causal FLOPs: 6 * Hq * d * sum over sequences of L^2 (forward two matmuls,
+- anchors: `flash_backend` (SDPA's flash backend, FlashAttention 2; dense only), `varlen_direct`
+  (aten._flash_attention_forward with cu_seqlens through kernels/varlen_attention.py, no slot, no
+  length rule; packed only) and `fa4_direct` (flash_attn.cute.flash_attn_func / flash_attn_varlen_func
+  called on [B, T, H, D] tensors, no slot).
+Cases (`CASES`): Qwen3 dense 8K / 32K / 64K tokens and packed 32K tokens as 8 x 4K, 16 x 2K, 32 x 1K,
+64 x 512 and 256 x 128 sequences (RL-style batches; 2K and 1K place the varlen crossover); Qwen3.5 dense
+32K and packed 64 x 512 and 8 x 4K. Useful causal FLOPs: 6 * Hq * d * sum over sequences of L^2 (forward two matmuls,
 backward four, half under the mask). Rates are read against a bf16 8192^3 matmul measured in the same
 process. Every case times a fixed number of iterations with CUDA events (median ms) after warm-up.
 """
@@ -35,9 +41,9 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 SHAPES = {"qwen3": dict(q_heads=32, kv_heads=8, head_dim=128), "qwen3.5": dict(q_heads=16, kv_heads=2, head_dim=256)}
 SMOKE_SHAPE = dict(q_heads=4, kv_heads=2, head_dim=8)
 CASES = ([("qwen3", (t,)) for t in (8192, 32768, 65536)]
-         + [("qwen3", (n,) * c) for c, n in ((8, 4096), (64, 512), (256, 128))]  # 32K tokens each
-         + [("qwen3.5", (32768,)), ("qwen3.5", (512,) * 64)])
-IMPLS = ("sdpa", "sdpa_no_fa4", "eager", "flash_backend", "fa4_direct")
+         + [("qwen3", (n,) * c) for c, n in ((8, 4096), (16, 2048), (32, 1024), (64, 512), (256, 128))]  # 32K tokens
+         + [("qwen3.5", (32768,)), ("qwen3.5", (512,) * 64), ("qwen3.5", (4096,) * 8)])
+IMPLS = ("sdpa", "sdpa_no_fa4", "sdpa_per_sequence", "eager", "flash_backend", "varlen_direct", "fa4_direct")
 OUT = Path(os.environ.get("BENCH_OUT", Path(__file__).parent / "results"))
 RESULTS: dict = {"cases": []}
 CFG = {"shape": SHAPES["qwen3"], "device": "cuda", "dtype": torch.bfloat16}  # shape: set per case
@@ -59,6 +65,8 @@ def _case_fn(impl, lengths):
         raise RuntimeError("the twin holds [B, H, N, N] fp32 scores: run up to 8K tokens")
     if impl == "flash_backend" and packed:
         raise RuntimeError("dense only (SDPA has no varlen entry)")
+    if impl == "varlen_direct" and not packed:
+        raise RuntimeError("packed only")
     g = torch.Generator(device=dev).manual_seed(N)
     q, k, v = (torch.randn(1, N, h, s["head_dim"], device=dev, dtype=dt, generator=g).requires_grad_()
                for h in (s["q_heads"], s["kv_heads"], s["kv_heads"]))
@@ -75,6 +83,11 @@ def _case_fn(impl, lengths):
                 return (o[0] if isinstance(o, tuple) else o)[None]
             o = flash_attn_func(q, k, v, causal=True)
             return o[0] if isinstance(o, tuple) else o
+    elif impl == "varlen_direct":
+        from bumblebee.kernels import varlen_attention
+
+        def call():
+            return varlen_attention.causal_attention(q[0], k[0], v[0], s["head_dim"] ** -0.5, cu, max(lengths))[None]
     elif impl == "flash_backend":
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -85,10 +98,11 @@ def _case_fn(impl, lengths):
             return o.transpose(1, 2)
     else:
         fn = resolve("attention", "eager" if impl == "eager" else "sdpa")
-        switch = "off" if impl == "sdpa_no_fa4" else attention.FA4
+        fa4_switch = attention.FA4 if impl == "sdpa" else "off"
+        varlen_switch = "off" if impl == "sdpa_per_sequence" else attention.VARLEN
 
         def call():
-            with mock.patch.object(attention, "FA4", switch):
+            with mock.patch.object(attention, "FA4", fa4_switch), mock.patch.object(attention, "VARLEN", varlen_switch):
                 return fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), **kw).transpose(1, 2)
 
     def step():
@@ -99,13 +113,21 @@ def _case_fn(impl, lengths):
 def _core(impl, packed):
     from bumblebee.kernels import flash_attention4 as fa4
     from bumblebee.primitives import attention
-    if impl in ("eager", "flash_backend"):
-        return {"eager": "explicit scores", "flash_backend": "sdpa flash"}[impl]
+    from bumblebee.kernels import varlen_attention
+    if impl in ("eager", "flash_backend", "varlen_direct"):
+        return {"eager": "explicit scores", "flash_backend": "sdpa flash", "varlen_direct": "flash varlen"}[impl]
     if impl == "fa4_direct":
         return "fa4"
     s = CFG["shape"]
     on = impl == "sdpa" and attention.FA4 == "on" and (packed or s["head_dim"] <= attention.FA4_MAX_HEAD_DIM)
-    return "fa4" if on and fa4.supports(torch.device(CFG["device"]), CFG["dtype"], s["head_dim"], s["head_dim"]) else "sdpa"
+    if on and fa4.supports(torch.device(CFG["device"]), CFG["dtype"], s["head_dim"], s["head_dim"]):
+        return "fa4"
+    lengths = CFG["lengths"]
+    cuda16 = CFG["device"] == "cuda" and CFG["dtype"] in (torch.bfloat16, torch.float16)
+    if (packed and impl != "sdpa_per_sequence" and attention.VARLEN == "on" and cuda16
+            and varlen_attention.worthwhile(sum(lengths), len(lengths))):
+        return "flash varlen"
+    return "sdpa per sequence" if packed else "sdpa"
 
 
 def _name(shape, lengths):
@@ -115,6 +137,7 @@ def _name(shape, lengths):
 
 def run_case(impl, shape, lengths):
     CFG["shape"] = SHAPES[shape] if CFG["device"] == "cuda" else SMOKE_SHAPE
+    CFG["lengths"] = lengths
     rec = {"case": _name(shape, lengths), "impl": impl, "tokens": sum(lengths), "sequences": len(lengths),
            "shape": CFG["shape"], "attention_core": _core(impl, len(lengths) > 1)}
     if _cuda():
@@ -151,6 +174,9 @@ def summarize():
         s = {}
         if (case, "sdpa") in by and (case, "sdpa_no_fa4") in by:
             s["speedup_sdpa_vs_no_fa4"] = by[(case, "sdpa_no_fa4")]["median_ms"] / by[(case, "sdpa")]["median_ms"]
+        if (case, "sdpa_no_fa4") in by and (case, "sdpa_per_sequence") in by:
+            s["speedup_no_fa4_vs_per_sequence"] = (by[(case, "sdpa_per_sequence")]["median_ms"]
+                                                   / by[(case, "sdpa_no_fa4")]["median_ms"])
         if rate:
             s["fraction_of_matmul"] = {i: by[(case, i)]["useful_TFLOPs"] / rate for i in IMPLS if (case, i) in by}
         out[case] = s

@@ -11,8 +11,10 @@ v 128), bf16, batch 1, causal, forward + backward, at 4K / 16K / 32K tokens:
   runs by default (core on FA4 where installed; `mla_core_backend` in the results says which);
 - `flash_lean_sdpa`, `flash_plain_sdpa`: the same with the FA4 switch off (core on SDPA/cuDNN);
 - `flash_lean_pad_v` (16K): the same with `pad_v` (v zero-padded to 192 inside SDPA);
-- `flash_lean_packed`, `flash_lean_packed_sdpa` (16K): the lean layer on a packed batch of 32 sequences
-  of 512 tokens (`cu_seqlens`; an RL-style batch), FA4 (one varlen launch) vs SDPA (one call per sequence);
+- `flash_lean_packed`, `flash_lean_packed_sdpa`, `flash_lean_packed_per_sequence` (16K): the lean layer
+  on a packed batch of 32 sequences of 512 tokens (`cu_seqlens`; an RL-style batch): FA4 (one varlen
+  launch), FA4 off (PyTorch's FlashAttention 2 varlen kernel, v padded to 192, one launch), FA4 and
+  varlen off (one SDPA call per sequence);
 - `naive`: `baselines.mla.NaiveMLA` (explicit scores: 4K only, it needs [128, T, T] fp32 scores);
 - `megatron`, `megatron_up_proj_recompute`: megatron-core's `MLASelfAttention` built from its local
   (non-transformer-engine) layer spec, plain and with `recompute_modules=["mla_up_proj"]` (its
@@ -112,8 +114,12 @@ def _core_backend(impl):
     from bumblebee.primitives import mla
     s = CFG["sizes"]
     dqk = s["qk_nope_head_dim"] + s["qk_rope_head_dim"]
-    on = mla.FA4 == "on" and not impl.endswith("_sdpa")
-    return "fa4" if on and fa4.supports(torch.device(CFG["device"]), CFG["dtype"], dqk, s["v_head_dim"]) else "sdpa"
+    on = mla.FA4 == "on" and not impl.endswith(("_sdpa", "_per_sequence"))
+    if on and fa4.supports(torch.device(CFG["device"]), CFG["dtype"], dqk, s["v_head_dim"]):
+        return "fa4"
+    varlen = (impl.endswith("packed_sdpa") and mla.VARLEN == "on" and CFG["device"] == "cuda"
+              and CFG["dtype"] in (torch.bfloat16, torch.float16))
+    return "flash varlen" if varlen else "sdpa"
 
 
 def _layer(impl):
@@ -392,6 +398,13 @@ def mla_case(impl, T):
         if impl.endswith("_sdpa"):
             from bumblebee.primitives import mla
             shims = lambda: mock.patch.object(mla, "FA4", "off")  # noqa: E731 - read at each forward
+        elif impl.endswith("_per_sequence"):
+            from bumblebee.primitives import mla
+
+            @contextlib.contextmanager
+            def shims():
+                with mock.patch.object(mla, "FA4", "off"), mock.patch.object(mla, "VARLEN", "off"):
+                    yield
         rec["core_backend"] = _core_backend(impl)
 
         def call():
@@ -464,6 +477,9 @@ def summarize():
         if (key, "flash_lean_packed") in by and (key, "flash_lean_packed_sdpa") in by:
             s["packed_fa4_speedup_lean"] = (by[(key, "flash_lean_packed_sdpa")]["median_ms"]
                                             / by[(key, "flash_lean_packed")]["median_ms"])
+        if (key, "flash_lean_packed_sdpa") in by and (key, "flash_lean_packed_per_sequence") in by:
+            s["packed_varlen_speedup_lean"] = (by[(key, "flash_lean_packed_per_sequence")]["median_ms"]
+                                               / by[(key, "flash_lean_packed_sdpa")]["median_ms"])
         if (key, "flash_lean_pad_v") in by and (key, "flash_lean") in by:
             s["pad_v_time_ratio_lean"] = by[(key, "flash_lean_pad_v")]["median_ms"] / by[(key, "flash_lean")]["median_ms"]
         for ref in ("naive", "megatron", "megatron_up_proj_recompute"):
@@ -521,8 +537,9 @@ def main(argv=None):
     ap.add_argument("--out", default=str(OUT), help="folder for mla.json")
     ap.add_argument("--smoke", action="store_true", help="CPU, fp32, toy sizes: runs every code path")
     ap.add_argument("--no-megatron", action="store_true")
+    ap.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS), help="sequence lengths to run")
     args = ap.parse_args(argv)
-    tokens, parity_T = TOKENS, 512
+    tokens, parity_T = tuple(args.tokens), 512
     if args.smoke:
         CFG.update(sizes=SMOKE, device="cpu", dtype=torch.float32, packed_len=16)
         tokens, parity_T = (32, 48), 24
@@ -533,7 +550,8 @@ def main(argv=None):
     for T in tokens:
         layer_impls = [i for i in IMPLS if not i.startswith("megatron") and (i != "naive" or T <= 4096)]
         if T == 16384 or args.smoke and T == tokens[0]:
-            layer_impls += ["flash_lean_pad_v", "flash_lean_packed", "flash_lean_packed_sdpa"]
+            layer_impls += ["flash_lean_pad_v", "flash_lean_packed", "flash_lean_packed_sdpa",
+                            "flash_lean_packed_per_sequence"]
         for impl in layer_impls + list(CORE_VARIANTS):
             _attempt(mla_case, impl, T, impl=impl, T=T)
     if not args.no_megatron:  # last: its persistent score buffer and any OOM come after everything else

@@ -22,6 +22,26 @@ def from_stream(t_1hNd: torch.Tensor, B: int, T: int) -> torch.Tensor:
     return t_1hNd[0].reshape(h, B, T, d).transpose(0, 1)
 
 
+class _ContiguousGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t):
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous()
+
+
+def contiguous_grad(t: torch.Tensor) -> torch.Tensor:
+    """t itself; its gradient arrives contiguous. For the output of one SDPA call per sequence of a
+    stream: torch's cuDNN attention caches its backward graph by the q/k/v shapes and strides only, and
+    the gradient of a slice of the concatenated stream has strides that depend on the stream's length.
+    Two packings sharing a sequence length then reuse a graph built for other strides: non-finite
+    gradients (torch 2.11, cuDNN 9.19; tests/primitives/test_attention_packed.py). A contiguous
+    gradient has strides fixed by the sequence's own shape."""
+    return _ContiguousGrad.apply(t)
+
+
 def segments(cu_seqlens, n_tokens: int) -> list[tuple[int, int]]:
     """[(start, end)] of every sequence; ValueError (naming cu_seqlens) unless it covers 0..n_tokens
     strictly increasing. One host sync."""

@@ -9,6 +9,10 @@ dim 256 (Qwen3.5's full attention) 0.91-1.04x (`benchmarks/results/probe_fa4_gqa
 batches take FA4 for head dims up to `FA4_MAX_HEAD_DIM`, packed batches (one varlen launch instead of
 one SDPA call per sequence) for every head dim it runs (`benchmarks/bench_attention.py`). Switch `FA4`,
 environment BUMBLEBEE_ATTENTION_FA4=off for SDPA.
+Packed batches without FA4 run PyTorch's FlashAttention 2 varlen kernel in one launch while sequences
+are short on average (`kernels/varlen_attention.py`; 11x one SDPA call per sequence at 64 x 512 tokens),
+else one SDPA call per sequence. Switch `VARLEN`, environment BUMBLEBEE_ATTENTION_VARLEN=off for the
+per-sequence calls.
 """
 from __future__ import annotations
 
@@ -19,12 +23,14 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from bumblebee import packing, switches
 from bumblebee.checks import check_attention_inputs
 from bumblebee.kernels import flash_attention4 as _fa4
+from bumblebee.kernels import varlen_attention as _varlen
 from bumblebee.registry import register
 
 _CUDA_ORDER = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
                SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 FA4 = switches.from_env("BUMBLEBEE_ATTENTION_FA4")  # "on" (default) or "off", read at import
 FA4_MAX_HEAD_DIM = 128
+VARLEN = switches.from_env("BUMBLEBEE_ATTENTION_VARLEN")  # packed batches without FA4: one varlen launch
 
 
 def _use_fa4(q, v, packed: bool) -> bool:
@@ -39,7 +45,7 @@ def sdpa_attention(q, k, v, *, scale=None, cu_seqlens=None):
     """Causal attention with native GQA: FA4 where installed (dense: head dim <= 128; packed: any it runs),
     else SDPA, cuDNN first.
     cu_seqlens: the B*T tokens are one packed stream of sequences; attention stays inside each
-    (FA4: one varlen launch; SDPA: one call per sequence)."""
+    (FA4, else FlashAttention 2 varlen for short sequences: one launch; SDPA: one call per sequence)."""
     check_attention_inputs(q, k, v)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     B, T = q.shape[0], q.shape[2]
@@ -47,14 +53,22 @@ def sdpa_attention(q, k, v, *, scale=None, cu_seqlens=None):
     if _use_fa4(q, v, spans is not None):  # FA4 takes [B, T, H, D]: the callers' [B, H, T, D] are transposed views of it
         if spans is None:
             return _fa4.causal_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale).transpose(1, 2)
-        flat = [t.transpose(1, 2).reshape(B * T, t.shape[1], t.shape[-1]) for t in (q, k, v)]
-        o = _fa4.causal_attention(*flat, scale, cu_seqlens=cu_seqlens, max_seqlen=max(b - a for a, b in spans))
-        return o.view(B, T, q.shape[1], -1).transpose(1, 2)
+        return _packed_call(_fa4.causal_attention, q, k, v, scale, cu_seqlens, spans)
     if spans is None:
         return _sdpa(q, k, v, scale)
+    if switches.is_on("VARLEN", VARLEN) and _varlen.serves(q, k, v, spans):
+        return _packed_call(_varlen.causal_attention, q, k, v, scale, cu_seqlens, spans)
     stream = [packing.to_stream(t) for t in (q, k, v)]
-    o = torch.cat([_sdpa(*(t[:, :, a:b] for t in stream), scale) for a, b in spans], dim=2)
+    o = torch.cat([packing.contiguous_grad(_sdpa(*(t[:, :, a:b] for t in stream), scale)) for a, b in spans], dim=2)
     return packing.from_stream(o, B, T)
+
+
+def _packed_call(kernel, q, k, v, scale, cu_seqlens, spans):
+    """A varlen kernel on [B*T, H, D] views of the callers' [B, H, T, D] (transposed [B, T, H, D])."""
+    B, T = q.shape[0], q.shape[2]
+    flat = [t.transpose(1, 2).reshape(B * T, t.shape[1], t.shape[-1]) for t in (q, k, v)]
+    o = kernel(*flat, scale, cu_seqlens=cu_seqlens, max_seqlen=max(b - a for a, b in spans))
+    return o.view(B, T, q.shape[1], -1).transpose(1, 2)
 
 
 def _sdpa(q, k, v, scale):

@@ -13,9 +13,11 @@ Same parameters, names and math as the twin `bumblebee.baselines.mla.NaiveMLA`; 
   log-sum-exp). The backward recomputes per-head Q/K/V from the latents (matmuls) but never reruns
   the attention itself. Saved per layer: latents + output instead of Q, K, V, output; inside the
   models' full recompute only the layer's input (`FlashMLA._lean_context`);
-- `cu_seqlens` (packed sequences): one FA4 varlen call for the whole stream; on SDPA one causal call
-  per sequence, so every call stays on the fast backend (a block-diagonal mask would push SDPA off
-  cuDNN/flash).
+- `cu_seqlens` (packed sequences): one FA4 varlen call for the whole stream; without FA4, while
+  sequences are short on average, one call of PyTorch's FlashAttention 2 varlen kernel with v
+  zero-padded to 192 (`kernels/varlen_attention.py`; switch `VARLEN`, environment
+  BUMBLEBEE_MLA_VARLEN=off); else one SDPA call per sequence, so every call stays on a fast backend
+  (a block-diagonal mask would push SDPA off cuDNN/flash).
 - `pad_v` (per module, default off): v zero-padded to the q/k head dim inside SDPA, the extra output
   columns dropped; same result, for a backend whose equal-head-dim kernel outruns its 192/128 one
   (measured in benchmarks/bench_mla.py, benchmarks/NOTES_mla.md). SDPA path only.
@@ -42,9 +44,13 @@ from bumblebee.kernels import mla_rope as _fused_rope
 from bumblebee.mla_projections import MLAProjections
 from bumblebee.registry import register
 from bumblebee.kernels import flash_attention4 as _fa4
+from bumblebee.kernels import varlen_attention as _varlen
 
 _CUDA_ORDER = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
                SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+VARLEN = switches.from_env("BUMBLEBEE_MLA_VARLEN")  # packed batches without FA4: one varlen launch
 
 
 def _fused_rope_from_env() -> str:
@@ -107,10 +113,10 @@ def sdpa_causal(q_BhTd, k_BhTd, v_BhTe, scale, pad_v=False):
 
 
 def _keep_attention_outputs(ctx, op, *args, **kwargs):
-    # SDPA's backend ops (cudnn/flash/efficient/flash_for_cpu) and FA4's forward op keep their outputs
+    # SDPA's backend ops (cudnn/flash/efficient/flash_for_cpu), the varlen flash op and FA4's forward op keep their outputs
     # (o, logsumexp...); everything else in the region (up-projections, RoPE, concatenations) is recomputed.
     name = str(op)
-    attention = "_scaled_dot_product" in name or "fa4_causal_fwd" in name
+    attention = "_scaled_dot_product" in name or "fa4_causal_fwd" in name or "_flash_attention_forward" in name
     return CheckpointPolicy.MUST_SAVE if attention else CheckpointPolicy.PREFER_RECOMPUTE
 
 
@@ -189,12 +195,18 @@ class FlashMLA(MLAProjections):
             k = torch.cat((k_nope, k_rope.expand(B, T, H, self.rope_dim)), dim=-1)
         if fa4 and q.dtype == k.dtype == v.dtype and _fa4.available(q, v):  # e.g. autocast with the torch RoPE: SDPA
             return self._core_fa4(q, k, v, segments, cu_seqlens).reshape(B, T, H * self.v_dim)
+        varlen = segments is not None and switches.is_on("VARLEN", VARLEN)
+        if varlen and _varlen.serves(q, k, v, segments):
+            flat = (t.reshape(B * T, H, t.shape[-1]) for t in (q, k, v))
+            o = _varlen.causal_attention(*flat, self.softmax_scale, cu_seqlens, max(b - a for a, b in segments))
+            return o.reshape(B, T, H * self.v_dim)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, T, d]
         if segments is None:
             o = sdpa_causal(q, k, v, self.softmax_scale, self.pad_v)
         else:  # packed: [1, H, N, d], one causal call per sequence
             q, k, v = (packing.to_stream(t) for t in (q, k, v))
-            o = torch.cat([sdpa_causal(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], self.softmax_scale, self.pad_v)
+            o = torch.cat([packing.contiguous_grad(sdpa_causal(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b],
+                                                               self.softmax_scale, self.pad_v))
                            for a, b in segments], dim=2)
             o = packing.from_stream(o, B, T)
         return o.transpose(1, 2).reshape(B, T, H * self.v_dim)

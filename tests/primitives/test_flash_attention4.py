@@ -7,13 +7,12 @@ opcheck of the custom ops; the lean MLA backward keeps FA4's outputs instead of 
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint
+from torch.utils.checkpoint import CheckpointPolicy
 
-from bumblebee import recompute
 from bumblebee.kernels import flash_attention4 as fa4
 from bumblebee.primitives import mla
 
-from .test_mla import _Ops, make_pair, rel_err, rope_inputs
+from .test_mla import _Ops, backward_ops, make_pair, rel_err, rope_inputs
 
 
 def test_lean_policy_keeps_fa4_outputs():
@@ -92,6 +91,7 @@ def test_flash_mla_on_fa4_matches_sdpa_and_never_reruns_attention(monkeypatch, p
     kw = dict(dim=512, n_heads=16, q_lora_rank=192, kv_lora_rank=128, qk_nope_head_dim=128,
               qk_rope_head_dim=64, v_head_dim=128)
     _, prim = make_pair(torch.bfloat16, "cuda", seed=3, **kw)
+    monkeypatch.setattr(mla, "VARLEN", "off")  # FA4 against SDPA's per-sequence calls
     B, T = (1, 700) if packed else (2, 333)
     cu = torch.tensor([0, 300, 301, 700], device="cuda", dtype=torch.int32) if packed else None
     pos = torch.cat([torch.arange(n) for n in (300, 1, 399)])[None] if packed else None
@@ -102,16 +102,11 @@ def test_flash_mla_on_fa4_matches_sdpa_and_never_reruns_attention(monkeypatch, p
     for backend in ("off", "on"):
         monkeypatch.setattr(mla, "FA4", backend)
         for mode in ("lean", "recompute"):
-            xs = x.clone().requires_grad_()
-            y = prim(xs, cos, sin, cu) if mode == "lean" else checkpoint(
-                prim, xs, cos, sin, cu, use_reentrant=False, context_fn=recompute.contexts)
-            with _Ops() as seen:
-                grads = torch.autograd.grad((y * g).sum(), [xs] + list(prim.parameters()))
-            out[backend, mode] = [y.detach()] + list(grads)
+            out[backend, mode], ops = backward_ops(prim, x, cos, sin, cu, g, mode)
             if backend == "on":
-                fwd = [op for op in seen.ops if "fa4_causal_fwd" in op]
-                bwd = [op for op in seen.ops if "fa4_causal_bwd" in op]
-                assert len(fwd) == (1 if mode == "recompute" else 0) and len(bwd) == 1, seen.ops
+                fwd = [op for op in ops if "fa4_causal_fwd" in op]
+                bwd = [op for op in ops if "fa4_causal_bwd" in op]
+                assert len(fwd) == (1 if mode == "recompute" else 0) and len(bwd) == 1, ops
     for mode in ("lean", "recompute"):
         for a, b in zip(out["on", mode], out["off", mode]):
             assert rel_err(a, b) < 2e-2
@@ -127,6 +122,7 @@ def test_attention_slot_on_fa4_within_torch_bf16_error(monkeypatch, head_dim, pa
     within 3x the error of SDPA's bf16 against float64."""
     from bumblebee.primitives import attention
     from bumblebee.registry import resolve
+    monkeypatch.setattr(attention, "VARLEN", "off")  # the bf16 reference: one SDPA call per sequence
     g = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(2, 8, 700, head_dim, device="cuda", generator=g)
     k, v = (torch.randn(2, 2, 700, head_dim, device="cuda", generator=g) for _ in "kv")

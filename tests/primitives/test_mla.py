@@ -138,6 +138,17 @@ class _Ops(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def backward_ops(prim, x, cos, sin, cu, g, mode):
+    """(outputs and gradients, ops the backward dispatched) of `prim` run alone ("lean") or inside the
+    models' full recompute ("recompute")."""
+    xs = x.clone().requires_grad_()
+    y = prim(xs, cos, sin, cu) if mode == "lean" else checkpoint(
+        prim, xs, cos, sin, cu, use_reentrant=False, context_fn=recompute.contexts)
+    with _Ops() as seen:
+        grads = torch.autograd.grad((y * g).sum(), [xs] + list(prim.parameters()))
+    return [y.detach()] + list(grads), seen.ops
+
+
 def test_lean_backward_saves_a_third_or_less_and_never_reruns_attention():
     # DeepSeek-V3's proportions scaled down: many heads, small latents. Equal q/k and v head dims, so
     # that the CPU runs SDPA as one fused op (as cuDNN does on the GPU) rather than the math fallback.
@@ -263,6 +274,30 @@ def test_bf16_within_torch_error(monkeypatch, lean, packed, fa4):
     for r, t, o, p in zip(ref, torch_out, ours, padded):
         assert rel_err(o, r) <= 3 * rel_err(t, r) + 2e-3
         assert rel_err(p, r) <= 3 * rel_err(t, r) + 2e-3
+
+
+@pytest.mark.gpu
+def test_per_sequence_gradients_across_packings(monkeypatch):
+    """SDPA per sequence (FA4 and varlen off) on two packings sharing sequence lengths: finite and
+    within 3x the twin's bf16 error (cuDNN's backward graph cache; see packing.contiguous_grad)."""
+    monkeypatch.setattr(mla, "FA4", "off")
+    monkeypatch.setattr(mla, "VARLEN", "off")
+    kw = dict(dim=256, n_heads=8, q_lora_rank=96, kv_lora_rank=64, qk_nope_head_dim=128, qk_rope_head_dim=64,
+              v_head_dim=128)
+    base64, _ = make_pair(torch.float64, "cuda", seed=4, **kw)
+    base16, prim16 = make_pair(torch.bfloat16, "cuda", seed=4, **kw)
+    for lengths in ((37, 300, 1, 1024, 686), (300, 1, 399)):
+        T = sum(lengths)
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device="cuda", dtype=torch.int32)
+        pos = torch.cat([torch.arange(n) for n in lengths])[None]
+        cos, sin = rope_inputs(1, T, 64, torch.float64, "cuda", positions=pos)
+        x = torch.randn(1, T, 256, device="cuda", dtype=torch.float64)
+        ref, g = run(base64, x, cos, sin, cu)
+        lo = [t.bfloat16() for t in (x, cos, sin)]
+        twin, _ = run(base16, *lo, cu, g=g.bfloat16())
+        ours, _ = run(prim16, *lo, cu, g=g.bfloat16())
+        for r, t, o in zip(ref, twin, ours):
+            assert rel_err(o, r) <= 3 * rel_err(t, r) + 2e-3, (lengths, rel_err(o, r), rel_err(t, r))
 
 
 @pytest.mark.gpu
