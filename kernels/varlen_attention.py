@@ -15,8 +15,11 @@ so callers take it while `worthwhile`: mean sequence length under `MAX_MEAN_LENG
 cuDNN's ragged SDPA (`aten._cudnn_attention_forward` with cu_seqlens) returned non-finite gradients in
 the same probe (torch 2.11, cuDNN 9.19) and ran 3-30x slower, so it is not used.
 
-Layout: q [N, Hq, d], k [N, Hk, d], v [N, Hk, e] with e <= d (v is zero-padded to d inside, since the
-kernel takes one head dim, and the extra output columns are dropped), cu_seqlens [S + 1] on q's device.
+Layout: q [N, Hq, d], k [N, Hk, d], v [N, Hk, e] with e <= d, cu_seqlens [S + 1] on q's device. The
+kernel takes one head dim, so v is zero-padded to d inside; the padded output columns are exactly zero
+and are dropped. Forward and backward are two torch custom ops (`bumblebee::varlen_causal_fwd` /
+`_bwd`) so that a selective activation checkpoint (MLA's lean backward) keeps the unpadded output and
+the log-sum-exp, not the padded output, and the backward pads o and dO again.
 """
 from __future__ import annotations
 
@@ -45,13 +48,59 @@ def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spans) -> bool:
     return supports(q, k, v) and worthwhile(spans[-1][1] - spans[0][0], len(spans))
 
 
+def _padded(t: torch.Tensor, d: int) -> torch.Tensor:
+    return F.pad(t, (0, d - t.shape[-1])) if t.shape[-1] < d else t
+
+
+@torch.library.custom_op("bumblebee::varlen_causal_fwd", mutates_args=(), device_types="cuda")
+def varlen_causal_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                      max_seqlen: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(o [N, Hq, e], lse fp32 [Hq, N])."""
+    e = v.shape[-1]
+    o, lse = torch.ops.aten._flash_attention_forward(q, k, _padded(v, q.shape[-1]), cu_seqlens, cu_seqlens, max_seqlen,
+                                                     max_seqlen, 0.0, True, False, scale=scale)[:2]
+    return (o[..., :e].contiguous() if o.shape[-1] > e else o), lse
+
+
+@varlen_causal_fwd.register_fake
+def _(q, k, v, cu_seqlens, max_seqlen, scale):
+    return q.new_empty(*q.shape[:-1], v.shape[-1]), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+
+
+@torch.library.custom_op("bumblebee::varlen_causal_bwd", mutates_args=(), device_types="cuda")
+def varlen_causal_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                      lse: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
+                      scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    d, e = q.shape[-1], v.shape[-1]
+    rng, unused = torch.zeros(2, dtype=torch.uint64, device=q.device), torch.empty(0, device=q.device)  # no dropout
+    dq, dk, dv = torch.ops.aten._flash_attention_backward(
+        _padded(dout, d), q, k, _padded(v, d), _padded(out, d), lse, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
+        0.0, True, rng, unused, scale=scale)
+    return dq, dk, (dv[..., :e].contiguous() if e < d else dv)
+
+
+@varlen_causal_bwd.register_fake
+def _(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, scale):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, cu_seqlens, max_seqlen, scale = inputs
+    ctx.save_for_backward(q, k, v, output[0], output[1], cu_seqlens)
+    ctx.max_seqlen, ctx.scale = max_seqlen, scale
+
+
+def _backward(ctx, dout, dlse):
+    q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
+    dq, dk, dv = varlen_causal_bwd(dout, q, k, v, out, lse, cu_seqlens, ctx.max_seqlen, ctx.scale)
+    return dq, dk, dv, None, None, None
+
+
+varlen_causal_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
 def causal_attention(q, k, v, scale: float, cu_seqlens: torch.Tensor, max_seqlen: int) -> torch.Tensor:
     """Causal attention inside each packed sequence; output [N, Hq, e]."""
-    d, e = q.shape[-1], v.shape[-1]
-    if e < d:
-        v = F.pad(v, (0, d - e))
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
-    o = torch.ops.aten._flash_attention_forward(q, k, v, cu, cu, max_seqlen, max_seqlen, 0.0, True, False,
-                                                scale=scale)[0]
-    return o[..., :e] if e < d else o
+    cu = cu_seqlens.to(device=q.device, dtype=torch.int32).contiguous()
+    return varlen_causal_fwd(q, k, v, cu, int(max_seqlen), float(scale))[0]

@@ -113,10 +113,10 @@ def sdpa_causal(q_BhTd, k_BhTd, v_BhTe, scale, pad_v=False):
 
 
 def _keep_attention_outputs(ctx, op, *args, **kwargs):
-    # SDPA's backend ops (cudnn/flash/efficient/flash_for_cpu), the varlen flash op and FA4's forward op keep their outputs
+    # SDPA's backend ops (cudnn/flash/efficient/flash_for_cpu), the varlen and FA4 forward ops keep their outputs
     # (o, logsumexp...); everything else in the region (up-projections, RoPE, concatenations) is recomputed.
     name = str(op)
-    attention = "_scaled_dot_product" in name or "fa4_causal_fwd" in name or "_flash_attention_forward" in name
+    attention = "_scaled_dot_product" in name or "fa4_causal_fwd" in name or "varlen_causal_fwd" in name
     return CheckpointPolicy.MUST_SAVE if attention else CheckpointPolicy.PREFER_RECOMPUTE
 
 

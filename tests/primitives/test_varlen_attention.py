@@ -36,13 +36,22 @@ def test_worthwhile_only_for_short_sequences():
 
 
 def test_lean_policy_keeps_varlen_outputs():
-    op = torch.ops.aten._flash_attention_forward.default
+    op = torch.ops.bumblebee.varlen_causal_fwd.default
     assert mla._keep_attention_outputs(None, op) == CheckpointPolicy.MUST_SAVE
-    assert mla._keep_attention_outputs(None, torch.ops.aten._flash_attention_backward.default) != CheckpointPolicy.MUST_SAVE
+    assert mla._keep_attention_outputs(None, torch.ops.bumblebee.varlen_causal_bwd.default) != CheckpointPolicy.MUST_SAVE
 
 
 def _varlen_ops(ops):
-    return [op for op in ops if op.startswith("aten._flash_attention")]
+    return [op for op in ops if op.startswith("bumblebee.varlen_causal")]
+
+
+@pytest.mark.gpu
+def test_varlen_custom_ops_opcheck():
+    q, k = (torch.randn(300, 4, 192, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in "qk")
+    v = torch.randn(300, 4, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    cu = torch.tensor([0, 100, 101, 300], device="cuda", dtype=torch.int32)
+    torch.library.opcheck(varlen.varlen_causal_fwd, (q, k, v, cu, 199, 0.1),
+                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
 
 
 @pytest.mark.gpu
@@ -100,7 +109,7 @@ def test_flash_mla_varlen_matches_per_sequence_and_never_reruns_attention(monkey
         for mode in ("lean", "recompute"):
             out[switch, mode], seen = backward_ops(prim, x, cos, sin, cu, g, mode)
             ops = _varlen_ops(seen)
-            fwd = [op for op in ops if "forward" in op]
+            fwd = [op for op in ops if "fwd" in op]
             if switch == "on":  # the backward reruns the forward only inside the models' full recompute
                 assert len(fwd) == (1 if mode == "recompute" else 0) and len(ops) - len(fwd) == 1, ops
             else:
