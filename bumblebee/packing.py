@@ -32,14 +32,17 @@ class _ContiguousGrad(torch.autograd.Function):
         return grad.contiguous()
 
 
-def contiguous_grad(t: torch.Tensor) -> torch.Tensor:
-    """t itself; its gradient arrives contiguous. For the output of one SDPA call per sequence of a
-    stream: torch's cuDNN attention caches its backward graph by the q/k/v shapes and strides only, and
-    the gradient of a slice of the concatenated stream has strides that depend on the stream's length.
-    Two packings sharing a sequence length then reuse a graph built for other strides: non-finite
-    gradients (torch 2.11, cuDNN 9.19; tests/primitives/test_attention_packed.py). A contiguous
-    gradient has strides fixed by the sequence's own shape."""
-    return _ContiguousGrad.apply(t)
+def per_sequence(attend, q, k, v, spans) -> torch.Tensor:
+    """attend(q, k, v) on each packed sequence alone: [B, h, T, d] in and out, one call per span
+    [(start, end)] of the stream. Each call's output gradient arrives contiguous: torch's cuDNN
+    attention caches its backward graph by the q/k/v shapes and strides only, and the gradient of a
+    slice of the concatenated stream has strides set by the stream's length, so two packings sharing a
+    sequence length reused a graph built for other strides (non-finite MLA gradients on torch 2.11,
+    cuDNN 9.19; tests/primitives/test_mla.py::test_per_sequence_gradients_across_packings)."""
+    B, T = q.shape[0], q.shape[2]
+    stream = [to_stream(t) for t in (q, k, v)]
+    o = torch.cat([_ContiguousGrad.apply(attend(*(t[:, :, a:b] for t in stream))) for a, b in spans], dim=2)
+    return from_stream(o, B, T)
 
 
 def segments(cu_seqlens, n_tokens: int) -> list[tuple[int, int]]:

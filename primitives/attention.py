@@ -16,7 +16,6 @@ per-sequence calls.
 """
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -58,9 +57,7 @@ def sdpa_attention(q, k, v, *, scale=None, cu_seqlens=None):
         return _sdpa(q, k, v, scale)
     if switches.is_on("VARLEN", VARLEN) and _varlen.serves(q, k, v, spans):
         return _packed_call(_varlen.causal_attention, q, k, v, scale, cu_seqlens, spans)
-    stream = [packing.to_stream(t) for t in (q, k, v)]
-    o = torch.cat([packing.contiguous_grad(_sdpa(*(t[:, :, a:b] for t in stream), scale)) for a, b in spans], dim=2)
-    return packing.from_stream(o, B, T)
+    return packing.per_sequence(lambda *qkv: _sdpa(*qkv, scale), q, k, v, spans)
 
 
 def _packed_call(kernel, q, k, v, scale, cu_seqlens, spans):

@@ -203,12 +203,8 @@ class FlashMLA(MLAProjections):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, T, d]
         if segments is None:
             o = sdpa_causal(q, k, v, self.softmax_scale, self.pad_v)
-        else:  # packed: [1, H, N, d], one causal call per sequence
-            q, k, v = (packing.to_stream(t) for t in (q, k, v))
-            o = torch.cat([packing.contiguous_grad(sdpa_causal(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b],
-                                                               self.softmax_scale, self.pad_v))
-                           for a, b in segments], dim=2)
-            o = packing.from_stream(o, B, T)
+        else:  # packed: one causal call per sequence
+            o = packing.per_sequence(lambda *qkv: sdpa_causal(*qkv, self.softmax_scale, self.pad_v), q, k, v, segments)
         return o.transpose(1, 2).reshape(B, T, H * self.v_dim)
 
     def _core_fa4(self, q, k, v, segments, cu_seqlens):

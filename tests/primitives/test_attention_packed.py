@@ -44,7 +44,7 @@ def test_stream_round_trip():
 def test_per_sequence_gradients_across_packings(monkeypatch):
     """One SDPA call per sequence (FA4 and varlen off) on two packings that share sequence lengths, the
     case where torch's cuDNN backward graph cache returned non-finite MLA gradients
-    (`packing.contiguous_grad`; test_mla.py reproduces it without the fix, this GQA shape did not):
+    (`packing.per_sequence`; test_mla.py reproduces it without the fix, this GQA shape did not):
     both packings within 3x the bf16 error of the eager twin against float64."""
     from bumblebee.primitives import attention
     monkeypatch.setattr(attention, "FA4", "off")

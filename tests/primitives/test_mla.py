@@ -279,7 +279,7 @@ def test_bf16_within_torch_error(monkeypatch, lean, packed, fa4):
 @pytest.mark.gpu
 def test_per_sequence_gradients_across_packings(monkeypatch):
     """SDPA per sequence (FA4 and varlen off) on two packings sharing sequence lengths: finite and
-    within 3x the twin's bf16 error (cuDNN's backward graph cache; see packing.contiguous_grad)."""
+    within 3x the twin's bf16 error (cuDNN's backward graph cache; see packing.per_sequence)."""
     monkeypatch.setattr(mla, "FA4", "off")
     monkeypatch.setattr(mla, "VARLEN", "off")
     kw = dict(dim=256, n_heads=8, q_lora_rank=96, kv_lora_rank=64, qk_nope_head_dim=128, qk_rope_head_dim=64,
