@@ -17,7 +17,7 @@ from timing import matmul_tflops, median_ms
 
 T = 16384
 # (m_block, n_block, stages Q, stages dO, stages PdS, SdP_swapAB, dKV_swapAB, dQ_swapAB,
-#  AtomLayoutMSdP, AtomLayoutNdKV, AtomLayoutMdQ, num_wg)
+#  AtomLayoutMSdP, AtomLayoutNdKV, AtomLayoutMdQ, num_wg[, dQ_single_wg])
 CASES = {
     "default": None,
     "n112": (64, 112, 2, 2, 1, False, True, False, 1, 2, 1, 2),
@@ -33,10 +33,15 @@ CASES = {
     "n128_Q1": (64, 128, 1, 2, 1, False, True, False, 1, 2, 1, 2),
     "n96_dQatom2": (64, 96, 2, 2, 1, False, True, False, 1, 2, 2, 2),
     "n96_KVatom1": (64, 96, 2, 2, 1, False, True, False, 1, 1, 1, 2),
+    # one warp group computes the whole dQ GEMM while the other moves on (FA4's choice for head dim 96)
+    "n96_dQ1wg": (64, 96, 2, 2, 1, False, True, False, 1, 2, 1, 2, True),
+    "n96_dQ1wg_PdS2": (64, 96, 2, 2, 2, False, True, False, 1, 2, 1, 2, True),
 }
 SKIP = ("n112", "n128", "n80", "n128_dO1", "m80_n96_dQswap", "n96_noswapKV", "n96_SdPswap", "m128_n64_wg2")
+SKIP += ("n96_PdS2", "n112_Q1", "n128_Q1", "n96_dQatom2", "n96_KVatom1")
 # ^ measured on an H100 (results/probe_fa4_bwd_tiles_h100.jsonl): over shared memory, wrong results
-# (n80), slower, or no tiled-MMA partition; the second run tries only the new cases
+# (n80), slower, or no tiled-MMA partition; then on an H200 (results/probe_fa4_bwd_tiles_h200.jsonl);
+# each later run tries only the new cases (dQ_single_wg: results/probe_fa4_bwd_tiles_h200_dq1wg.jsonl)
 
 
 def run_case(name, cfg, ref, rate):
@@ -46,7 +51,7 @@ def run_case(name, cfg, ref, rate):
         base = default(DQK, DV, True, False)
         fields = ("m_block_size", "n_block_size", "num_stages_Q", "num_stages_dO", "num_stages_PdS",
                   "SdP_swapAB", "dKV_swapAB", "dQ_swapAB", "AtomLayoutMSdP", "AtomLayoutNdKV",
-                  "AtomLayoutMdQ", "num_wg")
+                  "AtomLayoutMdQ", "num_wg", "dQ_single_wg")
         chosen = dataclasses.replace(base, **dict(zip(fields, cfg)))
         interface._tile_size_bwd_sm90 = lambda *a, **k: chosen
     q, k, kv, do = inputs(T)
