@@ -17,6 +17,7 @@ experts) are sharded over efsdp only; in checkpoints they appear as the full [E,
 from __future__ import annotations
 
 import math
+import warnings
 from pathlib import Path
 
 import torch
@@ -31,6 +32,17 @@ MIXED_PRECISION = {"bf16": torch.bfloat16, "fp32": torch.float32}
 def named_params(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
     """Parameters by name, a tied weight once (under its first name, as state_dict keys do)."""
     return dict(model.named_parameters(remove_duplicate=True))
+
+
+def persistent_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The buffers a state_dict holds (e.g. the auxiliary-loss-free routers' fp32
+    `e_score_correction_bias`), by name. Neither twin shards them: every rank holds them whole."""
+    out = {}
+    for prefix, module in model.named_modules():
+        for name, b in module._buffers.items():
+            if b is not None and name not in module._non_persistent_buffers_set:
+                out[f"{prefix}.{name}" if prefix else name] = b
+    return out
 
 
 def check_args(model, mesh, *, optimizer, lr, betas, eps, weight_decay, mixed_precision, grad_clip,
@@ -199,13 +211,17 @@ class TrainState:
             st = self.optimizer.state[m]
             optim[f"{name}.exp_avg"] = self._as_dtensor(name, st["exp_avg"])
             optim[f"{name}.exp_avg_sq"] = self._as_dtensor(name, st["exp_avg_sq"])
-        return {"model": model, "optim": optim, "step": torch.tensor(self.steps, dtype=torch.int64)}
+        out = {"model": model, "optim": optim, "step": torch.tensor(self.steps, dtype=torch.int64)}
+        buffers = persistent_buffers(self.model)
+        if buffers:  # router biases move every step: a resume without them would route differently
+            out["buffers"] = buffers
+        return out
 
     @torch.no_grad()
     def load_state_dict(self, sd: dict) -> None:
         ours = self.state_dict()
-        for part in ("model", "optim"):
-            if set(sd[part]) != set(ours[part]):
+        for part in ("model", "optim") + (("buffers",) if "buffers" in ours else ()):
+            if set(sd.get(part, {})) != set(ours[part]):
                 raise ValueError(f"state dict keys differ: given {sorted(set(sd[part]) - set(ours[part]))[:3]}... "
                                  f"not in this state, this state's {sorted(set(ours[part]) - set(sd[part]))[:3]}... "
                                  f"not given")
@@ -213,6 +229,11 @@ class TrainState:
                 src = sd[part][k]
                 if tuple(src.shape) != tuple(dst.shape):
                     raise ValueError(f"{k}: given shape {tuple(src.shape)}, this state has {tuple(dst.shape)}")
+                if part == "buffers":
+                    src = src.to_local() if isinstance(src, DTensor) else src
+                    if src.data_ptr() != dst.data_ptr():
+                        dst.copy_(src)
+                    continue
                 src = src.to_local() if isinstance(src, DTensor) else self._local_rows(k, src)
                 if src.data_ptr() != dst.to_local().data_ptr():
                     dst.to_local().copy_(src)
@@ -241,18 +262,28 @@ class TrainState:
         """Load a checkpoint written by either twin on any number of ranks (DCP reshards)."""
         from bumblebee import checkpoint
         sd = self.state_dict()
+        if "buffers" in sd and "buffers" not in checkpoint.read_meta(path):
+            # written before buffers were saved: the model keeps its current ones, and says so
+            warnings.warn(f"checkpoint {path} holds no buffers: {sorted(sd['buffers'])[:3]}... keep their "
+                          f"current values", stacklevel=2)
+            del sd["buffers"]
         checkpoint.load(sd, path, meta=self._meta())
         self.load_state_dict(sd)
 
     def _meta(self) -> dict:
         config = getattr(self.model, "config", None)
-        return {"impl": self.impl, "world_size": self.mesh.size(), "params": self.param_shapes(),
+        meta = {"impl": self.impl, "world_size": self.mesh.size(), "params": self.param_shapes(),
                 "model_type": getattr(config, "model_type", type(self.model).__name__)}
+        buffers = persistent_buffers(self.model)
+        if buffers:
+            meta["buffers"] = {name: list(b.shape) for name, b in buffers.items()}
+        return meta
 
     @torch.no_grad()
     def full_state_dict(self, dtype: torch.dtype | None = None, *, rank0_only: bool = False) -> dict:
-        """Full (unsharded) master weights on the CPU, cast to `dtype` (default: the model config's).
-        Every rank takes part in the gathers; with rank0_only the other ranks return {}."""
+        """Full (unsharded) master weights on the CPU, cast to `dtype` (default: the model config's),
+        and the persistent buffers in their own dtype (the router biases stay fp32). Every rank takes
+        part in the gathers; with rank0_only the other ranks return {}."""
         config = getattr(self.model, "config", None)
         dtype = dtype or getattr(config, "dtype", torch.float32)
         keep = not rank0_only or dist.get_rank(self.group) == 0
@@ -261,6 +292,8 @@ class TrainState:
             full = self._as_dtensor(name, m).full_tensor()  # one all-gather per tensor, on every rank
             if keep:
                 out[name] = full.to(dtype).cpu()
+        if keep:
+            out.update({name: b.detach().cpu().clone() for name, b in persistent_buffers(self.model).items()})
         return out
 
     def save_pretrained(self, path, *, max_shard_bytes: int = 5 * 2**30) -> None:

@@ -225,9 +225,12 @@ class DeepseekV3ForCausalLM(CausalLM):
     def ours_to_hf_state(self, state):
         state = {self._hf_name(k): v for k, v in moe.ours_to_hf_state(state).items()}
         L = self.config.num_hidden_layers
+        embed = state["model.embed_tokens.weight"]
+        head = state.get("lm_head.weight", embed)  # absent when tied
         for k in range(self.config.num_nextn_predict_layers):  # the published layout keeps copies
-            state[f"model.layers.{L + k}.embed_tokens.weight"] = self.model.embed_tokens.weight.detach().clone()
-            state[f"model.layers.{L + k}.shared_head.head.weight"] = self.lm_head.weight.detach().clone()
+            # from `state`, not the live modules: under FSDP2 those hold shards (or freed storage)
+            state[f"model.layers.{L + k}.embed_tokens.weight"] = embed.detach().clone()
+            state[f"model.layers.{L + k}.shared_head.head.weight"] = head.detach().clone()
         return state
 
     def checkpoint_extras(self, path):

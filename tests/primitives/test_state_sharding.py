@@ -175,6 +175,59 @@ def _full(state):
     return {k: v.clone() for k, v in state.full_state_dict(torch.float32).items()}
 
 
+def router_bias_runs(mesh, out: Path):
+    """DeepSeek-V3's auxiliary-loss-free router biases move every step: they must travel with the
+    training checkpoint and the HF export of both twins."""
+    from bumblebee.models import moe
+    n, r = mesh.size(), mesh.get_local_rank()
+
+    def make(impl, seed):
+        model = models.build(MODELS[DSV3], seed=seed, device=mesh.device_type)
+        return registry.resolve("state_sharding", impl)(model, mesh, mixed_precision="fp32", grad_clip=CLIP,
+                                                        reshard_after_forward=True, **HP)
+
+    def run(state, steps, start=0):
+        losses = []
+        for i, ids in enumerate(batches(state.model.config.vocab_size, steps)):
+            if i >= start:
+                local = ids[r * (B // n):(r + 1) * (B // n)].to(mesh.device_type)
+                loss = state.model(local, labels=local).loss
+                loss.backward()
+                state.step()
+                state.zero_grad()
+                moe.update_router_bias(state.model, rate=0.05, group=mesh.get_group())
+                losses.append(loss.item())
+        return losses
+
+    def biases(model):
+        return {k: v.detach().clone() for k, v in model.named_buffers() if k.endswith("e_score_correction_bias")}
+
+    res = {}
+    for impl in ("fsdp2", "zero1"):
+        state = make(impl, seed=0)
+        run(state, 3)
+        state.save(out / f"ckpt-dsv3-{impl}")
+        saved = biases(state.model)
+        full = state.full_state_dict(torch.float32)  # collective: before the rank-0 checks
+        state.model.save_pretrained(out / f"hf-dsv3-{impl}")
+        continued = run(state, 6, start=3)
+        resumed = make(impl, seed=5)
+        resumed.load(out / f"ckpt-dsv3-{impl}")
+        restored = biases(resumed.model)
+        res[impl] = {"saved": saved, "restored": restored, "continued": continued,
+                     "resumed": run(resumed, 6, start=3)}
+        without = make(impl, seed=5)  # the same checkpoint, biases zeroed after loading: routing differs
+        without.load(out / f"ckpt-dsv3-{impl}")
+        for b in biases(without.model):
+            without.model.get_buffer(b).zero_()
+        res[impl]["resumed_without_biases"] = run(without, 6, start=3)
+        if r == 0:
+            loaded = models.from_pretrained(out / f"hf-dsv3-{impl}")
+            res[impl]["export_diff"] = {k: (v - full[k]).abs().max().item() for k, v in loaded.state_dict().items()}
+            res[impl]["export_missing"] = sorted(set(full) - set(loaded.state_dict()))
+    return res
+
+
 def two_ranks(mesh, out: Path):
     res = {}
     for variant in VARIANTS:
@@ -336,6 +389,11 @@ def two(workdir):
 
 
 @pytest.fixture(scope="module")
+def router_bias(workdir):
+    return spawn(2, "router_bias_runs", workdir)
+
+
+@pytest.fixture(scope="module")
 def four(workdir, two):
     return spawn(4, "four_ranks", workdir)
 
@@ -440,6 +498,22 @@ def test_hf_export_from_sharded_state(two, workdir, refs, variant):
     loaded = models.from_pretrained(workdir / f"hf-{variant}")
     for k, v in loaded.state_dict().items():
         torch.testing.assert_close(v, ref["state"][k], atol=1e-4, rtol=1e-4, msg=k)
+
+
+@pytest.mark.parametrize("impl", ["fsdp2", "zero1"])
+def test_router_biases_travel_with_checkpoint_and_export(router_bias, impl):
+    for rank in router_bias:
+        res = rank[impl]
+        assert res["saved"] and all(b.abs().max() > 0 for b in res["saved"].values()), "the biases never moved"
+        for k, v in res["saved"].items():
+            assert torch.equal(res["restored"][k], v), k
+        assert res["resumed"] == res["continued"]  # bit-exact resume, routing included
+        assert res["resumed_without_biases"] != res["continued"], "the biases do not change routing here"
+    res = router_bias[0][impl]
+    assert res["export_missing"] == []
+    biases = [k for k in res["export_diff"] if k.endswith("e_score_correction_bias")]
+    assert len(biases) == len(router_bias[0][impl]["saved"])
+    assert max(res["export_diff"].values()) == 0.0, {k: v for k, v in res["export_diff"].items() if v}
 
 
 def test_hf_export_loads_in_transformers(two, workdir):
