@@ -5,10 +5,12 @@ forward; `CausalLM` holds the rest so model files stay a list of their features.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from bumblebee import packing
@@ -67,7 +69,20 @@ class CausalLM(HFCheckpointMixin, nn.Module):
         self.model = backbone(config, self.impl)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.loss_fn = resolve("cross_entropy", self.impl.get("cross_entropy"))
+        self.head_fn = None  # see `custom_head`
         self.tie_weights()
+
+    @contextlib.contextmanager
+    def custom_head(self, fn):
+        """Within: a forward with labels hands `fn(hidden [N, H], lm_head weight [V, H], next-token
+        labels [N])` (labels shifted as the loss shifts them, -100 where no target) the head's inputs
+        instead of the loss slot, and returns its result as `out.loss`; MTP depths are skipped. Going
+        through the model's own forward keeps FSDP2's hooks (the head's weight is whole in there)."""
+        self.head_fn = fn
+        try:
+            yield self
+        finally:
+            self.head_fn = None
 
     def tie_weights(self):
         if self.config.tie_word_embeddings:
@@ -131,7 +146,7 @@ class CausalLM(HFCheckpointMixin, nn.Module):
     def add_mtp_loss(self, out, hidden, input_ids, labels, cos, sin, cu_seqlens=None, segment_ids=None):
         """Multi-token prediction through the `mtp` slot (when the model has depths): adds the
         scaled term to out.loss; out.mtp_loss (detached) and out.mtp_losses [D] report it."""
-        if labels is None or not hasattr(self, "mtp"):
+        if labels is None or not hasattr(self, "mtp") or self.head_fn is not None:
             return out
 
         def run_block(block, x):
@@ -172,7 +187,10 @@ class CausalLM(HFCheckpointMixin, nn.Module):
     def lm_outputs(self, hidden, labels, return_logits, out: CausalLMOutput | None = None) -> CausalLMOutput:
         """Loss through the `cross_entropy` slot; logits only when labels is None or asked for."""
         out = CausalLMOutput() if out is None else out
-        if labels is not None:
+        if labels is not None and self.head_fn is not None:
+            shifted = F.pad(labels, (0, 1), value=-100)[:, 1:]
+            out.loss = self.head_fn(hidden.reshape(-1, hidden.shape[-1]), self.lm_head.weight, shifted.reshape(-1))
+        elif labels is not None:
             out.loss = causal_lm_loss(self.loss_fn, hidden, self.lm_head.weight, labels)
         if labels is None or return_logits:
             out.logits = self.lm_head(hidden)

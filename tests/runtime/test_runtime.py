@@ -1,0 +1,227 @@
+"""The runtime's operations against references computed from the model's materialized logits in
+float64: token log-probs and entropy (plain and packed batches), the policy losses' gradients, the
+normalization across ranks, the optimizer step with router biases, checkpoints and export."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from bumblebee import models, registry
+from bumblebee.runtime import Batch, Runtime
+from tests.primitives.test_state_sharding import spawn
+
+B, T = 3, 11
+
+
+def _model(name, ce="linear_ce"):
+    return models.build(name, impl={"cross_entropy": ce}, seed=0, dtype=torch.float64)
+
+
+def _ids(model, seed=0, b=B, t=T):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, model.config.vocab_size, (b, t), generator=g)
+
+
+def _reference(model, ids, temperature=1.0):
+    """Token-aligned log-probs and entropies [B, T] from the full logits (0 at each first token)."""
+    with torch.no_grad():
+        logits = model(ids).logits.double() / temperature
+    logp_all = logits.log_softmax(-1)
+    lp = torch.zeros(ids.shape, dtype=torch.float64)
+    lp[:, 1:] = logp_all[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]
+    ent = torch.zeros(ids.shape, dtype=torch.float64)
+    ent[:, 1:] = -(logp_all.exp() * logp_all).sum(-1)[:, :-1]
+    return lp, ent
+
+
+@pytest.mark.parametrize("name", ["qwen3-tiny", "deepseek-v3-tiny", "qwen3.5-moe-tiny"])
+@pytest.mark.parametrize("ce", ["linear_ce", "materialized_ce"])
+def test_logprobs_and_entropy_match_logits(name, ce):
+    model = _model(name, ce)
+    ids = _ids(model)
+    mask = torch.rand(ids.shape, generator=torch.Generator().manual_seed(1)) < 0.7
+    out = Runtime(model).forward(Batch(ids, loss_mask=mask), temperature=0.7, entropy=True)
+    lp, ent = _reference(model, ids, temperature=0.7)
+    trained = mask.clone()
+    trained[:, 0] = False
+    assert torch.equal(out.trained, trained)
+    torch.testing.assert_close(out.logprobs, torch.where(trained, lp, 0), rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(out.entropy, torch.where(trained, ent, 0), rtol=1e-10, atol=1e-10)
+
+
+def test_packed_batch_equals_its_sequences_alone():
+    model = _model("qwen3-tiny")
+    a, b = _ids(model, 1, 1, 7), _ids(model, 2, 1, 5)
+    rt = Runtime(model)
+    packed = rt.forward(Batch(torch.cat([a, b], 1), cu_seqlens=torch.tensor([0, 7, 12])))
+    alone = torch.cat([rt.forward(Batch(a)).logprobs, rt.forward(Batch(b)).logprobs], 1)
+    assert packed.logprobs[0, 7] == 0  # the second sequence's first token has no prefix
+    torch.testing.assert_close(packed.logprobs, alone, rtol=1e-10, atol=1e-10)
+
+
+def _grads(model):
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_cross_entropy_with_mean_weights_is_the_model_loss():
+    model = _model("qwen3-tiny")
+    ids = _ids(model)
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    mask[:, :4] = False  # a prompt
+    model(ids, labels=ids.masked_fill(~mask, -100)).loss.backward()
+    want = _grads(model)
+    model.zero_grad()
+    n = int(mask[:, 1:].sum())
+    out = Runtime(model).forward_backward(Batch(ids, loss_mask=mask, weights=torch.full(ids.shape, 1.0 / n,
+                                                                                         dtype=torch.float64)))
+    assert out["tokens"] == n
+    for k, g in _grads(model).items():
+        torch.testing.assert_close(g, want[k], rtol=1e-9, atol=1e-12, msg=k)
+
+
+def _policy_reference(lp, w, adv, old, loss, clip, ent, coef):
+    ratio = torch.exp(lp - old)
+    if loss == "importance_sampling":
+        per = -ratio * adv
+    else:  # the PPO objective as written: min of the unclipped and clipped surrogates
+        per = -torch.minimum(ratio * adv, torch.clamp(ratio, 1 - clip[0], 1 + clip[1]) * adv)
+    return (w * per).sum() - coef * (w * ent).sum()
+
+
+@pytest.mark.parametrize("loss", ["importance_sampling", "ppo"])
+def test_policy_gradient_losses_against_logits(loss):
+    model = _model("deepseek-v3-tiny")
+    ids = _ids(model)
+    g = torch.Generator().manual_seed(3)
+    w = torch.rand(ids.shape, generator=g, dtype=torch.float64)
+    adv = torch.randn(ids.shape, generator=g, dtype=torch.float64)
+    lp0, _ = _reference(model, ids)
+    old = lp0 + 0.3 * torch.randn(ids.shape, generator=g, dtype=torch.float64)  # ratios well outside the clip
+    clip = (0.2, 0.28)
+    # reference: materialized logits, autograd, in float64
+    logits = model(ids).logits / 1.0
+    logp_all = logits.log_softmax(-1)
+    lp = torch.nn.functional.pad(logp_all[:, :-1].gather(-1, ids[:, 1:, None])[..., 0], (1, 0))
+    ent = torch.nn.functional.pad(-(logp_all.exp() * logp_all).sum(-1)[:, :-1], (1, 0))
+    wt = w.clone()
+    wt[:, 0] = 0
+    ref_loss = _policy_reference(lp, wt, adv, old, loss, clip, ent, 0.01)
+    ref_loss.backward()
+    want = _grads(model)
+    model.zero_grad()
+    out = Runtime(model).forward_backward(Batch(ids, weights=w, advantages=adv, sampler_logprobs=old), loss,
+                                          clip=clip, entropy_coef=0.01)
+    assert out["loss"] == pytest.approx(ref_loss.item(), rel=1e-10)
+    if loss == "ppo":
+        assert 0 < out["clip_fraction"] < 1
+    for k, gr in _grads(model).items():
+        torch.testing.assert_close(gr, want[k], rtol=1e-8, atol=1e-12, msg=k)
+
+
+def test_forward_keeps_no_graph_and_no_router_counts():
+    model = _model("deepseek-v3-tiny")
+    rt = Runtime(model)
+    out = rt.forward(Batch(_ids(model)))
+    assert not out.logprobs.requires_grad and not _grads(model)
+    from bumblebee.models import moe
+    assert all(r.tokens_per_expert is None for r in moe.routers(model).values())
+
+
+def test_bad_input():
+    model = _model("qwen3-tiny")
+    rt, ids = Runtime(model), _ids(model)
+    with pytest.raises(ValueError, match="batch.advantages"):
+        rt.forward_backward(Batch(ids, sampler_logprobs=torch.zeros(ids.shape, dtype=torch.float64)), "ppo")
+    with pytest.raises(ValueError, match=r"batch.weights must be a \[B, T\]"):
+        rt.forward(Batch(ids, weights=torch.ones(B, T + 1)))
+    with pytest.raises(ValueError, match="loss_mask must be bool"):
+        rt.forward(Batch(ids, loss_mask=torch.ones(B, T)))
+    with pytest.raises(ValueError, match="loss must be one of"):
+        rt.forward_backward(Batch(ids), "dpo")
+    with pytest.raises(ValueError, match="needs a state"):
+        rt.optim_step()
+    with pytest.raises(ValueError, match="temperature"):
+        rt.forward(Batch(ids), temperature=0.0)
+
+
+# ---- two gloo ranks under a sharded state ------------------------------------------------------------
+
+STEPS, LR = 3, 1e-2
+
+
+def _batch(model, step):
+    ids = _ids(model, seed=10 + step, b=4)
+    g = torch.Generator().manual_seed(20 + step)
+    adv = torch.randn(ids.shape, generator=g)
+    return ids, adv
+
+
+def runtime_runs(mesh, out: Path):
+    """DeepSeek-V3 (aux-free routers) on two ranks, each with half of every batch: global-mean IS loss
+    (weights = 1 / global token count), optimizer steps, checkpoint, resume, export."""
+    from bumblebee.models import moe
+    n, r = mesh.size(), mesh.get_local_rank()
+
+    def make(seed):
+        model = models.build("deepseek-v3-tiny", seed=seed)
+        state = registry.resolve("state_sharding", "fsdp2")(model, mesh, lr=LR, mixed_precision="fp32", grad_clip=None)
+        return Runtime(model, state, router_bias_rate=0.05)
+
+    def step(rt, i):
+        ids, adv = _batch(rt.model, i)
+        half = slice(r * 4 // n, (r + 1) * 4 // n)
+        w = torch.full(ids[half].shape, 1.0 / (ids.shape[0] * (ids.shape[1] - 1)))
+        old = rt.forward(Batch(ids[half])).logprobs
+        rt.forward_backward(Batch(ids[half], weights=w, advantages=adv[half], sampler_logprobs=old),
+                            "importance_sampling")
+        return rt.optim_step()
+
+    rt = make(0)
+    res = {"steps": [step(rt, i) for i in range(STEPS)]}
+    rt.save_state(out / "rt-ckpt")
+    rt.save_weights(out / "rt-hf")
+    res["continued"] = step(rt, STEPS)
+    resumed = make(9)
+    resumed.load_state(out / "rt-ckpt")
+    res["resumed"] = step(resumed, STEPS)
+    res["biases"] = {k: v.clone() for k, v in rt.model.named_buffers() if k.endswith("e_score_correction_bias")}
+    res["has_routers"] = bool(moe.routers(rt.model))
+    return res
+
+
+@pytest.fixture(scope="module")
+def two(tmp_path_factory):
+    out = tmp_path_factory.mktemp("runtime")
+    return spawn(2, "runtime_runs", out, module=__name__), out
+
+
+def test_two_ranks_follow_one_process(two):
+    runs, _ = two
+    model = models.build("deepseek-v3-tiny", seed=0)  # one process, whole batches, plain AdamW, no sharding
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+    rt = Runtime(model, router_bias_rate=0.05)
+    from bumblebee.models import moe
+    for i in range(STEPS):
+        ids, adv = _batch(model, i)
+        w = torch.full(ids.shape, 1.0 / (ids.shape[0] * (ids.shape[1] - 1)))
+        old = rt.forward(Batch(ids)).logprobs
+        rt.forward_backward(Batch(ids, weights=w, advantages=adv, sampler_logprobs=old), "importance_sampling")
+        norm = torch.sqrt(sum(p.grad.double().pow(2).sum() for p in model.parameters() if p.grad is not None))
+        for rank in runs:
+            assert rank["steps"][i]["applied"]
+            assert rank["steps"][i]["grad_norm"] == pytest.approx(norm.item(), rel=1e-4), i
+        opt.step()
+        opt.zero_grad()
+        moe.update_router_bias(model, rate=0.05)
+    for k, v in runs[0]["biases"].items():  # the runtime skips MTP depths: their routers see no tokens
+        assert (v.abs().max() > 0) == (not k.startswith("mtp.")), k
+
+
+def test_resume_and_export(two):
+    runs, out = two
+    for rank in runs:
+        assert rank["resumed"]["grad_norm"] == rank["continued"]["grad_norm"]
+    loaded = models.from_pretrained(out / "rt-hf")
+    assert any(k.endswith("e_score_correction_bias") for k in loaded.state_dict())
