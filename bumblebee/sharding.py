@@ -230,7 +230,6 @@ class TrainState:
                 if tuple(src.shape) != tuple(dst.shape):
                     raise ValueError(f"{k}: given shape {tuple(src.shape)}, this state has {tuple(dst.shape)}")
                 if part == "buffers":
-                    src = src.to_local() if isinstance(src, DTensor) else src
                     if src.data_ptr() != dst.data_ptr():
                         dst.copy_(src)
                     continue

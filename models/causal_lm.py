@@ -10,13 +10,12 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from bumblebee import packing
 from bumblebee import recompute as recompute_phase
 from bumblebee.checks import check_cu_seqlens, check_token_ids
-from bumblebee.models.components import CausalLMOutput, causal_lm_loss
+from bumblebee.models.components import CausalLMOutput, causal_lm_loss, next_token_labels
 from bumblebee.models.hf_io import HFCheckpointMixin
 from bumblebee.models.moe import MoECausalLMOutput, load_balancing_loss
 from bumblebee.registry import check_impl, resolve
@@ -188,8 +187,8 @@ class CausalLM(HFCheckpointMixin, nn.Module):
         """Loss through the `cross_entropy` slot; logits only when labels is None or asked for."""
         out = CausalLMOutput() if out is None else out
         if labels is not None and self.head_fn is not None:
-            shifted = F.pad(labels, (0, 1), value=-100)[:, 1:]
-            out.loss = self.head_fn(hidden.reshape(-1, hidden.shape[-1]), self.lm_head.weight, shifted.reshape(-1))
+            out.loss = self.head_fn(hidden.reshape(-1, hidden.shape[-1]), self.lm_head.weight,
+                                    next_token_labels(labels).reshape(-1))
         elif labels is not None:
             out.loss = causal_lm_loss(self.loss_fn, hidden, self.lm_head.weight, labels)
         if labels is None or return_logits:

@@ -146,8 +146,13 @@ class CausalLMOutput:
     logits: torch.Tensor | None = None
 
 
+def next_token_labels(labels_BT, ignore_index=-100):
+    """Labels shifted left: row t's target is token t + 1 (ignore_index after each row's end)."""
+    return F.pad(labels_BT, (0, 1), value=ignore_index)[:, 1:]
+
+
 def causal_lm_loss(loss_fn, hidden_BTD, weight_VD, labels_BT, ignore_index=-100):
     """Next-token loss as transformers computes it: labels shifted left inside, mean over valid."""
-    shifted = F.pad(labels_BT, (0, 1), value=ignore_index)[:, 1:]
+    shifted = next_token_labels(labels_BT, ignore_index)
     return loss_fn(hidden_BTD.reshape(-1, hidden_BTD.shape[-1]), weight_VD, shifted.reshape(-1),
                    ignore_index=ignore_index, reduction="mean")

@@ -35,8 +35,8 @@ def policy_loss(name, logprobs, weights, *, advantages=None, sampler_logprobs=No
         if name == "ppo":
             lo, hi = clip
             clipped = -torch.clamp(ratio, 1 - lo, 1 + hi) * adv
+            metrics["clip_fraction"] = float(((clipped > term) & (w != 0)).sum() / tokens.clamp_min(1))
             term = torch.maximum(term, clipped)  # -min(a, b) = max(-a, -b)
-            metrics["clip_fraction"] = float(((clipped > -ratio * adv) & (w != 0)).sum() / tokens.clamp_min(1))
         with torch.no_grad():  # k1 estimate of KL(sampler || policy) over trained tokens
             metrics["sampler_kl"] = float((-(log_ratio) * (w != 0)).sum() / tokens.clamp_min(1))
             metrics["ratio_max"] = float(torch.where(w != 0, ratio, 0).max()) if int(tokens) else 1.0

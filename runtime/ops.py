@@ -146,8 +146,8 @@ class Runtime:
         state.zero_grad()
         out = {"applied": applied, "grad_norm": norm, "zero_grads": zeros, "step": state.steps}
         if any(r.scoring == "sigmoid" for r in moe.routers(self.model).values()):
-            loads = moe.update_router_bias(self.model, rate=self.router_bias_rate, group=state.group)
-            out["router_max_over_mean"] = max(float(v.max() / v.float().mean().clamp_min(1e-20)) for v in loads.values())
+            moe.update_router_bias(self.model, rate=self.router_bias_rate, group=state.group)
+            out["router_max_over_mean"] = max(s["max_over_mean"] for s in moe.router_load_stats(self.model).values())
         return out
 
     def save_state(self, path) -> None:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from bumblebee import models, registry
 from bumblebee.runtime import Batch, Runtime
@@ -25,14 +26,11 @@ def _ids(model, seed=0, b=B, t=T):
 
 
 def _reference(model, ids, temperature=1.0):
-    """Token-aligned log-probs and entropies [B, T] from the full logits (0 at each first token)."""
-    with torch.no_grad():
-        logits = model(ids).logits.double() / temperature
-    logp_all = logits.log_softmax(-1)
-    lp = torch.zeros(ids.shape, dtype=torch.float64)
-    lp[:, 1:] = logp_all[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]
-    ent = torch.zeros(ids.shape, dtype=torch.float64)
-    ent[:, 1:] = -(logp_all.exp() * logp_all).sum(-1)[:, :-1]
+    """Token-aligned log-probs and entropies [B, T] from the full logits (0 at each first token),
+    differentiable when grad is enabled."""
+    logp_all = (model(ids).logits.double() / temperature).log_softmax(-1)
+    lp = F.pad(logp_all[:, :-1].gather(-1, ids[:, 1:, None])[..., 0], (1, 0))
+    ent = F.pad(-(logp_all.exp() * logp_all).sum(-1)[:, :-1], (1, 0))
     return lp, ent
 
 
@@ -43,7 +41,8 @@ def test_logprobs_and_entropy_match_logits(name, ce):
     ids = _ids(model)
     mask = torch.rand(ids.shape, generator=torch.Generator().manual_seed(1)) < 0.7
     out = Runtime(model).forward(Batch(ids, loss_mask=mask), temperature=0.7, entropy=True)
-    lp, ent = _reference(model, ids, temperature=0.7)
+    with torch.no_grad():
+        lp, ent = _reference(model, ids, temperature=0.7)
     trained = mask.clone()
     trained[:, 0] = False
     assert torch.equal(out.trained, trained)
@@ -97,14 +96,11 @@ def test_policy_gradient_losses_against_logits(loss):
     g = torch.Generator().manual_seed(3)
     w = torch.rand(ids.shape, generator=g, dtype=torch.float64)
     adv = torch.randn(ids.shape, generator=g, dtype=torch.float64)
-    lp0, _ = _reference(model, ids)
+    with torch.no_grad():
+        lp0, _ = _reference(model, ids)
     old = lp0 + 0.3 * torch.randn(ids.shape, generator=g, dtype=torch.float64)  # ratios well outside the clip
     clip = (0.2, 0.28)
-    # reference: materialized logits, autograd, in float64
-    logits = model(ids).logits / 1.0
-    logp_all = logits.log_softmax(-1)
-    lp = torch.nn.functional.pad(logp_all[:, :-1].gather(-1, ids[:, 1:, None])[..., 0], (1, 0))
-    ent = torch.nn.functional.pad(-(logp_all.exp() * logp_all).sum(-1)[:, :-1], (1, 0))
+    lp, ent = _reference(model, ids)  # materialized logits, autograd, in float64
     wt = w.clone()
     wt[:, 0] = 0
     ref_loss = _policy_reference(lp, wt, adv, old, loss, clip, ent, 0.01)
