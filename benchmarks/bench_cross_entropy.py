@@ -5,8 +5,10 @@
 
 One case per (implementation, shape), grouped by shape. Shapes: A (N 16384, H 4096, V 151936),
 B (N 16384, H 2048, V 248320) and a token sweep 4K..64K at H 2048, V 248320. Implementations:
-linear_ce (the primitive), linear_ce_fwdgrad (its 6NHV gradients-in-forward variant), the
-materialized twin, Liger's fused linear CE, Cut Cross-Entropy, and a torch.compile'd 8-chunk loss
+linear_ce (the primitive's default: the 6NHV path when its workspace fits the budget), linear_ce_lean
+(the 8NHV vocabulary-chunk path forced), linear_ce_fwdgrad (the 6NHV gradients-in-forward path
+forced), the materialized twin, Liger's fused linear CE, Cut Cross-Entropy with its gradient
+filtering (cce) and without it (cce_exact: the exact peer), and a torch.compile'd 8-chunk loss
 (each chunk checkpointed). Memory: peak allocated during the step minus the memory held before it
 (inputs) minus the gradients every implementation must return (dH, dW in bf16): the workspace.
 The floor is 6NHV FLOPs at the bf16 matmul rate measured in the same process (8192^3);
@@ -29,8 +31,9 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 SHAPES = {"A": (16384, 4096, 151936), "B": (16384, 2048, 248320)}
 SWEEP = {f"sweep-{n // 1024}K": (n, 2048, 248320) for n in (4096, 8192, 32768, 65536)}
-SWEEP_IMPLS = ("linear_ce", "linear_ce_fwdgrad", "materialized_ce", "liger", "cce")  # B is the 16K point of the sweep
-IMPLS = ("linear_ce", "linear_ce_fwdgrad", "materialized_ce", "liger", "cce", "compiled_chunks")
+SWEEP_IMPLS = ("linear_ce", "linear_ce_lean", "linear_ce_fwdgrad", "materialized_ce", "liger", "cce")  # B is the 16K point of the sweep
+IMPLS = ("linear_ce", "linear_ce_lean", "linear_ce_fwdgrad", "materialized_ce", "liger", "cce", "cce_exact",
+         "compiled_chunks")
 OUT = Path(os.environ.get("BENCH_OUT", Path(__file__).parent / "results"))
 GiB = 1024 ** 3
 RESULTS: dict = {"cases": []}
@@ -52,15 +55,16 @@ def _compiled_chunks():
 
 
 def _impl(name):
-    if name in ("linear_ce", "linear_ce_fwdgrad"):
+    if name in ("linear_ce", "linear_ce_lean", "linear_ce_fwdgrad"):
         from bumblebee.primitives import cross_entropy as lce
+        path = {"linear_ce": "auto", "linear_ce_lean": False, "linear_ce_fwdgrad": True}[name]
 
         def f(h, w, y):
-            lce.GRAD_IN_FORWARD = name == "linear_ce_fwdgrad"
+            saved, lce.GRAD_IN_FORWARD = lce.GRAD_IN_FORWARD, path
             try:
                 return lce.linear_cross_entropy(h, w, y)
             finally:
-                lce.GRAD_IN_FORWARD = False
+                lce.GRAD_IN_FORWARD = saved
         return f
     if name == "materialized_ce":
         from bumblebee.baselines.cross_entropy import materialized_cross_entropy
@@ -68,9 +72,10 @@ def _impl(name):
     if name == "liger":
         from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
         return lambda h, w, y: liger_fused_linear_cross_entropy(h, w, y)
-    if name == "cce":
+    if name in ("cce", "cce_exact"):  # Cut CE with its gradient filtering (default), and without it
         from cut_cross_entropy import linear_cross_entropy
-        return lambda h, w, y: linear_cross_entropy(h, w, y)
+        eps = {} if name == "cce" else {"filter_eps": None}
+        return lambda h, w, y: linear_cross_entropy(h, w, y, **eps)
     if name == "compiled_chunks":
         return _compiled_chunks()
     raise ValueError(name)

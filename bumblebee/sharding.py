@@ -163,10 +163,13 @@ class TrainState:
 
     # ---- shared ---------------------------------------------------------------------------------
     def _make_optimizer(self, params: list[torch.Tensor]) -> torch.optim.Optimizer:
-        opt = torch.optim.AdamW(params, **self.hp)
+        # fused on CUDA: one kernel per group of tensors instead of foreach's several passes over
+        # params and moments (the same AdamW update; its step counters live on the device)
+        fused = bool(params) and all(p.is_cuda for p in params)
+        opt = torch.optim.AdamW(params, **self.hp, fused=fused)
         for p in params:  # states exist from the start, so state_dict()/load work before step 1
-            opt.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
-                            "exp_avg_sq": torch.zeros_like(p)}
+            step = torch.zeros((), dtype=torch.float32, device=p.device if fused else "cpu")
+            opt.state[p] = {"step": step, "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
         return opt
 
     def _as_dtensor(self, name: str, t: torch.Tensor) -> DTensor:
@@ -187,9 +190,10 @@ class TrainState:
         grads = self.reduced_grad_shards()
         dev = grads[0].device if grads else torch.device("cpu")
         acc = torch.zeros(2, dtype=torch.float64, device=dev)
-        for g in grads:
-            acc[0] += g.float().pow(2).sum().double()
-            acc[1] += (g == 0).sum().double()
+        local = [g for g in grads if g.numel()]
+        if local:  # one multi-tensor pass for the norms instead of a square, a sum and a cast per tensor
+            acc[0] = torch.stack(torch._foreach_norm(local)).double().square().sum()
+            acc[1] = sum((g == 0).sum() for g in local).double()
         dist.all_reduce(acc, group=self.group)
         norm, zeros = math.sqrt(acc[0].item()), int(acc[1].item())
         if not math.isfinite(norm):
@@ -197,8 +201,7 @@ class TrainState:
         if self.grad_clip is not None:
             coef = self.grad_clip / (norm + 1e-6)  # torch.nn.utils.clip_grad_norm_'s formula
             if coef < 1.0:
-                for g in grads:
-                    g.mul_(coef)
+                torch._foreach_mul_(grads, coef)
         self.optimizer.step()
         self.after_update()
         self.steps += 1

@@ -17,16 +17,14 @@ per-sequence calls.
 from __future__ import annotations
 
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from bumblebee import packing, switches
 from bumblebee.checks import check_attention_inputs
 from bumblebee.kernels import flash_attention4 as _fa4
+from bumblebee.kernels import sdpa_cudnn_first as _sdpa_cudnn
 from bumblebee.kernels import varlen_attention as _varlen
 from bumblebee.registry import register
 
-_CUDA_ORDER = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
-               SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 FA4 = switches.from_env("BUMBLEBEE_ATTENTION_FA4")  # "on" (default) or "off", read at import
 FA4_MAX_HEAD_DIM = 128
 VARLEN = switches.from_env("BUMBLEBEE_ATTENTION_VARLEN")  # packed batches without FA4: one varlen launch
@@ -69,8 +67,4 @@ def _packed_call(kernel, q, k, v, scale, cu_seqlens, spans):
 
 
 def _sdpa(q, k, v, scale):
-    gqa = k.shape[1] != q.shape[1]
-    if q.is_cuda:
-        with sdpa_kernel(_CUDA_ORDER, set_priority=True):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+    return _sdpa_cudnn.causal_sdpa(q, k, v, scale, enable_gqa=k.shape[1] != q.shape[1])

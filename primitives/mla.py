@@ -35,7 +35,6 @@ import functools
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from bumblebee import packing, recompute, switches
@@ -44,10 +43,9 @@ from bumblebee.kernels import mla_rope as _fused_rope
 from bumblebee.mla_projections import MLAProjections
 from bumblebee.registry import register
 from bumblebee.kernels import flash_attention4 as _fa4
+from bumblebee.kernels import sdpa_cudnn_first as _sdpa_cudnn
 from bumblebee.kernels import varlen_attention as _varlen
 
-_CUDA_ORDER = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
-               SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 VARLEN = switches.from_env("BUMBLEBEE_MLA_VARLEN")  # packed batches without FA4: one varlen launch
@@ -104,11 +102,7 @@ def sdpa_causal(q_BhTd, k_BhTd, v_BhTe, scale, pad_v=False):
     e = v_BhTe.shape[-1]
     if pad_v and e < q_BhTd.shape[-1]:
         v_BhTe = F.pad(v_BhTe, (0, q_BhTd.shape[-1] - e))
-    if q_BhTd.is_cuda:
-        with sdpa_kernel(_CUDA_ORDER, set_priority=True):
-            o = F.scaled_dot_product_attention(q_BhTd, k_BhTd, v_BhTe, is_causal=True, scale=scale)
-    else:
-        o = F.scaled_dot_product_attention(q_BhTd, k_BhTd, v_BhTe, is_causal=True, scale=scale)
+    o = _sdpa_cudnn.causal_sdpa(q_BhTd, k_BhTd, v_BhTe, scale)
     return o[..., :e] if o.shape[-1] != e else o
 
 

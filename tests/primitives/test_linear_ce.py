@@ -78,6 +78,7 @@ def assert_close(got, ref, base=None, k=4.0, floor=1e-6):
 @pytest.fixture(params=[None, 13], ids=["auto_chunk", "chunk13"])
 def chunk(request, monkeypatch):
     monkeypatch.setattr(lce, "CHUNK_COLUMNS", request.param)
+    monkeypatch.setattr(lce, "GRAD_IN_FORWARD", False)  # the lean path (vocabulary chunks)
     return request.param
 
 
@@ -120,6 +121,26 @@ def test_grad_in_forward_variant(opts, pattern, monkeypatch):
         assert all(torch.isfinite(x).all() and x.abs().max() == 0 for x in got)
     else:
         assert_close(got, ref, floor=1e-5)
+
+
+@pytest.mark.parametrize("budget", ["fits", "too_small"])
+def test_auto_path_follows_the_workspace_budget(budget, monkeypatch):
+    """The default takes the 6NHV variant when its workspace fits the budget, the lean path otherwise;
+    either way the same function."""
+    hidden, weight, labels, g = make()
+    need = lce.grad_in_forward_workspace_bytes(hidden.shape[0], weight.shape[0], hidden.shape[1])
+    monkeypatch.setattr(lce, "GRAD_IN_FORWARD_BUDGET_BYTES", need if budget == "fits" else need - 1)
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    assert lce._grad_in_forward(h, w, "mean", False) == (budget == "fits")
+    assert not lce._grad_in_forward(h, w, "none", False) and not lce._grad_in_forward(h, w, "mean", True)
+    with torch.no_grad():
+        assert not lce._grad_in_forward(h, w, "mean", False)
+    assert not lce._grad_in_forward(hidden, weight, "mean", False)  # nothing needs a gradient
+    seed = int(torch.randint(0, 2**30, (), generator=g))
+    ref = run(reference, hidden.double(), weight.double(), labels, torch.Generator().manual_seed(seed))
+    got = run(linear_cross_entropy, hidden, weight, labels, torch.Generator().manual_seed(seed))
+    base = run(materialized_cross_entropy, hidden, weight, labels, torch.Generator().manual_seed(seed))
+    assert_close(got, ref, base, k=8.0, floor=1e-5)
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
