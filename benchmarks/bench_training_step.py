@@ -111,7 +111,7 @@ def profile_step(stack, ids) -> dict:
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ids.is_cuda else [])
     torch.cuda.synchronize() if ids.is_cuda else None
     t0 = time.perf_counter()
-    with profile(activities=acts) as prof:
+    with profile(activities=acts, record_shapes=True) as prof:
         stack.step(ids)
         torch.cuda.synchronize() if ids.is_cuda else None
     wall = (time.perf_counter() - t0) * 1e3
@@ -129,10 +129,16 @@ def profile_step(stack, ids) -> dict:
         c = classify(name)
         cats[c] = cats.get(c, 0.0) + ms
     top = sorted(kernels.items(), key=lambda kv: -kv[1])[:40]
+    ops = []  # the operators behind the kernel time, with their input shapes
+    for e in prof.key_averages(group_by_input_shape=True):
+        ms = getattr(e, "self_device_time_total", 0) / 1e3
+        if ms > 0 and getattr(e, "device_type", None) == torch.autograd.DeviceType.CPU:
+            ops.append({"op": e.key, "shapes": str(e.input_shapes)[:200], "ms": ms, "count": e.count})
+    ops.sort(key=lambda o: -o["ms"])
     return {"wall_ms": wall, "kernel_ms_total": sum(kernels.values()),
             "categories_ms": dict(sorted(cats.items(), key=lambda kv: -kv[1])),
             "top_kernels": [{"name": n[:160], "ms": ms, "category": classify(n)} for n, ms in top],
-            "attention_ops": attention_ops}
+            "attention_ops": attention_ops, "top_ops": ops[:60]}
 
 
 def batch(i: int, seq_len: int, vocab: int, device) -> torch.Tensor:
@@ -178,15 +184,20 @@ def worker(args) -> None:
         if not cpu:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
-        losses, norms, times, static = [], [], [], 0
+        losses, norms, times, static, phases = [], [], [], 0, []
         for i in range(args.warmup + args.steps):
             ids = batch(i, args.seq_len, hf["vocab_size"], device)
             dist.barrier()
             torch.cuda.synchronize() if not cpu else None
             t0 = time.perf_counter()
-            loss, norm = stack.step(ids)
+            loss = stack.forward_backward(ids)
+            if i < 2 and not cpu:  # where the peak falls: forward + backward, or the optimizer step
+                phases.append({"step": i, "fwd_bwd_peak": torch.cuda.max_memory_allocated()})
+            norm = stack.optimizer_step()
             torch.cuda.synchronize() if not cpu else None
             dt = (time.perf_counter() - t0) * 1e3
+            if i < 2 and not cpu:
+                phases[-1]["step_peak"] = torch.cuda.max_memory_allocated()
             if i == 0 and not cpu:
                 static = torch.cuda.memory_allocated()
             losses.append(loss)
@@ -205,7 +216,7 @@ def worker(args) -> None:
                     "model_flops_per_token": flops,
                     "static_bytes": static, "peak_bytes": peak,
                     "reserved_bytes": torch.cuda.max_memory_reserved() if not cpu else 0,
-                    "losses": losses, "grad_norms": norms})
+                    "losses": losses, "grad_norms": norms, "peak_by_phase": phases})
         if args.profile:
             row["profile"] = profile_step(stack, batch(args.warmup + args.steps, args.seq_len, hf["vocab_size"], device))
         row["sdpa_backend_after"] = sdpa_backend_now(device)

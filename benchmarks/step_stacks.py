@@ -13,8 +13,9 @@ optimizer step and returns (loss, grad norm before clipping).
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
-import torch.distributed as dist
 
 HP = dict(lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 GRAD_CLIP = 1.0
@@ -26,8 +27,16 @@ class Stack:
     name = "?"
     config: dict = {}
 
-    def step(self, ids: torch.Tensor) -> tuple[float, float]:
+    def forward_backward(self, ids: torch.Tensor) -> float:
         raise NotImplementedError
+
+    def optimizer_step(self) -> float:
+        """Clip, step, zero the gradients; the grad norm before clipping."""
+        raise NotImplementedError
+
+    def step(self, ids: torch.Tensor) -> tuple[float, float]:
+        loss = self.forward_backward(ids)
+        return loss, self.optimizer_step()
 
 
 class Bumblebee(Stack):
@@ -52,12 +61,15 @@ class Bumblebee(Stack):
         self.config = {"impl": _slots(model),
                        "ep": ep, "state_sharding": "fsdp2", "recompute": "full"}
 
-    def step(self, ids):
+    def forward_backward(self, ids):
         loss = self.state.model(ids, labels=ids).loss
         loss.backward()
+        return float(loss.detach())
+
+    def optimizer_step(self):
         ok, norm, _ = self.state.step()
         self.state.zero_grad()
-        return float(loss.detach()), norm
+        return norm
 
 
 def _slots(model) -> dict:
@@ -83,8 +95,7 @@ class TransformersLiger(Stack):
             version = getattr(liger_kernel, "__version__", None)
         else:
             self.name, version = "transformers", None
-        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
-        model.to(device)
+        model = _transformers_model(path, device, attn_implementation="sdpa")
         model.config.use_cache = False
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         bf16 = mixed_precision == "bf16"
@@ -99,14 +110,17 @@ class TransformersLiger(Stack):
                        "attn_implementation": "sdpa", "gradient_checkpointing": "non-reentrant",
                        "fsdp2": "fully_shard per decoder layer + root", "optimizer": "torch AdamW (default foreach)"}
 
-    def step(self, ids):
+    def forward_backward(self, ids):
         loss = self.model(input_ids=ids, labels=ids).loss
         loss.backward()
+        return float(loss.detach())
+
+    def optimizer_step(self):
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), GRAD_CLIP)
         norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return float(loss.detach()), float(norm)
+        return float(norm)
 
 
 def build(stack: str, path, device, mesh, *, ep: int = 1, mixed_precision="bf16") -> Stack:
@@ -121,14 +135,33 @@ def build(stack: str, path, device, mesh, *, ep: int = 1, mixed_precision="bf16"
     raise ValueError(f"unknown stack {stack!r}; accepted: bumblebee, transformers+liger, transformers")
 
 
-def make_init_checkpoint(hf_config: dict, path, device, seed: int = 0) -> None:
-    """transformers' own model and init, saved with its save_pretrained: both stacks load this folder."""
+def _transformers_model(path, device, **kw):
+    """transformers' model built on `device` from the folder's config, its weights loaded from the
+    folder's `model.safetensors` (transformers' own in-memory state dict: no per-expert conversion)."""
     import transformers
+    from safetensors.torch import load_file
+    cfg = transformers.AutoConfig.from_pretrained(path, **kw)
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    state = load_file(str(Path(path) / "model.safetensors"), device=str(device))
+    model.load_state_dict(state, strict=not getattr(cfg, "tie_word_embeddings", False))
+    del state
+    return model
+
+
+def make_init_checkpoint(hf_config: dict, path, device, seed: int = 0) -> None:
+    """transformers' own model and init (seed 0); its state dict as `model.safetensors` beside its
+    config.json: both stacks load this folder (ours reads transformers' fused expert names directly)."""
+    import transformers
+    from safetensors.torch import save_file
     cfg = transformers.AutoConfig.for_model(**{k: v for k, v in hf_config.items() if k != "architectures"})
     torch.manual_seed(seed)
     with torch.device(device):
         model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    model.save_pretrained(path)
-    del model
-    if dist.is_initialized():
-        dist.barrier()
+    Path(path).mkdir(parents=True, exist_ok=True)
+    cfg.save_pretrained(path)
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if getattr(cfg, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)
+    save_file(state, str(Path(path) / "model.safetensors"))
+    del model, state
