@@ -11,7 +11,7 @@ from bumblebee.distributed import all_reduce_max, copy_to_group, reduce_from_gro
 from bumblebee.registry import register
 
 
-@register("cross_entropy", "materialized_ce", kind="baseline", twin="linear_ce", default=True)
+@register("cross_entropy", "materialized_ce", kind="baseline", twin="linear_ce")
 def materialized_cross_entropy(hidden, weight, labels, *, ignore_index=-100, reduction="mean",
                                label_smoothing=0.0, z_loss_scale=0.0, temperature=1.0,
                                return_entropy=False, process_group=None):

@@ -43,7 +43,7 @@ def _check_shapes(x_ND, weights_NK, indices_NK):
     return None
 
 
-@register("moe_dispatch", "local", kind="baseline", default=True)
+@register("moe_dispatch", "local", kind="baseline")
 def local_dispatch(x_ND, weights_NK, indices_NK, experts, num_experts, *, chunks=None):
     """Permute tokens by expert on one rank, grouped expert call, weighted un-permute."""
     group = getattr(experts, "ep_group", None)

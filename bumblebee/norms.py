@@ -10,6 +10,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from bumblebee.fused import fused
+
 
 def to_acc(x):
     return x.to(torch.promote_types(x.dtype, torch.float32))
@@ -22,10 +24,15 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x):
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return rms_norm(x, self.weight, self.eps)
+
+
+@fused
+def rms_norm(x, weight, eps: float):
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
 
 
 class GatedRMSNorm(nn.Module):

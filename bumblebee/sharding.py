@@ -190,10 +190,9 @@ class TrainState:
         grads = self.reduced_grad_shards()
         dev = grads[0].device if grads else torch.device("cpu")
         acc = torch.zeros(2, dtype=torch.float64, device=dev)
-        local = [g for g in grads if g.numel()]
-        if local:  # one multi-tensor pass for the norms instead of a square, a sum and a cast per tensor
-            acc[0] = torch.stack(torch._foreach_norm(local)).double().square().sum()
-            acc[1] = sum((g == 0).sum() for g in local).double()
+        for g in grads:  # per tensor, in the twins' common order: both twins round alike
+            acc[0] += g.float().pow(2).sum().double()
+            acc[1] += (g == 0).sum().double()
         dist.all_reduce(acc, group=self.group)
         norm, zeros = math.sqrt(acc[0].item()), int(acc[1].item())
         if not math.isfinite(norm):

@@ -12,6 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from bumblebee.fused import fused
 from bumblebee.norms import RMSNorm
 from bumblebee.registry import resolve
 
@@ -88,6 +89,7 @@ def rotate_half(x):
     return torch.cat((-x2, x1), dim=-1)
 
 
+@fused
 def apply_rope(x_BHTD, cos_BTD, sin_BTD):
     cos, sin = cos_BTD[:, None], sin_BTD[:, None]
     return x_BHTD * cos + rotate_half(x_BHTD) * sin

@@ -248,7 +248,7 @@ def _grad_in_forward(hidden, weight, reduction, return_entropy) -> bool:
     return bool(GRAD_IN_FORWARD)
 
 
-@register("cross_entropy", "linear_ce", kind="primitive", twin="materialized_ce")
+@register("cross_entropy", "linear_ce", kind="primitive", twin="materialized_ce", default=True)
 def linear_cross_entropy(hidden, weight, labels, *, ignore_index=-100, reduction="mean",
                          label_smoothing=0.0, z_loss_scale=0.0, temperature=1.0,
                          return_entropy=False, process_group=None):

@@ -419,7 +419,7 @@ class _ChunkedEP(torch.autograd.Function):
         return gx_ND, gw_NK, dw1, dw2, None, None, None, None, None, None
 
 
-@register("moe_dispatch", "chunked", kind="primitive", twin="all_to_all")
+@register("moe_dispatch", "chunked", kind="primitive", twin="all_to_all", default=True)
 def chunked_dispatch(x_ND, weights_NK, indices_NK, experts, num_experts, *, chunks=None):
     """Expert parallel over experts.ep_group in C chunks: all_to_all overlapped with expert GEMMs."""
     if not (hasattr(experts, "gate_up_proj") and hasattr(experts, "down_proj")):

@@ -101,7 +101,13 @@ def spawn(world: int, scenario: str, out_dir: Path, module: str = __name__, back
 def _apply(variant, *, seed=0, config=None, mixed_precision="fp32", **kw):
     impl, recompute, raf, model_name = VARIANTS[variant]
     mesh = kw.pop("mesh")
-    model = models.build(config or MODELS[model_name], seed=seed, device=mesh.device_type).set_recompute(recompute)
+    # one-rank dispatch: the variants differ in recompute, and the chunked dispatch's fused recompute
+    # rounds in another order than its plain forward (the twins' bitwise agreement below needs one order)
+    hf = config or MODELS[model_name]
+    hf = models.NAMED[hf] if isinstance(hf, str) else hf
+    dispatch = {"moe_dispatch": "local"} if hf.get("num_experts") else None
+    model = models.build(config or MODELS[model_name], impl=dispatch, seed=seed,
+                         device=mesh.device_type).set_recompute(recompute)
     fn = registry.resolve("state_sharding", impl)
     return fn(model, mesh, mixed_precision=mixed_precision, grad_clip=CLIP, reshard_after_forward=raf, **HP, **kw)
 

@@ -1,0 +1,52 @@
+"""RMSNorm and RoPE: compiled on CUDA (bumblebee/fused.py), eager elsewhere; the compiled chains are
+checked against float64 with the eager ops' own bf16 error as the yardstick."""
+import pytest
+import torch
+
+from bumblebee.models.components import apply_rope
+from bumblebee.norms import rms_norm
+
+
+def _rel(x, ref):
+    return float((x.double() - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def _cases(device, dtype):
+    g = torch.Generator(device=device).manual_seed(int(torch.randint(0, 2**30, ())))
+    x = torch.randn(2, 5, 301, 128, device=device, generator=g).to(dtype)  # [B, H, T, D]
+    w = (1 + 0.1 * torch.randn(128, device=device, generator=g)).to(dtype)
+    pos = torch.arange(301, device=device)[None].expand(2, -1).float()
+    inv = 1.0 / (1e6 ** (torch.arange(0, 128, 2, device=device).float() / 128))
+    emb = torch.cat([pos[..., None] * inv] * 2, -1)
+    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+    return x, w, cos, sin
+
+
+def _grads(fn, *args):
+    args = [a.detach().clone().requires_grad_(a.is_floating_point()) for a in args]
+    out = fn(*args)
+    g = torch.Generator(device=out.device).manual_seed(7)
+    out.backward(torch.randn(out.shape, device=out.device, generator=g).to(out.dtype))
+    return [out] + [a.grad for a in args if a.grad is not None]
+
+
+def test_cpu_runs_the_eager_ops():
+    x, w, cos, sin = _cases("cpu", torch.float32)
+    assert torch.equal(rms_norm(x, w, 1e-6), rms_norm.eager(x, w, 1e-6))
+    assert torch.equal(apply_rope(x, cos, sin), apply_rope.eager(x, cos, sin))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("which", ["rms_norm", "rope"])
+def test_compiled_chain_within_eager_error(which):
+    x, w, cos, sin = _cases("cuda", torch.bfloat16)
+    fn = rms_norm if which == "rms_norm" else apply_rope
+    args = (x, w, 1e-6) if which == "rms_norm" else (x, cos, sin)
+    xt = (x.transpose(1, 2).contiguous().transpose(1, 2),) + args[1:]  # a strided view, as the model passes
+    for a in (args, xt):
+        ref = _grads(fn.eager, *[t.double() if isinstance(t, torch.Tensor) else t for t in a])
+        eager = _grads(fn.eager, *a)
+        got = _grads(fn, *a)
+        for i, (g_, e_, r_) in enumerate(zip(got, eager, ref)):
+            assert torch.isfinite(g_).all()
+            assert _rel(g_, r_) <= 2 * _rel(e_, r_) + 1e-3, (which, i, _rel(g_, r_), _rel(e_, r_))
