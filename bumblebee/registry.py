@@ -7,6 +7,7 @@ model file.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -85,12 +86,42 @@ def build(slot: str, name: str | None = None, *args, **kwargs) -> Any:
     return obj(*args, **kwargs) if isinstance(obj, type) else obj
 
 
-def check_impl(impl: dict[str, str] | None) -> dict[str, str]:
-    """Validate a {slot: implementation} mapping; raises ValueError naming what is accepted."""
-    impl = dict(impl or {})
+class SlotChoices(dict):
+    """A model's {slot: implementation}, recording in `asked` every slot the model looks up while it
+    is built (looked up even when unset: the model then takes the default). A slot never looked up
+    is one the model does not use: choosing an implementation for it would change nothing, and a
+    pairing of it would report agreement that was never tested."""
+
+    def __init__(self, impl=()):
+        super().__init__(impl)
+        self.asked: set[str] = set()
+
+    def get(self, slot, default=None):
+        self.asked.add(slot)
+        return super().get(slot, default)
+
+
+def check_impl(impl: Mapping[str, str] | None) -> SlotChoices:
+    """Validate a {slot: implementation} mapping; raises TypeError / ValueError naming what is accepted."""
+    if impl is None:
+        return SlotChoices()
+    if not isinstance(impl, Mapping):
+        raise TypeError(f"impl must be a dict {{slot: implementation}}, e.g. {{'cross_entropy': 'linear_ce'}}; "
+                        f"got {type(impl).__name__} {impl!r}")
     for slot, name in impl.items():
+        if not isinstance(slot, str) or not isinstance(name, str):
+            raise TypeError(f"impl maps slot names to implementation names (strings), got {slot!r}: {name!r}")
         get(slot, name)
-    return impl
+    return SlotChoices(impl)
+
+
+def check_used(impl: SlotChoices, model: str) -> None:
+    """ValueError when `impl` names a slot that `model` (a label for messages) never looked up."""
+    unused = sorted(set(impl) - impl.asked)
+    if unused:
+        what = f"slot {unused[0]}" if len(unused) == 1 else f"slots {', '.join(unused)}"
+        verb = "is" if len(unused) == 1 else "are"
+        raise ValueError(f"{what} {verb} not used by model {model}; it uses: {', '.join(sorted(impl.asked))}")
 
 
 def describe() -> str:

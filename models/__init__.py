@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import torch
 
+from bumblebee import registry
 from bumblebee.models import hf_io
 from bumblebee.models.configs import NAMED
 from bumblebee.models.deepseek_v3 import DeepseekV3ForCausalLM
@@ -63,6 +64,7 @@ def build(name_or_config, impl: dict | None = None, *, seed: int = 0, dtype=None
     config = cls.config_class.from_hf(hf)
     with torch.device("meta"):
         model = cls(config, impl)
+    registry.check_used(model.impl, name_or_config if isinstance(name_or_config, str) else hf.get("model_type"))
     model.to_empty(device="cpu")
     model.tie_weights()
     init_buffers(model)
@@ -80,6 +82,7 @@ def from_pretrained(path, impl: dict | None = None, *, dtype=None, device="cpu")
     dtype = dtype or config.dtype
     with torch.device("meta"):
         model = cls(config, impl)
+    registry.check_used(model.impl, f"{hf.get('model_type')} ({path})")
     model.to_empty(device=device)
     model.tie_weights()
     init_buffers(model)

@@ -194,3 +194,7 @@ class CausalLM(HFCheckpointMixin, nn.Module):
         if labels is None or return_logits:
             out.logits = self.lm_head(hidden)
         return out
+
+    def slots_used(self) -> tuple[str, ...]:
+        """The slots this model looked up while it was built (see `registry.SlotChoices`)."""
+        return tuple(sorted(self.impl.asked))

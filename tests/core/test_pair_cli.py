@@ -55,6 +55,14 @@ def test_unknown_names_list_what_is_accepted(capsys):
     assert "flash9" in err and "sdpa" in err and "eager" in err
 
 
+def test_pair_refuses_a_slot_the_model_does_not_use(capsys):
+    # qwen3 has no router: both sides would run the same model and agree exactly
+    assert main(["pair", "--model", "qwen3-tiny", "--slot", "router", "--a", "aux_free", "--b", "aux_free_ref"]) == 2
+    assert "slot router is not used by model qwen3-tiny; it uses: attention, cross_entropy" in capsys.readouterr().err
+    assert main(["pair", "--model", "qwen3-tiny", "--slot", "mla", "--a", "flash", "--b", "naive"]) == 2
+    assert "slot mla is not used" in capsys.readouterr().err
+
+
 def test_list_and_console_entry_point():
     res = subprocess.run([sys.executable, "-m", "bumblebee.cli", "list"], capture_output=True, text=True, check=True)
     assert "attention" in res.stdout and "materialized_ce" in res.stdout and "skills/" in res.stdout

@@ -92,3 +92,25 @@ def test_unknown_slot_or_implementation():
         bb.models.build("qwen3-tiny", impl={"attention": "flash9"})
     with pytest.raises(ValueError, match=r"unknown model 'qwen9'.*qwen3-tiny"):
         bb.models.build("qwen9")
+
+
+def test_impl_naming_a_slot_the_model_does_not_use():
+    # choosing an implementation for a slot the model never looks up would change nothing
+    with pytest.raises(ValueError, match=r"slot mla is not used by model qwen3-tiny; it uses: attention, cross_entropy"):
+        bb.models.build("qwen3-tiny", impl={"mla": "naive"})
+    with pytest.raises(ValueError, match=r"slot router is not used by model qwen3-tiny"):
+        bb.models.build("qwen3-tiny", impl={"router": "softmax_topk"})
+    with pytest.raises(ValueError, match=r"state_sharding.*not used by model deepseek-v3-tiny; it uses: .*mla"):
+        bb.models.build("deepseek-v3-tiny", impl={"state_sharding": "zero1"})
+    assert "router" in bb.models.build("qwen3-moe-tiny", impl={"router": "softmax_topk"}).slots_used()
+
+
+def test_impl_naming_an_unused_slot_on_load(saved):
+    _, path = saved
+    with pytest.raises(ValueError, match=r"slot moe_dispatch is not used by model qwen3 .*ckpt"):
+        bb.models.from_pretrained(path, impl={"moe_dispatch": "local"})
+
+
+def test_impl_must_be_a_mapping():
+    with pytest.raises(TypeError, match=r"impl must be a dict.*cross_entropy.*linear_ce.*got str 'linear_ce'"):
+        bb.models.build("qwen3-tiny", impl="linear_ce")
