@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "list":
         print(registry.describe())
         return 0
-    from bumblebee.pairing import format_report, pair, write_json
+    from bumblebee.pairing import SAME_CODE_EXIT, format_report, pair, write_json
     try:
         report = pair(args.model, args.slot, args.a, args.b, steps=args.steps, seed=args.seed,
                       batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr, device=args.device,
@@ -51,6 +51,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         write_json(report, args.json)
         print(f"wrote {args.json}")
+    if report["status"] == "same_code":
+        print(f"bumblebee pair: both sides ran {report['ran']['a']['code']}'s code on {report['device']}: "
+              f"nothing was compared", file=sys.stderr)
+        return SAME_CODE_EXIT
     return 0
 
 

@@ -1,6 +1,9 @@
 """The pairing harness: one model, one slot, two implementations, identical weights and batches.
 
-Each side runs alone (the other is not resident), so peak memory and step time are its own.
+Each side runs alone (the other is not resident), so peak memory and step time are its own. The
+report says which code each side ran: a primitive whose kernels cannot run on the device runs its
+twin's code there, and a pair whose two sides ran the same code has status "same_code" (nothing was
+compared; the CLI exits with SAME_CODE_EXIT).
 """
 from __future__ import annotations
 
@@ -12,6 +15,8 @@ from tqdm import tqdm
 
 from bumblebee import registry
 from bumblebee.probes import peak_memory, wall_ms
+
+SAME_CODE_EXIT = 3  # the CLI's exit status when both sides ran the same code
 
 
 def _batches(vocab: int, steps: int, batch: int, seq: int, seed: int):
@@ -48,6 +53,9 @@ def pair(model: str = "qwen3-tiny", slot: str = "attention", a: str = "sdpa", b:
     base = dict(impl or {})
     model_a = models.build(model, {**base, slot: a}, seed=seed, dtype=dtype, device="cpu")
     weights = {k: v.clone() for k, v in model_a.state_dict().items()}
+    run_dtype = next(model_a.parameters()).dtype
+    ran = {side: dict(zip(("code", "note"), registry.code_on(slot, name, device, run_dtype)))
+           for side, name in (("a", a), ("b", b))}
     batches = _batches(model_a.config.vocab_size, steps, batch_size, seq_len, seed)
     torch.manual_seed(seed)
     rec_a = _run(model_a.to(device), batches, device, lr, f"{slot}={a}")
@@ -59,6 +67,7 @@ def pair(model: str = "qwen3-tiny", slot: str = "attention", a: str = "sdpa", b:
     timed = slice(min(warmup, steps - 1), None)
     return {
         "model": model, "slot": slot, "a": a, "b": b, "device": _device_name(device), "seed": seed,
+        "ran": ran, "status": "same_code" if ran["a"]["code"] == ran["b"]["code"] else "compared",
         "batch_size": batch_size, "seq_len": seq_len,
         "steps": [{"step": i, "loss_a": ra["loss"], "loss_b": rb["loss"],
                    "loss_abs_diff": abs(ra["loss"] - rb["loss"]),
@@ -76,8 +85,14 @@ def _device_name(device: torch.device) -> str:
 
 
 def format_report(r: dict) -> str:
-    lines = [f"pair {r['model']}  slot={r['slot']}  a={r['a']}  b={r['b']}  device={r['device']}",
-             f"{'step':>4} {'loss_a':>12} {'loss_b':>12} {'|diff|':>10} {'gnorm_a':>11} {'gnorm_b':>11} {'rel diff':>10}"]
+    lines = [f"pair {r['model']}  slot={r['slot']}  a={r['a']}  b={r['b']}  device={r['device']}"]
+    for side in "ab":
+        code, note = r["ran"][side]["code"], r["ran"][side]["note"]
+        lines.append(f"  {side}={r[side]} ran " + ("its own code" if code == r[side] else f"{code}'s code: {note}"))
+    if r["status"] == "same_code":
+        lines.append(f"SAME CODE: both sides ran {r['ran']['a']['code']}'s code on {r['device']}; the agreement "
+                     f"below tests nothing (exit status {SAME_CODE_EXIT})")
+    lines += [f"{'step':>4} {'loss_a':>12} {'loss_b':>12} {'|diff|':>10} {'gnorm_a':>11} {'gnorm_b':>11} {'rel diff':>10}"]
     for s in r["steps"]:
         lines.append(f"{s['step']:>4} {s['loss_a']:>12.6f} {s['loss_b']:>12.6f} {s['loss_abs_diff']:>10.2e} "
                      f"{s['grad_norm_a']:>11.5f} {s['grad_norm_b']:>11.5f} {s['grad_norm_rel_diff']:>10.2e}")

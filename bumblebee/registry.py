@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+import torch
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -24,6 +26,9 @@ class Impl:
     twin: str | None  # the other implementation this one is checked against
     skill: str  # path of the SKILL.md, relative to the repository root
     summary: str = ""
+    # falls_back(device, dtype) -> why a training step there runs the twin's code instead of this
+    # implementation's own, or None; set by the primitives whose kernels need a device
+    falls_back: Callable | None = None
 
 
 _SLOTS: dict[str, dict[str, Impl]] = {}
@@ -31,8 +36,11 @@ _DEFAULTS: dict[str, str] = {}
 _loaded = False
 
 
-def register(slot: str, name: str, *, kind: str, twin: str | None = None, default: bool = False) -> Callable:
-    """Decorator: `@register("attention", "sdpa", kind="primitive", twin="eager")`."""
+def register(slot: str, name: str, *, kind: str, twin: str | None = None, default: bool = False,
+             falls_back: Callable | None = None) -> Callable:
+    """Decorator: `@register("attention", "sdpa", kind="primitive", twin="eager")`. A primitive that
+    runs its twin's code on some devices says so through `falls_back(device, dtype) -> reason | None`
+    (see `code_on`)."""
     if kind not in ("primitive", "baseline"):
         raise ValueError(f"kind must be 'primitive' or 'baseline', got {kind!r}")
 
@@ -42,7 +50,7 @@ def register(slot: str, name: str, *, kind: str, twin: str | None = None, defaul
             raise ValueError(f"implementation {name!r} of slot {slot!r} is registered twice")
         doc = (obj.__doc__ or "").strip().splitlines()
         skill = f"skills/{slot.replace('_', '-')}/SKILL.md"
-        impls[name] = Impl(slot, name, obj, kind, twin, skill, doc[0] if doc else "")
+        impls[name] = Impl(slot, name, obj, kind, twin, skill, doc[0] if doc else "", falls_back)
         if default or slot not in _DEFAULTS:
             _DEFAULTS[slot] = name
         return obj
@@ -73,6 +81,14 @@ def get(slot: str, name: str | None = None) -> Impl:
     if name not in _SLOTS[slot]:
         raise ValueError(f"unknown implementation {name!r} for slot {slot!r}; accepted: {sorted(_SLOTS[slot])}")
     return _SLOTS[slot][name]
+
+
+def code_on(slot: str, name: str, device, dtype) -> tuple[str, str | None]:
+    """(the implementation whose code a training step of `name` runs on `device` in `dtype`, why
+    when that is not `name`'s own: a primitive whose kernels cannot run there runs its twin's code)."""
+    impl = get(slot, name)
+    why = impl.falls_back(torch.device(device), dtype) if impl.falls_back is not None else None
+    return (impl.twin, why) if why else (impl.name, None)
 
 
 def resolve(slot: str, name: str | None = None) -> Any:

@@ -18,6 +18,8 @@ def test_pair_cli_writes_table_and_json(tmp_path, capsys):
     r = json.loads(out.read_text())
     assert {"model", "slot", "a", "b", "device", "steps", "peak_memory_bytes", "step_time_ms"} <= set(r)
     assert (r["model"], r["slot"], r["a"], r["b"], r["device"]) == ("qwen3-tiny", "attention", "sdpa", "eager", "cpu")
+    assert r["status"] == "compared" and r["ran"] == {"a": {"code": "sdpa", "note": None},
+                                                      "b": {"code": "eager", "note": None}}
     assert len(r["steps"]) == 3 and all(set(s) == STEP_KEYS for s in r["steps"])
     for s in r["steps"]:
         assert s["loss_abs_diff"] < 1e-4 and s["grad_norm_rel_diff"] < 1e-4
@@ -45,6 +47,29 @@ def test_pair_detects_a_different_function(monkeypatch):
     monkeypatch.setitem(registry._SLOTS["attention"], "doubled", impl)
     r = pair("qwen3-tiny", "attention", "sdpa", "doubled", steps=2, seq_len=16)
     assert max(s["grad_norm_rel_diff"] for s in r["steps"]) > 1e-3
+
+
+def test_pair_flags_a_primitive_that_ran_its_twins_code(tmp_path, capsys):
+    # fla's kernels never run on a CPU: the primitive runs torch_chunked's math, so both sides agree
+    # exactly without testing fla; the table, the JSON and the exit status say so
+    out = tmp_path / "r.json"
+    assert main(["pair", "--model", "qwen3.5-tiny", "--slot", "linear_attention", "--a", "fla",
+                 "--b", "torch_chunked", "--steps", "1", "--seq-len", "12", "--device", "cpu",
+                 "--json", str(out)]) == 3
+    captured = capsys.readouterr()
+    assert "a=fla ran torch_chunked's code: flash-linear-attention's kernels need CUDA" in captured.out
+    assert "SAME CODE: both sides ran torch_chunked's code on cpu" in captured.out
+    assert "nothing was compared" in captured.err
+    r = json.loads(out.read_text())
+    assert r["status"] == "same_code" and r["ran"]["a"]["code"] == r["ran"]["b"]["code"] == "torch_chunked"
+    assert "CUDA" in r["ran"]["a"]["note"] and r["ran"]["b"]["note"] is None
+
+
+def test_pair_of_an_implementation_with_itself_is_flagged():
+    from bumblebee.pairing import pair
+
+    r = pair("qwen3-tiny", "attention", "eager", "eager", steps=1, seq_len=8)
+    assert r["status"] == "same_code"
 
 
 def test_unknown_names_list_what_is_accepted(capsys):

@@ -5,11 +5,13 @@ The Triton kernel runs on the CPU under TRITON_INTERPRET=1 in a subprocess (this
 script with --interpret); bf16 and large shapes run in the GPU tests.
 """
 import json
+import os
 import sys
 
 import pytest
 import torch
 
+from bumblebee import registry
 from bumblebee.baselines import router as base
 from bumblebee.primitives import router as prim
 from tests.interpreter import run_under_interpreter
@@ -371,3 +373,17 @@ def test_grouped_mm_experts_backward_matches_loop_with_expanded_gradient():
 
 if __name__ == "__main__" and "--interpret" in sys.argv:
     _interpret_main()
+
+
+def test_aux_free_says_when_it_runs_the_twins_algorithm():
+    # what `bumblebee pair` reports: float64 always routes through the torch reference algorithm,
+    # and without CUDA (outside the Triton interpreter) so does every dtype
+    code, why = registry.code_on("router", "aux_free", "cuda", torch.float64)  # a description: no GPU needed
+    assert code == "aux_free_ref" and "float64" in why
+    assert registry.code_on("router", "aux_free", "cuda", torch.bfloat16) == ("aux_free", None)
+    code, why = registry.code_on("router", "aux_free", "cpu", torch.float32)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        assert (code, why) == ("aux_free", None)
+    else:
+        assert code == "aux_free_ref" and "CUDA" in why
+    assert registry.code_on("router", "aux_free_ref", "cpu", torch.float32) == ("aux_free_ref", None)
