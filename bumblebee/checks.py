@@ -31,6 +31,16 @@ def check_cross_entropy_inputs(hidden, weight, labels, *, ignore_index, reductio
         raise ValueError(f"labels hold {value}, outside [0, {vocab}) and not ignore_index={ignore_index}")
 
 
+def check_batch_shape(input_ids, name: str = "input_ids") -> None:
+    """A [B, T] batch of at least one token: every model refuses an empty one alike (B = 0 or T = 0
+    has no token to predict; the layers would fail deep inside on their reshapes)."""
+    if input_ids.dim() != 2:
+        raise ValueError(f"{name} must be [B, T], got shape {tuple(input_ids.shape)}")
+    if input_ids.numel() == 0:
+        raise ValueError(f"{name} is an empty batch of shape {tuple(input_ids.shape)}: B and T must both be >= 1 "
+                         f"(leave an empty batch out before the forward)")
+
+
 def check_token_ids(input_ids: torch.Tensor, vocab_size: int, name: str = "input_ids") -> None:
     if input_ids.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"{name} must be int64 or int32, got {input_ids.dtype}")

@@ -15,6 +15,16 @@ def _swaps(items: list[str]) -> dict[str, str]:
     return out
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="bumblebee", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -24,10 +34,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--slot", default="attention")
     p.add_argument("--a", default="sdpa")
     p.add_argument("--b", default="eager")
-    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--steps", type=_positive_int, default=5)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--batch-size", type=int, default=2)
-    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--batch-size", type=_positive_int, default=2)
+    p.add_argument("--seq-len", type=_positive_int, default=64)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--device", default=None)
     p.add_argument("--swap", action="append", default=[], metavar="SLOT=IMPL",

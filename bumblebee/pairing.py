@@ -47,8 +47,9 @@ def pair(model: str = "qwen3-tiny", slot: str = "attention", a: str = "sdpa", b:
     from bumblebee import models
 
     registry.get(slot, a), registry.get(slot, b)  # ValueError listing what is accepted
-    if steps < 1:
-        raise ValueError(f"steps must be >= 1, got {steps}")
+    for name, value in (("steps", steps), ("batch_size", batch_size), ("seq_len", seq_len)):
+        if not isinstance(value, int) or value < 1:  # an empty batch has no loss to compare
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     base = dict(impl or {})
     model_a = models.build(model, {**base, slot: a}, seed=seed, dtype=dtype, device="cpu")

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from bumblebee.checks import check_batch_shape
 from bumblebee.models import moe
 from bumblebee.runtime.losses import LOSSES, policy_loss
 
@@ -33,6 +34,7 @@ class Batch:
         if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"batch.input_ids must be an int [B, T] tensor, got "
                              f"{getattr(ids, 'dtype', type(ids))} of shape {tuple(getattr(ids, 'shape', ()))}")
+        check_batch_shape(ids, "batch.input_ids")
         for name in ("loss_mask", "weights", "advantages", "sampler_logprobs", "position_ids"):
             t = getattr(self, name)
             if t is not None and (not isinstance(t, torch.Tensor) or t.shape != ids.shape):

@@ -88,6 +88,19 @@ def test_pair_refuses_a_slot_the_model_does_not_use(capsys):
     assert "slot mla is not used" in capsys.readouterr().err
 
 
+def test_pair_refuses_an_empty_batch_before_running(capsys):
+    import pytest
+
+    from bumblebee.pairing import pair
+
+    for opt in ("--batch-size", "--seq-len", "--steps"):
+        with pytest.raises(SystemExit) as exc:
+            main(["pair", opt, "0"])
+        assert exc.value.code == 2 and f"{opt}: must be >= 1, got 0" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="batch_size must be an int >= 1, got 0"):
+        pair("qwen3-tiny", batch_size=0)
+
+
 def test_list_and_console_entry_point():
     res = subprocess.run([sys.executable, "-m", "bumblebee.cli", "list"], capture_output=True, text=True, check=True)
     assert "attention" in res.stdout and "materialized_ce" in res.stdout and "skills/" in res.stdout

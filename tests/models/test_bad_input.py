@@ -114,3 +114,16 @@ def test_impl_naming_an_unused_slot_on_load(saved):
 def test_impl_must_be_a_mapping():
     with pytest.raises(TypeError, match=r"impl must be a dict.*cross_entropy.*linear_ce.*got str 'linear_ce'"):
         bb.models.build("qwen3-tiny", impl="linear_ce")
+
+
+@pytest.mark.parametrize("name", ["qwen3-tiny", "qwen3-moe-tiny", "qwen3.5-tiny", "qwen3.5-moe-tiny", "deepseek-v3-tiny"])
+def test_empty_batch_is_refused_alike_by_every_model(name):
+    model = bb.models.build(name)
+    for shape in ((0, 6), (2, 0)):
+        ids = torch.zeros(shape, dtype=torch.long)
+        with pytest.raises(ValueError, match=rf"input_ids is an empty batch of shape \({shape[0]}, {shape[1]}\)"):
+            model(ids, labels=ids)
+        with pytest.raises(ValueError, match="empty batch"):
+            model(ids)
+    with pytest.raises(ValueError, match="empty batch"):  # packed: refused before the boundaries
+        model(torch.zeros(1, 0, dtype=torch.long), cu_seqlens=torch.tensor([0]))
