@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -25,6 +26,20 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _check_writable(path: str) -> str | None:
+    """Why `path` cannot be written, or None: checked before a run, not after it (the file is
+    opened for appending and, if it did not exist, removed again)."""
+    existed = os.path.lexists(path)
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as e:
+        return e.strerror or str(e)
+    if not existed:
+        os.remove(path)
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="bumblebee", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -44,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="other slots to set on both sides")
     p.add_argument("--json", default=None, metavar="PATH")
     args = parser.parse_args(argv)
+    if args.cmd == "pair" and args.json and (why := _check_writable(args.json)):
+        parser.error(f"--json {args.json}: cannot write there ({why})")
 
     from bumblebee import registry
     if args.cmd == "list":

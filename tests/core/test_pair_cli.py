@@ -101,6 +101,22 @@ def test_pair_refuses_an_empty_batch_before_running(capsys):
         pair("qwen3-tiny", batch_size=0)
 
 
+def test_pair_checks_the_json_path_before_running(tmp_path, monkeypatch, capsys):
+    import pytest
+
+    from bumblebee import pairing
+
+    def never(*a, **k):
+        raise AssertionError("the run started before the --json path was checked")
+
+    monkeypatch.setattr(pairing, "pair", never)
+    for bad in (tmp_path / "no-such-dir" / "r.json", tmp_path):  # a missing folder; a folder itself
+        with pytest.raises(SystemExit) as exc:
+            main(["pair", "--json", str(bad)])
+        assert exc.value.code == 2 and f"--json {bad}: cannot write there" in capsys.readouterr().err
+    assert sorted(tmp_path.iterdir()) == []
+
+
 def test_list_and_console_entry_point():
     res = subprocess.run([sys.executable, "-m", "bumblebee.cli", "list"], capture_output=True, text=True, check=True)
     assert "attention" in res.stdout and "materialized_ce" in res.stdout and "skills/" in res.stdout
