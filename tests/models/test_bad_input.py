@@ -127,3 +127,50 @@ def test_empty_batch_is_refused_alike_by_every_model(name):
             model(ids)
     with pytest.raises(ValueError, match="empty batch"):  # packed: refused before the boundaries
         model(torch.zeros(1, 0, dtype=torch.long), cu_seqlens=torch.tensor([0]))
+
+
+def test_malformed_config_names_the_file_and_place(saved):
+    _, path = saved
+    (path / "config.json").write_text('{"model_type": "qwen3",\n "hidden_size": 64,,}')
+    with pytest.raises(ValueError, match=r"ckpt/config.json is not valid JSON: .* line 2, column"):
+        bb.models.from_pretrained(path)
+    (path / "config.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match=r"config.json must hold a JSON object, got a list"):
+        bb.models.from_pretrained(path)
+
+
+def test_missing_config_field_names_it(saved):
+    _, path = saved
+    cfg = json.loads((path / "config.json").read_text())
+    del cfg["hidden_size"]
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"ckpt/config.json lacks the field 'hidden_size', which qwen3 needs"):
+        bb.models.from_pretrained(path)
+    moe = dict(bb.models.NAMED["qwen3-moe-tiny"])
+    del moe["num_experts_per_tok"]
+    with pytest.raises(ValueError, match=r"the config lacks the field 'num_experts_per_tok', which qwen3_moe needs"):
+        bb.models.build(moe)
+
+
+def test_unsupported_hidden_act_is_refused(saved):
+    _, path = saved
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["hidden_act"] = "gelu"  # the MLPs are SwiGLU: it would silently run as silu
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"qwen3 supports hidden_act 'silu', got 'gelu'"):
+        bb.models.from_pretrained(path)
+    with pytest.raises(ValueError, match=r"qwen3_moe supports hidden_act 'silu', got 'relu'"):
+        bb.models.build({**bb.models.NAMED["qwen3-moe-tiny"], "hidden_act": "relu"})
+
+
+def test_corrupt_shard_is_named(tmp_path):
+    model = bb.models.build("qwen3-tiny", seed=1)
+    model.save_pretrained(tmp_path, max_shard_bytes=200_000)
+    shards = sorted(tmp_path.glob("model-*.safetensors"))
+    assert len(shards) > 2
+    shards[1].write_bytes(shards[1].read_bytes()[:1000])  # truncated
+    with pytest.raises(ValueError, match=rf"{shards[1].name} is not a readable safetensors file"):
+        bb.models.from_pretrained(tmp_path)
+    (tmp_path / "model.safetensors.index.json").write_text("{")
+    with pytest.raises(ValueError, match=r"model.safetensors.index.json is not valid JSON"):
+        bb.models.from_pretrained(tmp_path)
