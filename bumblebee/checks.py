@@ -31,9 +31,17 @@ def check_cross_entropy_inputs(hidden, weight, labels, *, ignore_index, reductio
         raise ValueError(f"labels hold {value}, outside [0, {vocab}) and not ignore_index={ignore_index}")
 
 
+def check_is_tensor(name: str, value, what: str) -> None:
+    """TypeError naming the argument when `value` is not a tensor (a list fails later, obscurely)."""
+    if not isinstance(value, torch.Tensor):
+        hint = "; convert it with torch.tensor(...)" if isinstance(value, (list, tuple)) else ""
+        raise TypeError(f"{name} must be a torch.Tensor {what}, got {type(value).__name__}{hint}")
+
+
 def check_batch_shape(input_ids, name: str = "input_ids") -> None:
     """A [B, T] batch of at least one token: every model refuses an empty one alike (B = 0 or T = 0
     has no token to predict; the layers would fail deep inside on their reshapes)."""
+    check_is_tensor(name, input_ids, "of token ids [B, T] (int64 or int32)")
     if input_ids.dim() != 2:
         raise ValueError(f"{name} must be [B, T], got shape {tuple(input_ids.shape)}")
     if input_ids.numel() == 0:

@@ -174,3 +174,14 @@ def test_corrupt_shard_is_named(tmp_path):
     (tmp_path / "model.safetensors.index.json").write_text("{")
     with pytest.raises(ValueError, match=r"model.safetensors.index.json is not valid JSON"):
         bb.models.from_pretrained(tmp_path)
+
+
+def test_inputs_that_are_not_tensors_name_the_argument():
+    model = bb.models.build("qwen3-tiny")
+    with pytest.raises(TypeError, match=r"input_ids must be a torch.Tensor of token ids \[B, T\].*got list.*torch.tensor"):
+        model([[1, 2, 3]])
+    ids = torch.tensor([[1, 2, 3]])
+    with pytest.raises(TypeError, match=r"labels must be a torch.Tensor \[B, T\] like input_ids, got list"):
+        model(ids, labels=[[1, 2, 3]])
+    with pytest.raises(TypeError, match=r"position_ids must be a torch.Tensor"):
+        model(ids, position_ids=(0, 1, 2), cu_seqlens=torch.tensor([0, 3]))
