@@ -97,9 +97,18 @@ def check_routed_experts(routed_experts, T, top_k, E):
         raise ValueError(f"routed_experts must be [T={T}, k={top_k}], got shape {tuple(routed_experts.shape)}")
     if routed_experts.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"routed_experts must be int64 or int32, got {routed_experts.dtype}")
+    if not routed_experts.numel():
+        return
     bad = (routed_experts < 0) | (routed_experts >= E)
-    if routed_experts.numel() and bool(bad.any()):
+    ordered = routed_experts.sort(dim=1).values
+    repeat_T = (ordered[:, 1:] == ordered[:, :-1]).any(dim=1)  # a token would count twice for one expert
+    out_of_range, repeated = torch.stack([bad.any(), repeat_T.any()]).tolist()  # one host sync
+    if out_of_range:
         raise ValueError(f"routed_experts hold {int(routed_experts[bad][0])}, outside the experts [0, {E})")
+    if repeated:
+        t = int(repeat_T.nonzero()[0, 0])
+        raise ValueError(f"routed_experts repeat an expert within a token: token {t} has "
+                         f"{routed_experts[t].tolist()}; a token's k experts must differ")
 
 
 def check_cu_seqlens(cu_seqlens, n_tokens: int) -> list[int]:

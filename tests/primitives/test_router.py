@@ -168,6 +168,8 @@ BAD = [
     (dict(routed_experts=torch.zeros(5, 4, dtype=torch.long)), r"routed_experts must be \[T=7, k=4\], got shape \(5, 4\)"),
     (dict(routed_experts=torch.full((7, 4), 16)), r"routed_experts hold 16, outside the experts \[0, 16\)"),
     (dict(routed_experts=torch.full((7, 4), -1)), r"routed_experts hold -1"),
+    (dict(routed_experts=torch.tensor([[0, 1, 2, 3]] * 6 + [[5, 9, 5, 1]])),
+     r"routed_experts repeat an expert within a token: token 6 has \[5, 9, 5, 1\]"),
     (dict(bias=torch.zeros(15)), r"bias must be \[E=16\]"),
 ]
 
@@ -187,6 +189,8 @@ def test_softmax_bad_input_raises_value_error():
         base.softmax_topk(torch.randn(3, 4), top_k=5)
     with pytest.raises(ValueError, match=r"routed_experts hold 4"):
         base.softmax_topk(torch.randn(3, 4), top_k=2, routed_experts=torch.full((3, 2), 4))
+    with pytest.raises(ValueError, match=r"repeat an expert within a token: token 0 has \[1, 1\]"):
+        base.softmax_topk(torch.randn(3, 4), top_k=2, routed_experts=torch.tensor([[1, 1], [0, 1], [2, 3]]))
 
 
 # ---- bias update -------------------------------------------------------------------------------
