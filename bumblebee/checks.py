@@ -1,11 +1,13 @@
 """Input validation shared by primitives and baselines: clear ValueErrors, never device asserts."""
 from __future__ import annotations
 
+import math
+
 import torch
 
 
 def check_cross_entropy_inputs(hidden, weight, labels, *, ignore_index, reduction, label_smoothing,
-                               temperature, vocab_offset=0, vocab_total=None):
+                               temperature, vocab_offset=0, vocab_total=None, z_loss_scale=0.0):
     if hidden.dim() != 2:
         raise ValueError(f"hidden must be [N, H], got shape {tuple(hidden.shape)}")
     if weight.dim() != 2 or weight.shape[1] != hidden.shape[1]:
@@ -22,8 +24,11 @@ def check_cross_entropy_inputs(hidden, weight, labels, *, ignore_index, reductio
         raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
     if not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
-    if not temperature > 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
+    # inf would divide every logit to 0 (the uniform loss), nan poisons the loss: both are refused
+    if not (math.isfinite(temperature) and temperature > 0):
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature}")
+    if not (math.isfinite(z_loss_scale) and z_loss_scale >= 0):  # a negative scale was silently ignored
+        raise ValueError(f"z_loss_scale must be a finite number >= 0, got {z_loss_scale}")
     vocab = weight.shape[0] if vocab_total is None else vocab_total
     bad = (labels != ignore_index) & ((labels < 0) | (labels >= vocab))
     if labels.numel() and bool(bad.any()):  # one host sync; a device-side assert would kill the process

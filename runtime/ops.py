@@ -4,6 +4,7 @@ sequence's first token, which has none), as inference engines report sampled tok
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -62,8 +63,8 @@ def token_logprobs(model, batch: Batch, *, temperature: float = 1.0, entropy: bo
     reduction="none": with `linear_ce` no [N, V] logits exist). `loss_fn(out) -> scalar`, when
     given, becomes `out.loss` inside the forward (so a sharded model's head is whole)."""
     batch.check()
-    if not temperature > 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if not (math.isfinite(temperature) and temperature > 0):
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature}")
     ids = batch.input_ids
     mask = torch.ones_like(ids, dtype=torch.bool) if batch.loss_mask is None else batch.loss_mask
     labels = ids.masked_fill(~mask, -100).long()
