@@ -7,6 +7,7 @@ model file.
 from __future__ import annotations
 
 import importlib
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,14 +49,20 @@ def register(slot: str, name: str, *, kind: str, twin: str | None = None, defaul
         impls = _SLOTS.setdefault(slot, {})
         if name in impls and impls[name].obj is not obj:
             raise ValueError(f"implementation {name!r} of slot {slot!r} is registered twice")
-        doc = (obj.__doc__ or "").strip().splitlines()
         skill = f"skills/{slot.replace('_', '-')}/SKILL.md"
-        impls[name] = Impl(slot, name, obj, kind, twin, skill, doc[0] if doc else "", falls_back)
+        impls[name] = Impl(slot, name, obj, kind, twin, skill, summary(obj.__doc__), falls_back)
         if default or slot not in _DEFAULTS:
             _DEFAULTS[slot] = name
         return obj
 
     return deco
+
+
+def summary(doc: str | None) -> str:
+    """The first sentence of a docstring, whole: its first line may stop mid-sentence."""
+    paragraph = " ".join((doc or "").strip().split("\n\n")[0].split())
+    m = re.match(r"(.+?[.!?])(?:\s|$)", paragraph)
+    return m.group(1) if m else paragraph
 
 
 def _load_all() -> None:

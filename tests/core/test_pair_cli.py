@@ -120,3 +120,8 @@ def test_pair_checks_the_json_path_before_running(tmp_path, monkeypatch, capsys)
 def test_list_and_console_entry_point():
     res = subprocess.run([sys.executable, "-m", "bumblebee.cli", "list"], capture_output=True, text=True, check=True)
     assert "attention" in res.stdout and "materialized_ce" in res.stdout and "skills/" in res.stdout
+    from bumblebee import registry
+    for impls in registry.slots().values():
+        for impl in impls.values():  # whole sentences, never cut at the docstring's first line break
+            assert impl.summary.endswith((".", "!", "?")) and f": {impl.summary}" in res.stdout, impl.summary
+    assert "FA4 where installed (dense: head dim <= 128; packed: any it runs), else SDPA, cuDNN first." in res.stdout
