@@ -65,7 +65,7 @@ def pair(model: str = "qwen3-tiny", slot: str = "attention", a: str = "sdpa", b:
     model_b.load_state_dict(weights)
     torch.manual_seed(seed)
     rec_b = _run(model_b.to(device), batches, device, lr, f"{slot}={b}")
-    timed = slice(min(warmup, steps - 1), None)
+    skipped = min(warmup, steps - 1)  # a single step is timed although it is the warm-up: the report says so
     return {
         "model": model, "slot": slot, "a": a, "b": b, "device": _device_name(device), "seed": seed,
         "ran": ran, "status": "same_code" if ran["a"]["code"] == ran["b"]["code"] else "compared",
@@ -76,8 +76,9 @@ def pair(model: str = "qwen3-tiny", slot: str = "attention", a: str = "sdpa", b:
                    "grad_norm_rel_diff": abs(ra["grad_norm"] - rb["grad_norm"]) / max(abs(rb["grad_norm"]), 1e-30)}
                   for i, (ra, rb) in enumerate(zip(rec_a, rec_b))],
         "peak_memory_bytes": {"a": max(r["peak"] for r in rec_a), "b": max(r["peak"] for r in rec_b)},
-        "step_time_ms": {"a": statistics.median(r["ms"] for r in rec_a[timed]),
-                         "b": statistics.median(r["ms"] for r in rec_b[timed])},
+        "step_time_ms": {"a": statistics.median(r["ms"] for r in rec_a[skipped:]),
+                         "b": statistics.median(r["ms"] for r in rec_b[skipped:])},
+        "timed_steps": steps - skipped, "step_time_includes_warmup": skipped < warmup,
     }
 
 
@@ -99,7 +100,12 @@ def format_report(r: dict) -> str:
                      f"{s['grad_norm_a']:>11.5f} {s['grad_norm_b']:>11.5f} {s['grad_norm_rel_diff']:>10.2e}")
     mem, ms = r["peak_memory_bytes"], r["step_time_ms"]
     lines.append(f"peak memory MiB   a {mem['a'] / 2**20:10.2f}   b {mem['b'] / 2**20:10.2f}")
-    lines.append(f"step time ms      a {ms['a']:10.2f}   b {ms['b']:10.2f}   (median after warm-up)")
+    if r["step_time_includes_warmup"]:
+        what = "the warm-up step alone, not a steady-state time: run --steps 2 or more"
+    else:
+        n = r["timed_steps"]
+        what = f"median of {n} step{'s' if n > 1 else ''}" + (" after warm-up" if n < len(r["steps"]) else "")
+    lines.append(f"step time ms      a {ms['a']:10.2f}   b {ms['b']:10.2f}   ({what})")
     return "\n".join(lines)
 
 

@@ -18,6 +18,8 @@ def test_pair_cli_writes_table_and_json(tmp_path, capsys):
     r = json.loads(out.read_text())
     assert {"model", "slot", "a", "b", "device", "steps", "peak_memory_bytes", "step_time_ms"} <= set(r)
     assert (r["model"], r["slot"], r["a"], r["b"], r["device"]) == ("qwen3-tiny", "attention", "sdpa", "eager", "cpu")
+    assert r["timed_steps"] == 2 and not r["step_time_includes_warmup"]
+    assert "(median of 2 steps after warm-up)" in table
     assert r["status"] == "compared" and r["ran"] == {"a": {"code": "sdpa", "note": None},
                                                       "b": {"code": "eager", "note": None}}
     assert len(r["steps"]) == 3 and all(set(s) == STEP_KEYS for s in r["steps"])
@@ -66,10 +68,13 @@ def test_pair_flags_a_primitive_that_ran_its_twins_code(tmp_path, capsys):
 
 
 def test_pair_of_an_implementation_with_itself_is_flagged():
-    from bumblebee.pairing import pair
+    from bumblebee.pairing import format_report, pair
 
     r = pair("qwen3-tiny", "attention", "eager", "eager", steps=1, seq_len=8)
     assert r["status"] == "same_code"
+    # one step: the only time there is belongs to the warm-up step, and the report says so
+    assert r["timed_steps"] == 1 and r["step_time_includes_warmup"]
+    assert "(the warm-up step alone, not a steady-state time: run --steps 2 or more)" in format_report(r)
 
 
 def test_unknown_names_list_what_is_accepted(capsys):
