@@ -27,7 +27,9 @@ def _batches(vocab: int, steps: int, batch: int, seq: int, seed: int):
 def _run(model, batches, device, lr, desc):
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     records = []
-    for ids in tqdm(batches, desc=desc, delay=3, leave=False):
+    # disable=None: no bar unless stderr is a terminal (redirected, its line would run into the
+    # report); on a terminal, leave=False erases it before the report is printed
+    for ids in tqdm(batches, desc=desc, delay=3, leave=False, disable=None):
         ids = ids.to(device)
         with peak_memory(device, model, opt) as mem, wall_ms(device) as t:
             loss = model(ids, labels=ids).loss

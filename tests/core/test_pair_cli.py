@@ -77,6 +77,18 @@ def test_pair_of_an_implementation_with_itself_is_flagged():
     assert "(the warm-up step alone, not a steady-state time: run --steps 2 or more)" in format_report(r)
 
 
+def test_progress_bar_stays_off_a_stream_that_is_not_a_terminal(monkeypatch):
+    import io
+
+    from bumblebee import pairing
+
+    stream, real = io.StringIO(), pairing.tqdm
+    # no 3 s delay here, so that a bar would show within this short run
+    monkeypatch.setattr(pairing, "tqdm", lambda *a, **k: real(*a, **{**k, "delay": 0, "file": stream}))
+    pairing.pair("qwen3-tiny", steps=2, seq_len=8)
+    assert stream.getvalue() == ""
+
+
 def test_unknown_names_list_what_is_accepted(capsys):
     assert main(["pair", "--slot", "nope"]) == 2
     assert "attention" in capsys.readouterr().err
