@@ -134,6 +134,25 @@ def test_pair_checks_the_json_path_before_running(tmp_path, monkeypatch, capsys)
     assert sorted(tmp_path.iterdir()) == []
 
 
+def test_pair_help_documents_every_option_its_default_and_the_models(capsys):
+    import argparse
+
+    import pytest
+
+    from bumblebee.cli import parser
+    from bumblebee.models import NAMED
+
+    with pytest.raises(SystemExit) as exc:
+        main(["pair", "--help"])
+    out = " ".join(capsys.readouterr().out.split())  # argparse wraps to the terminal's width
+    assert exc.value.code == 0
+    assert all(name in out for name in NAMED) and "cross_entropy" in out
+    assert "(default: 5)" in out and "(default: qwen3-tiny)" in out and "exit status" in out
+    sub = next(a for a in parser()._actions if isinstance(a, argparse._SubParsersAction))
+    for action in sub.choices["pair"]._actions:
+        assert action.help, f"{action.option_strings} has no help text"
+
+
 def test_list_and_console_entry_point():
     res = subprocess.run([sys.executable, "-m", "bumblebee.cli", "list"], capture_output=True, text=True, check=True)
     assert "attention" in res.stdout and "materialized_ce" in res.stdout and "skills/" in res.stdout
