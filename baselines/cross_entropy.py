@@ -19,7 +19,7 @@ def materialized_cross_entropy(hidden, weight, labels, *, ignore_index=-100, red
     offset, vocab = vocab_range(weight.shape[0], process_group, hidden.device)
     check_cross_entropy_inputs(hidden, weight, labels, ignore_index=ignore_index, reduction=reduction,
                                label_smoothing=label_smoothing, temperature=temperature,
-                               vocab_offset=offset, vocab_total=vocab)
+                               vocab_offset=offset, vocab_total=vocab, z_loss_scale=z_loss_scale)
     hidden = copy_to_group(hidden, process_group)
     logits = hidden @ weight.t()  # [N, V_local], fp32 (float64 stays float64: the reference)
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature

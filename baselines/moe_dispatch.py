@@ -50,10 +50,16 @@ def local_dispatch(x_ND, weights_NK, indices_NK, experts, num_experts, *, chunks
     if group is not None and dist.get_world_size(group) > 1:
         raise ValueError("local dispatch needs all experts on this rank; the experts are sharded over an ep "
                          "group: use moe_dispatch='all_to_all' or 'chunked'")
+    if indices_NK.dim() != 2:
+        raise ValueError(f"indices must be [N, K], got shape {tuple(indices_NK.shape)}")
     N, K = indices_NK.shape
     err = _check_shapes(x_ND, weights_NK, indices_NK)
     if err:
         raise ValueError(err)
+    bad = (indices_NK < 0) | (indices_NK >= num_experts)
+    if bool(bad.any()):  # one host sync: wrong ids would otherwise fail deep in a split (or not at all)
+        ids = sorted(set(indices_NK[bad].tolist()))
+        raise ValueError(f"moe_dispatch: expert indices {ids[:8]} are outside [0, num_experts={num_experts})")
     order_M, inv_M, counts_1E = copy_order(indices_NK.reshape(-1), num_experts)
     x_MD = Permute.apply(x_ND, order_M // K, inv_M, K)
     y_MD = experts(x_MD, counts_1E[0])

@@ -14,7 +14,8 @@ filtering (cce) and without it (cce_exact: the exact peer), and a torch.compile'
 The floor is 6NHV FLOPs at the bf16 matmul rate measured in the same process (8192^3);
 10% of labels are ignored, and valid_floor_ms counts only the non-ignored tokens (implementations
 that skip ignored rows, as linear_ce and CCE do, can go below floor_ms).
-Results go to $BENCH_OUT/cross_entropy.json (default benchmarks/results/); `--plot` draws the PNG.
+Results go to $BENCH_OUT/cross_entropy.json (default benchmarks/results/); `--plot` draws the PNG
+(matplotlib: `pip install -e '.[plot]'`).
 """
 from __future__ import annotations
 

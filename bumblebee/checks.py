@@ -1,11 +1,13 @@
 """Input validation shared by primitives and baselines: clear ValueErrors, never device asserts."""
 from __future__ import annotations
 
+import math
+
 import torch
 
 
 def check_cross_entropy_inputs(hidden, weight, labels, *, ignore_index, reduction, label_smoothing,
-                               temperature, vocab_offset=0, vocab_total=None):
+                               temperature, vocab_offset=0, vocab_total=None, z_loss_scale=0.0):
     if hidden.dim() != 2:
         raise ValueError(f"hidden must be [N, H], got shape {tuple(hidden.shape)}")
     if weight.dim() != 2 or weight.shape[1] != hidden.shape[1]:
@@ -22,13 +24,34 @@ def check_cross_entropy_inputs(hidden, weight, labels, *, ignore_index, reductio
         raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
     if not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
-    if not temperature > 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
+    # inf would divide every logit to 0 (the uniform loss), nan poisons the loss: both are refused
+    if not (math.isfinite(temperature) and temperature > 0):
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature}")
+    if not (math.isfinite(z_loss_scale) and z_loss_scale >= 0):  # a negative scale was silently ignored
+        raise ValueError(f"z_loss_scale must be a finite number >= 0, got {z_loss_scale}")
     vocab = weight.shape[0] if vocab_total is None else vocab_total
     bad = (labels != ignore_index) & ((labels < 0) | (labels >= vocab))
     if labels.numel() and bool(bad.any()):  # one host sync; a device-side assert would kill the process
         value = int(labels[bad][0])
         raise ValueError(f"labels hold {value}, outside [0, {vocab}) and not ignore_index={ignore_index}")
+
+
+def check_is_tensor(name: str, value, what: str) -> None:
+    """TypeError naming the argument when `value` is not a tensor (a list fails later, obscurely)."""
+    if not isinstance(value, torch.Tensor):
+        hint = "; convert it with torch.tensor(...)" if isinstance(value, (list, tuple)) else ""
+        raise TypeError(f"{name} must be a torch.Tensor {what}, got {type(value).__name__}{hint}")
+
+
+def check_batch_shape(input_ids, name: str = "input_ids") -> None:
+    """A [B, T] batch of at least one token: every model refuses an empty one alike (B = 0 or T = 0
+    has no token to predict; the layers would fail deep inside on their reshapes)."""
+    check_is_tensor(name, input_ids, "of token ids [B, T] (int64 or int32)")
+    if input_ids.dim() != 2:
+        raise ValueError(f"{name} must be [B, T], got shape {tuple(input_ids.shape)}")
+    if input_ids.numel() == 0:
+        raise ValueError(f"{name} is an empty batch of shape {tuple(input_ids.shape)}: B and T must both be >= 1 "
+                         f"(leave an empty batch out before the forward)")
 
 
 def check_token_ids(input_ids: torch.Tensor, vocab_size: int, name: str = "input_ids") -> None:
@@ -79,9 +102,18 @@ def check_routed_experts(routed_experts, T, top_k, E):
         raise ValueError(f"routed_experts must be [T={T}, k={top_k}], got shape {tuple(routed_experts.shape)}")
     if routed_experts.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"routed_experts must be int64 or int32, got {routed_experts.dtype}")
+    if not routed_experts.numel():
+        return
     bad = (routed_experts < 0) | (routed_experts >= E)
-    if routed_experts.numel() and bool(bad.any()):
+    ordered = routed_experts.sort(dim=1).values
+    repeat_T = (ordered[:, 1:] == ordered[:, :-1]).any(dim=1)  # a token would count twice for one expert
+    out_of_range, repeated = torch.stack([bad.any(), repeat_T.any()]).tolist()  # one host sync
+    if out_of_range:
         raise ValueError(f"routed_experts hold {int(routed_experts[bad][0])}, outside the experts [0, {E})")
+    if repeated:
+        t = int(repeat_T.nonzero()[0, 0])
+        raise ValueError(f"routed_experts repeat an expert within a token: token {t} has "
+                         f"{routed_experts[t].tolist()}; a token's k experts must differ")
 
 
 def check_cu_seqlens(cu_seqlens, n_tokens: int) -> list[int]:

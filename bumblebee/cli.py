@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -15,31 +16,95 @@ def _swaps(items: list[str]) -> dict[str, str]:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="bumblebee", description=__doc__)
-    sub = parser.add_subparsers(dest="cmd", required=True)
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _check_writable(path: str) -> str | None:
+    """Why `path` cannot be written, or None: checked before a run, not after it (the file is
+    opened for appending and, if it did not exist, removed again)."""
+    existed = os.path.lexists(path)
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as e:
+        return e.strerror or str(e)
+    if not existed:
+        os.remove(path)
+    return None
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Defaults after each option's help (none for options without one); the epilog as written."""
+
+    def _get_help_string(self, action):
+        if action.default in (None, []):
+            return action.help
+        return super()._get_help_string(action)
+
+
+PAIR_DESCRIPTION = """Train one model twice, from the same weights on the same batches, once with each
+implementation of a slot; report per-step loss and grad-norm differences, and each side's peak
+memory and step time."""
+
+PAIR_EPILOG = """example:
+  bumblebee pair --model qwen3-tiny --slot cross_entropy --a linear_ce --b materialized_ce --json r.json
+
+exit status:
+  0  the two sides were compared (read the differences: pair does not judge them)
+  2  refused before running: an unknown name, a slot the model does not use, a bad argument
+  3  both sides ran the same code (a primitive whose kernels cannot run on this device runs its
+     twin's), so nothing was compared; the report is still printed (and written)
+
+skills/pairing/SKILL.md says how to read the report."""
+
+
+def parser() -> argparse.ArgumentParser:
+    from bumblebee import registry
+    from bumblebee.models.configs import NAMED
+
+    top = argparse.ArgumentParser(prog="bumblebee", description=__doc__)
+    sub = top.add_subparsers(dest="cmd", required=True)
     sub.add_parser("list", help="every slot, its implementations and SKILL.md")
-    p = sub.add_parser("pair", help="train one model with two implementations of a slot and compare")
-    p.add_argument("--model", default="qwen3-tiny")
-    p.add_argument("--slot", default="attention")
-    p.add_argument("--a", default="sdpa")
-    p.add_argument("--b", default="eager")
-    p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--batch-size", type=int, default=2)
-    p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--device", default=None)
+    p = sub.add_parser("pair", help="train one model with two implementations of a slot and compare",
+                       formatter_class=_HelpFormatter, epilog=PAIR_EPILOG,
+                       description=PAIR_DESCRIPTION)
+    p.add_argument("--model", default="qwen3-tiny", metavar="NAME", help=f"a named model: {', '.join(NAMED)}")
+    p.add_argument("--slot", default="attention",
+                   help=f"the slot to pair: {', '.join(registry.slots())} (bumblebee list: their implementations)")
+    p.add_argument("--a", default="sdpa", metavar="IMPL", help="the implementation of side a (usually the primitive)")
+    p.add_argument("--b", default="eager", metavar="IMPL", help="the implementation of side b (usually its twin)")
+    p.add_argument("--steps", type=_positive_int, default=5, metavar="N",
+                   help="AdamW steps per side; the first is the warm-up, left out of the step time")
+    p.add_argument("--seed", type=int, default=0, help="seed of the initial weights and of the token batches")
+    p.add_argument("--batch-size", type=_positive_int, default=2, metavar="B", help="sequences per batch")
+    p.add_argument("--seq-len", type=_positive_int, default=64, metavar="T", help="tokens per sequence")
+    p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (no weight decay)")
+    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda where available, else cpu)")
     p.add_argument("--swap", action="append", default=[], metavar="SLOT=IMPL",
-                   help="other slots to set on both sides")
-    p.add_argument("--json", default=None, metavar="PATH")
-    args = parser.parse_args(argv)
+                   help="set another slot alike on both sides, e.g. cross_entropy=linear_ce (repeatable)")
+    p.add_argument("--json", default=None, metavar="PATH",
+                   help="also write the report as JSON to PATH (checked before the run)")
+    return top
+
+
+def main(argv: list[str] | None = None) -> int:
+    top = parser()
+    args = top.parse_args(argv)
+    if args.cmd == "pair" and args.json and (why := _check_writable(args.json)):
+        top.error(f"--json {args.json}: cannot write there ({why})")
 
     from bumblebee import registry
     if args.cmd == "list":
         print(registry.describe())
         return 0
-    from bumblebee.pairing import format_report, pair, write_json
+    from bumblebee.pairing import SAME_CODE_EXIT, format_report, pair, write_json
     try:
         report = pair(args.model, args.slot, args.a, args.b, steps=args.steps, seed=args.seed,
                       batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr, device=args.device,
@@ -51,6 +116,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         write_json(report, args.json)
         print(f"wrote {args.json}")
+    if report["status"] == "same_code":
+        print(f"bumblebee pair: both sides ran {report['ran']['a']['code']}'s code on {report['device']}: "
+              f"nothing was compared", file=sys.stderr)
+        return SAME_CODE_EXIT
     return 0
 
 

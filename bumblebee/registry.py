@@ -7,9 +7,13 @@ model file.
 from __future__ import annotations
 
 import importlib
+import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
+
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -23,6 +27,9 @@ class Impl:
     twin: str | None  # the other implementation this one is checked against
     skill: str  # path of the SKILL.md, relative to the repository root
     summary: str = ""
+    # falls_back(device, dtype) -> why a training step there runs the twin's code instead of this
+    # implementation's own, or None; set by the primitives whose kernels need a device
+    falls_back: Callable | None = None
 
 
 _SLOTS: dict[str, dict[str, Impl]] = {}
@@ -30,8 +37,11 @@ _DEFAULTS: dict[str, str] = {}
 _loaded = False
 
 
-def register(slot: str, name: str, *, kind: str, twin: str | None = None, default: bool = False) -> Callable:
-    """Decorator: `@register("attention", "sdpa", kind="primitive", twin="eager")`."""
+def register(slot: str, name: str, *, kind: str, twin: str | None = None, default: bool = False,
+             falls_back: Callable | None = None) -> Callable:
+    """Decorator: `@register("attention", "sdpa", kind="primitive", twin="eager")`. A primitive that
+    runs its twin's code on some devices says so through `falls_back(device, dtype) -> reason | None`
+    (see `code_on`)."""
     if kind not in ("primitive", "baseline"):
         raise ValueError(f"kind must be 'primitive' or 'baseline', got {kind!r}")
 
@@ -39,14 +49,20 @@ def register(slot: str, name: str, *, kind: str, twin: str | None = None, defaul
         impls = _SLOTS.setdefault(slot, {})
         if name in impls and impls[name].obj is not obj:
             raise ValueError(f"implementation {name!r} of slot {slot!r} is registered twice")
-        doc = (obj.__doc__ or "").strip().splitlines()
         skill = f"skills/{slot.replace('_', '-')}/SKILL.md"
-        impls[name] = Impl(slot, name, obj, kind, twin, skill, doc[0] if doc else "")
+        impls[name] = Impl(slot, name, obj, kind, twin, skill, summary(obj.__doc__), falls_back)
         if default or slot not in _DEFAULTS:
             _DEFAULTS[slot] = name
         return obj
 
     return deco
+
+
+def summary(doc: str | None) -> str:
+    """The first sentence of a docstring, whole: its first line may stop mid-sentence."""
+    paragraph = " ".join((doc or "").strip().split("\n\n")[0].split())
+    m = re.match(r"(.+?[.!?])(?:\s|$)", paragraph)
+    return m.group(1) if m else paragraph
 
 
 def _load_all() -> None:
@@ -74,6 +90,14 @@ def get(slot: str, name: str | None = None) -> Impl:
     return _SLOTS[slot][name]
 
 
+def code_on(slot: str, name: str, device, dtype) -> tuple[str, str | None]:
+    """(the implementation whose code a training step of `name` runs on `device` in `dtype`, why
+    when that is not `name`'s own: a primitive whose kernels cannot run there runs its twin's code)."""
+    impl = get(slot, name)
+    why = impl.falls_back(torch.device(device), dtype) if impl.falls_back is not None else None
+    return (impl.twin, why) if why else (impl.name, None)
+
+
 def resolve(slot: str, name: str | None = None) -> Any:
     """The registered object itself (a function for functional slots, a class for module slots)."""
     return get(slot, name).obj
@@ -85,12 +109,42 @@ def build(slot: str, name: str | None = None, *args, **kwargs) -> Any:
     return obj(*args, **kwargs) if isinstance(obj, type) else obj
 
 
-def check_impl(impl: dict[str, str] | None) -> dict[str, str]:
-    """Validate a {slot: implementation} mapping; raises ValueError naming what is accepted."""
-    impl = dict(impl or {})
+class SlotChoices(dict):
+    """A model's {slot: implementation}, recording in `asked` every slot the model looks up while it
+    is built (looked up even when unset: the model then takes the default). A slot never looked up
+    is one the model does not use: choosing an implementation for it would change nothing, and a
+    pairing of it would report agreement that was never tested."""
+
+    def __init__(self, impl=()):
+        super().__init__(impl)
+        self.asked: set[str] = set()
+
+    def get(self, slot, default=None):
+        self.asked.add(slot)
+        return super().get(slot, default)
+
+
+def check_impl(impl: Mapping[str, str] | None) -> SlotChoices:
+    """Validate a {slot: implementation} mapping; raises TypeError / ValueError naming what is accepted."""
+    if impl is None:
+        return SlotChoices()
+    if not isinstance(impl, Mapping):
+        raise TypeError(f"impl must be a dict {{slot: implementation}}, e.g. {{'cross_entropy': 'linear_ce'}}; "
+                        f"got {type(impl).__name__} {impl!r}")
     for slot, name in impl.items():
+        if not isinstance(slot, str) or not isinstance(name, str):
+            raise TypeError(f"impl maps slot names to implementation names (strings), got {slot!r}: {name!r}")
         get(slot, name)
-    return impl
+    return SlotChoices(impl)
+
+
+def check_used(impl: SlotChoices, model: str) -> None:
+    """ValueError when `impl` names a slot that `model` (a label for messages) never looked up."""
+    unused = sorted(set(impl) - impl.asked)
+    if unused:
+        what = f"slot {unused[0]}" if len(unused) == 1 else f"slots {', '.join(unused)}"
+        verb = "is" if len(unused) == 1 else "are"
+        raise ValueError(f"{what} {verb} not used by model {model}; it uses: {', '.join(sorted(impl.asked))}")
 
 
 def describe() -> str:

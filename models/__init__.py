@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import torch
 
+from bumblebee import registry
 from bumblebee.models import hf_io
 from bumblebee.models.configs import NAMED
 from bumblebee.models.deepseek_v3 import DeepseekV3ForCausalLM
@@ -56,13 +57,22 @@ def init_buffers(model: torch.nn.Module) -> None:
             module.init_buffers()
 
 
+def _parse_config(cls, hf: dict, source: str):
+    """The model's config from an HF config dict; a missing field named with where it was read."""
+    try:
+        return cls.config_class.from_hf(hf)
+    except KeyError as e:
+        raise ValueError(f"{source} lacks the field {e.args[0]!r}, which {hf.get('model_type')} needs") from e
+
+
 def build(name_or_config, impl: dict | None = None, *, seed: int = 0, dtype=None, device="cpu"):
     """A freshly initialized model from a named config (`qwen3-tiny`, ...) or an HF config dict."""
     hf = _hf_config(name_or_config)
     cls = _model_class(hf)
-    config = cls.config_class.from_hf(hf)
+    config = _parse_config(cls, hf, f"config {name_or_config!r}" if isinstance(name_or_config, str) else "the config")
     with torch.device("meta"):
         model = cls(config, impl)
+    registry.check_used(model.impl, name_or_config if isinstance(name_or_config, str) else hf.get("model_type"))
     model.to_empty(device="cpu")
     model.tie_weights()
     init_buffers(model)
@@ -76,10 +86,11 @@ def from_pretrained(path, impl: dict | None = None, *, dtype=None, device="cpu")
     """Load config.json and *.safetensors written by transformers (or by `save_pretrained`)."""
     hf = hf_io.read_config(path)
     cls = _model_class(hf)
-    config = cls.config_class.from_hf(hf)
+    config = _parse_config(cls, hf, f"{path}/config.json")
     dtype = dtype or config.dtype
     with torch.device("meta"):
         model = cls(config, impl)
+    registry.check_used(model.impl, f"{hf.get('model_type')} ({path})")
     model.to_empty(device=device)
     model.tie_weights()
     init_buffers(model)

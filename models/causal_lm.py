@@ -14,7 +14,7 @@ from torch.utils.checkpoint import checkpoint
 
 from bumblebee import packing
 from bumblebee import recompute as recompute_phase
-from bumblebee.checks import check_cu_seqlens, check_token_ids
+from bumblebee.checks import check_batch_shape, check_cu_seqlens, check_is_tensor, check_token_ids
 from bumblebee.models.components import CausalLMOutput, causal_lm_loss, next_token_labels
 from bumblebee.models.hf_io import HFCheckpointMixin
 from bumblebee.models.moe import MoECausalLMOutput, load_balancing_loss
@@ -100,8 +100,8 @@ class CausalLM(HFCheckpointMixin, nn.Module):
 
     def check_inputs(self, input_ids, labels, position_ids):
         """Validated inputs; returns position_ids (0..T-1 per row when None)."""
-        if input_ids.dim() != 2:
-            raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
+        check_batch_shape(input_ids)
+        self._check_types(labels, position_ids)
         check_token_ids(input_ids, self.config.vocab_size)
         if labels is not None and labels.shape != input_ids.shape:
             raise ValueError(f"labels must have input_ids' shape {tuple(input_ids.shape)}, got {tuple(labels.shape)}")
@@ -113,8 +113,8 @@ class CausalLM(HFCheckpointMixin, nn.Module):
         """For a packed batch (the B*T tokens are sequences cut at `cu_seqlens` [S+1]): segment ids
         [B, T], positions restarting per sequence (unless given), and labels whose target never
         crosses a sequence boundary. Returns (segment_ids, position_ids, labels)."""
-        if input_ids.dim() != 2:
-            raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
+        check_batch_shape(input_ids)
+        self._check_types(labels, position_ids)
         n, dev = input_ids.numel(), input_ids.device
         cu = check_cu_seqlens(cu_seqlens, n)  # one host sync per packed batch
         segment_ids = packing.sequence_ids(cu, dev)
@@ -194,3 +194,13 @@ class CausalLM(HFCheckpointMixin, nn.Module):
         if labels is None or return_logits:
             out.logits = self.lm_head(hidden)
         return out
+
+    def slots_used(self) -> tuple[str, ...]:
+        """The slots this model looked up while it was built (see `registry.SlotChoices`)."""
+        return tuple(sorted(self.impl.asked))
+
+    @staticmethod
+    def _check_types(labels, position_ids):
+        for name, value in (("labels", labels), ("position_ids", position_ids)):
+            if value is not None:
+                check_is_tensor(name, value, "[B, T] like input_ids")

@@ -48,6 +48,8 @@ class Qwen3Config:
     def from_hf(cls, hf: dict) -> "Qwen3Config":
         if hf.get("use_sliding_window"):
             raise ValueError("use_sliding_window=True is not supported for qwen3")
+        if hf.get("hidden_act", "silu") != "silu":  # the MLPs are SwiGLU: another activation would run as silu
+            raise ValueError(f"{hf.get('model_type', 'qwen3')} supports hidden_act 'silu', got {hf['hidden_act']!r}")
         heads = hf["num_attention_heads"]
         return cls(
             vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],

@@ -23,15 +23,35 @@ def read_config(path) -> dict:
     path = Path(path)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path} has no config.json")
-    with open(path / "config.json") as f:
-        return json.load(f)
+    return _read_json(path / "config.json")
+
+
+def _read_json(file: Path) -> dict:
+    """A JSON object from `file`; a ValueError naming the file and the place where it is not one."""
+    try:
+        with open(file) as f:
+            data = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{file} is not valid JSON: {e.msg} at line {e.lineno}, column {e.colno}") from e
+    if not isinstance(data, dict):
+        raise ValueError(f"{file} must hold a JSON object, got a {type(data).__name__}")
+    return data
+
+
+def _safe_open(file: Path):
+    """safe_open with the file named in its errors: which shard of many is corrupt."""
+    try:
+        return safe_open(file, "pt")
+    except Exception as e:  # safetensors' own SafetensorError derives from Exception only
+        raise ValueError(f"{file} is not a readable safetensors file: {e}") from e
 
 
 def _weight_files(path: Path) -> dict[str, Path]:
     """tensor name -> file holding it."""
     if (path / INDEX).is_file():
-        with open(path / INDEX) as f:
-            weight_map = json.load(f)["weight_map"]
+        weight_map = _read_json(path / INDEX).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{path / INDEX} lacks its weight_map {{tensor name: file}}")
         files = {name: path / file for name, file in weight_map.items()}
         for file in set(files.values()):
             if not file.is_file():
@@ -40,7 +60,7 @@ def _weight_files(path: Path) -> dict[str, Path]:
     single = path / "model.safetensors"
     if not single.is_file():
         raise FileNotFoundError(f"{path} has neither model.safetensors nor {INDEX}")
-    with safe_open(single, "pt") as f:
+    with _safe_open(single) as f:
         return {name: single for name in f.keys()}
 
 
@@ -81,7 +101,7 @@ def load_weights(model: torch.nn.Module, path, *, optional: tuple[str, ...] = ()
             by_file.setdefault(files[name], []).append(name)
     with torch.no_grad():
         for file, names in by_file.items():
-            with safe_open(file, "pt") as f:
+            with _safe_open(file) as f:
                 for name in names:
                     _copy(params[name], f.get_tensor(name), name, file.name)
         with ExitStack() as stack:
@@ -89,7 +109,7 @@ def load_weights(model: torch.nn.Module, path, *, optional: tuple[str, ...] = ()
             for name, (srcs, combine) in sources.items():
                 for src in srcs:
                     if files[src] not in handles:
-                        handles[files[src]] = stack.enter_context(safe_open(files[src], "pt"))
+                        handles[files[src]] = stack.enter_context(_safe_open(files[src]))
                 tensors = [handles[files[src]].get_tensor(src) for src in srcs]
                 _copy(params[name], combine(tensors), name, files[srcs[0]].name)
 

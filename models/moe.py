@@ -181,7 +181,7 @@ class MoEBlock(nn.Module):
                  n_group=1, topk_group=1, scaling_factor=1.0, shared_hidden=0, shared_expert_gate=False,
                  impl=None, grouped_mm="auto", ep_group=None, dispatch_chunks=None):
         super().__init__()
-        impl = impl or {}
+        impl = {} if impl is None else impl  # the model's own mapping: it records the slots looked up
         self.num_experts = num_experts
         self.dispatch_chunks = dispatch_chunks  # chunked dispatch: C or relative chunk sizes (None: its default)
         self.gate = TopKRouter(dim, num_experts, top_k, scoring=scoring, norm_topk_prob=norm_topk_prob,

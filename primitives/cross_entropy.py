@@ -256,7 +256,7 @@ def linear_cross_entropy(hidden, weight, labels, *, ignore_index=-100, reduction
     offset, vocab = vocab_range(weight.shape[0], process_group, hidden.device)
     check_cross_entropy_inputs(hidden, weight, labels, ignore_index=ignore_index, reduction=reduction,
                                label_smoothing=label_smoothing, temperature=temperature,
-                               vocab_offset=offset, vocab_total=vocab)
+                               vocab_offset=offset, vocab_total=vocab, z_loss_scale=z_loss_scale)
     valid = labels != ignore_index
     n_valid = int(valid.sum())  # one host sync (the label check already made one)
     if 0 < n_valid < labels.shape[0]:  # ignored rows contribute nothing: drop them from the GEMMs

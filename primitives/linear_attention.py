@@ -109,7 +109,22 @@ def fla_backward_ok() -> bool:
         return importlib.util.find_spec("tilelang") is not None
 
 
-@register("linear_attention", "fla", kind="primitive", twin="torch_chunked", default=True)
+_NO_FLA_BACKWARD = ("flash-linear-attention refuses its gated backward with this Triton on Hopper and our "
+                    "replacement kernel could not be installed: training runs the torch twin's math")
+
+
+def fla_falls_back(device, dtype=None, training=True):
+    """Why the layer runs the twin's torch math on `device`, or None (fla's kernels run)."""
+    if device.type != "cuda":
+        return "flash-linear-attention's kernels need CUDA: the twin's torch math runs"
+    if fla_ops() is None:
+        return "flash-linear-attention is not installed (or cannot run here): the twin's torch math runs"
+    if training and not fla_backward_ok():
+        return _NO_FLA_BACKWARD
+    return None
+
+
+@register("linear_attention", "fla", kind="primitive", twin="torch_chunked", default=True, falls_back=fla_falls_back)
 class FLAGatedDeltaNet(nn.Module):
     """Gated DeltaNet on flash-linear-attention's chunked kernels (CUDA); the twin's math elsewhere."""
 
@@ -134,14 +149,10 @@ class FLAGatedDeltaNet(nn.Module):
         self.in_proj_a = nn.Linear(hidden_size, num_v_heads, bias=False)
 
     def _fast(self, x):
-        if not x.is_cuda or fla_ops() is None:
-            return False
-        if torch.is_grad_enabled() and not fla_backward_ok():
-            warnings.warn("flash-linear-attention refuses its gated backward with this Triton on Hopper and "
-                          "our replacement kernel could not be installed: training runs the torch twin's math",
-                          stacklevel=3)
-            return False
-        return True
+        why = fla_falls_back(x.device, x.dtype, training=torch.is_grad_enabled())
+        if why == _NO_FLA_BACKWARD:  # a silent fallback on a GPU would pass for fla in every report
+            warnings.warn(why, stacklevel=3)
+        return why is None
 
     def forward(self, x_BTD, cu_seqlens=None):
         """x [B, T, D] -> [B, T, D]; cu_seqlens [S+1]: the B*T tokens are packed sequences."""

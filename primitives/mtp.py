@@ -21,7 +21,13 @@ def _shift_left(x_BT, shift, fill):
 
 
 def _materialized_ce(hidden, weight, labels, *, ignore_index=-100, reduction="mean"):
-    return F.cross_entropy(F.linear(hidden, weight).float(), labels, ignore_index=ignore_index, reduction=reduction)
+    logits = F.linear(hidden, weight).float()
+    if reduction != "mean":
+        return F.cross_entropy(logits, labels, ignore_index=ignore_index, reduction=reduction)
+    # the mean over the valid targets, 0 (with zero gradients) when every one is ignored, as the
+    # twin and the cross_entropy slot give; F.cross_entropy's own mean is 0 / 0 = NaN there
+    total = F.cross_entropy(logits, labels, ignore_index=ignore_index, reduction="sum")
+    return total / (labels != ignore_index).sum().clamp(min=1)
 
 
 @register("mtp", "lean", kind="primitive", twin="materialized", default=True)

@@ -19,10 +19,17 @@ from bumblebee.checks import check_router_inputs
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def _falls_back(device, dtype):
+    """Why routing on `device` in `dtype` runs the twin's torch algorithm, or None (the fused kernel)."""
+    if not (device.type == "cuda" or _INTERPRET):
+        return "the fused Triton kernel needs CUDA: the twin's torch algorithm runs"
+    if dtype == torch.float64:
+        return "float64 routes through the twin's torch algorithm (the reference precision)"
+    return None
+
+
 def _kernel_usable(logits):
-    if not (logits.is_cuda or _INTERPRET) or logits.dtype == torch.float64:  # float64: the torch reference
-        return False
-    return True
+    return _falls_back(logits.device, logits.dtype) is None
 
 
 def _weights_from_logits(logits_TE, indices_TK, scaling_factor, norm_topk_prob):
@@ -52,7 +59,7 @@ class _FusedAuxFreeTopK(torch.autograd.Function):
         return grad, None, None, None, None, None, None
 
 
-@register("router", "aux_free", kind="primitive", twin="aux_free_ref", default=False)
+@register("router", "aux_free", kind="primitive", twin="aux_free_ref", default=False, falls_back=_falls_back)
 def aux_free_topk(logits, bias, *, top_k, n_group, topk_group, scaling_factor=1.0, norm_topk_prob=True,
                   routed_experts=None, return_counts=False):
     """Auxiliary-loss-free sigmoid top-k with group limits, one fused Triton kernel on CUDA."""

@@ -4,11 +4,13 @@ sequence's first token, which has none), as inference engines report sampled tok
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from bumblebee.checks import check_batch_shape
 from bumblebee.models import moe
 from bumblebee.runtime.losses import LOSSES, policy_loss
 
@@ -33,6 +35,7 @@ class Batch:
         if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"batch.input_ids must be an int [B, T] tensor, got "
                              f"{getattr(ids, 'dtype', type(ids))} of shape {tuple(getattr(ids, 'shape', ()))}")
+        check_batch_shape(ids, "batch.input_ids")
         for name in ("loss_mask", "weights", "advantages", "sampler_logprobs", "position_ids"):
             t = getattr(self, name)
             if t is not None and (not isinstance(t, torch.Tensor) or t.shape != ids.shape):
@@ -60,8 +63,8 @@ def token_logprobs(model, batch: Batch, *, temperature: float = 1.0, entropy: bo
     reduction="none": with `linear_ce` no [N, V] logits exist). `loss_fn(out) -> scalar`, when
     given, becomes `out.loss` inside the forward (so a sharded model's head is whole)."""
     batch.check()
-    if not temperature > 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if not (math.isfinite(temperature) and temperature > 0):
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature}")
     ids = batch.input_ids
     mask = torch.ones_like(ids, dtype=torch.bool) if batch.loss_mask is None else batch.loss_mask
     labels = ids.masked_fill(~mask, -100).long()

@@ -45,3 +45,13 @@ def test_import_direction(folder, path):
         parts = name.split(".")
         if len(parts) > 1 and parts[1] in FORBIDDEN[folder]:
             pytest.fail(f"{path}: {folder}/ must not import bumblebee.{parts[1]} ({name})")
+
+
+def test_plotting_benchmarks_have_an_extra_that_installs_matplotlib():
+    import tomllib
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    plotting = [p.name for p in (ROOT / "benchmarks").glob("*.py") if "matplotlib" in set(_imports(p))]
+    assert plotting, "no benchmark draws a plot: drop this test"
+    assert any(dep.startswith("matplotlib") for deps in extras.values() for dep in deps), \
+        f"{plotting} import matplotlib, which no extra of pyproject.toml installs"

@@ -18,6 +18,10 @@ def test_pair_cli_writes_table_and_json(tmp_path, capsys):
     r = json.loads(out.read_text())
     assert {"model", "slot", "a", "b", "device", "steps", "peak_memory_bytes", "step_time_ms"} <= set(r)
     assert (r["model"], r["slot"], r["a"], r["b"], r["device"]) == ("qwen3-tiny", "attention", "sdpa", "eager", "cpu")
+    assert r["timed_steps"] == 2 and not r["step_time_includes_warmup"]
+    assert "(median of 2 steps after warm-up)" in table
+    assert r["status"] == "compared" and r["ran"] == {"a": {"code": "sdpa", "note": None},
+                                                      "b": {"code": "eager", "note": None}}
     assert len(r["steps"]) == 3 and all(set(s) == STEP_KEYS for s in r["steps"])
     for s in r["steps"]:
         assert s["loss_abs_diff"] < 1e-4 and s["grad_norm_rel_diff"] < 1e-4
@@ -47,6 +51,44 @@ def test_pair_detects_a_different_function(monkeypatch):
     assert max(s["grad_norm_rel_diff"] for s in r["steps"]) > 1e-3
 
 
+def test_pair_flags_a_primitive_that_ran_its_twins_code(tmp_path, capsys):
+    # fla's kernels never run on a CPU: the primitive runs torch_chunked's math, so both sides agree
+    # exactly without testing fla; the table, the JSON and the exit status say so
+    out = tmp_path / "r.json"
+    assert main(["pair", "--model", "qwen3.5-tiny", "--slot", "linear_attention", "--a", "fla",
+                 "--b", "torch_chunked", "--steps", "1", "--seq-len", "12", "--device", "cpu",
+                 "--json", str(out)]) == 3
+    captured = capsys.readouterr()
+    assert "a=fla ran torch_chunked's code: flash-linear-attention's kernels need CUDA" in captured.out
+    assert "SAME CODE: both sides ran torch_chunked's code on cpu" in captured.out
+    assert "nothing was compared" in captured.err
+    r = json.loads(out.read_text())
+    assert r["status"] == "same_code" and r["ran"]["a"]["code"] == r["ran"]["b"]["code"] == "torch_chunked"
+    assert "CUDA" in r["ran"]["a"]["note"] and r["ran"]["b"]["note"] is None
+
+
+def test_pair_of_an_implementation_with_itself_is_flagged():
+    from bumblebee.pairing import format_report, pair
+
+    r = pair("qwen3-tiny", "attention", "eager", "eager", steps=1, seq_len=8)
+    assert r["status"] == "same_code"
+    # one step: the only time there is belongs to the warm-up step, and the report says so
+    assert r["timed_steps"] == 1 and r["step_time_includes_warmup"]
+    assert "(the warm-up step alone, not a steady-state time: run --steps 2 or more)" in format_report(r)
+
+
+def test_progress_bar_stays_off_a_stream_that_is_not_a_terminal(monkeypatch):
+    import io
+
+    from bumblebee import pairing
+
+    stream, real = io.StringIO(), pairing.tqdm
+    # no 3 s delay here, so that a bar would show within this short run
+    monkeypatch.setattr(pairing, "tqdm", lambda *a, **k: real(*a, **{**k, "delay": 0, "file": stream}))
+    pairing.pair("qwen3-tiny", steps=2, seq_len=8)
+    assert stream.getvalue() == ""
+
+
 def test_unknown_names_list_what_is_accepted(capsys):
     assert main(["pair", "--slot", "nope"]) == 2
     assert "attention" in capsys.readouterr().err
@@ -55,6 +97,67 @@ def test_unknown_names_list_what_is_accepted(capsys):
     assert "flash9" in err and "sdpa" in err and "eager" in err
 
 
+def test_pair_refuses_a_slot_the_model_does_not_use(capsys):
+    # qwen3 has no router: both sides would run the same model and agree exactly
+    assert main(["pair", "--model", "qwen3-tiny", "--slot", "router", "--a", "aux_free", "--b", "aux_free_ref"]) == 2
+    assert "slot router is not used by model qwen3-tiny; it uses: attention, cross_entropy" in capsys.readouterr().err
+    assert main(["pair", "--model", "qwen3-tiny", "--slot", "mla", "--a", "flash", "--b", "naive"]) == 2
+    assert "slot mla is not used" in capsys.readouterr().err
+
+
+def test_pair_refuses_an_empty_batch_before_running(capsys):
+    import pytest
+
+    from bumblebee.pairing import pair
+
+    for opt in ("--batch-size", "--seq-len", "--steps"):
+        with pytest.raises(SystemExit) as exc:
+            main(["pair", opt, "0"])
+        assert exc.value.code == 2 and f"{opt}: must be >= 1, got 0" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="batch_size must be an int >= 1, got 0"):
+        pair("qwen3-tiny", batch_size=0)
+
+
+def test_pair_checks_the_json_path_before_running(tmp_path, monkeypatch, capsys):
+    import pytest
+
+    from bumblebee import pairing
+
+    def never(*a, **k):
+        raise AssertionError("the run started before the --json path was checked")
+
+    monkeypatch.setattr(pairing, "pair", never)
+    for bad in (tmp_path / "no-such-dir" / "r.json", tmp_path):  # a missing folder; a folder itself
+        with pytest.raises(SystemExit) as exc:
+            main(["pair", "--json", str(bad)])
+        assert exc.value.code == 2 and f"--json {bad}: cannot write there" in capsys.readouterr().err
+    assert sorted(tmp_path.iterdir()) == []
+
+
+def test_pair_help_documents_every_option_its_default_and_the_models(capsys):
+    import argparse
+
+    import pytest
+
+    from bumblebee.cli import parser
+    from bumblebee.models import NAMED
+
+    with pytest.raises(SystemExit) as exc:
+        main(["pair", "--help"])
+    out = " ".join(capsys.readouterr().out.split())  # argparse wraps to the terminal's width
+    assert exc.value.code == 0
+    assert all(name in out for name in NAMED) and "cross_entropy" in out
+    assert "(default: 5)" in out and "(default: qwen3-tiny)" in out and "exit status" in out
+    sub = next(a for a in parser()._actions if isinstance(a, argparse._SubParsersAction))
+    for action in sub.choices["pair"]._actions:
+        assert action.help, f"{action.option_strings} has no help text"
+
+
 def test_list_and_console_entry_point():
     res = subprocess.run([sys.executable, "-m", "bumblebee.cli", "list"], capture_output=True, text=True, check=True)
     assert "attention" in res.stdout and "materialized_ce" in res.stdout and "skills/" in res.stdout
+    from bumblebee import registry
+    for impls in registry.slots().values():
+        for impl in impls.values():  # whole sentences, never cut at the docstring's first line break
+            assert impl.summary.endswith((".", "!", "?")) and f": {impl.summary}" in res.stdout, impl.summary
+    assert "FA4 where installed (dense: head dim <= 128; packed: any it runs), else SDPA, cuDNN first." in res.stdout

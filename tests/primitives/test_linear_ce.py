@@ -216,6 +216,24 @@ def test_label_out_of_range_names_value():
         linear_cross_entropy(hidden, weight, labels)
 
 
+@pytest.mark.parametrize("twin", [False, True], ids=["linear_ce", "materialized_ce"])
+@pytest.mark.parametrize("kw,msg", [
+    (dict(z_loss_scale=-1e-3), r"z_loss_scale must be a finite number >= 0, got -0.001"),
+    (dict(z_loss_scale=float("nan")), r"z_loss_scale must be a finite number >= 0, got nan"),
+    (dict(temperature=float("inf")), r"temperature must be a finite number > 0, got inf"),
+    (dict(temperature=float("nan")), r"temperature must be a finite number > 0, got nan"),
+    (dict(temperature=0.0), r"temperature must be a finite number > 0, got 0.0"),
+    (dict(temperature=-2.0), r"temperature must be a finite number > 0, got -2.0"),
+])
+def test_bad_scales_are_refused_by_both_twins(twin, kw, msg):
+    # a negative z-loss scale was ignored and temperature=inf gave the uniform loss, silently
+    from bumblebee.baselines.cross_entropy import materialized_cross_entropy
+
+    hidden, weight, labels, _ = make()
+    with pytest.raises(ValueError, match=msg):
+        (materialized_cross_entropy if twin else linear_cross_entropy)(hidden, weight, labels, **kw)
+
+
 @pytest.mark.parametrize("case", ["hidden_dim", "dtype", "label_shape", "label_dtype", "reduction", "hidden_rank"])
 def test_bad_shapes_and_dtypes(case):
     hidden, weight, labels, _ = make()

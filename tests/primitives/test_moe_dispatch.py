@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import re
 import socket
 from pathlib import Path
 
@@ -528,6 +529,21 @@ def test_permutation_helpers_match_plain_torch():
     # bf16: one rounding of an fp32 sum, close to the float64 result
     got = mp_.unpermute(y.bfloat16(), w.float(), inv)
     assert got.dtype == torch.bfloat16 and rel(got, ref) < 1e-2
+
+
+def test_local_dispatch_names_expert_ids_out_of_range():
+    local = registry.resolve("moe_dispatch", "local")
+    experts = GroupedExperts(4, 8, 6)
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.normal_()
+    x, w = torch.randn(3, 8), torch.rand(3, 2)
+    for ids in ([[0, 1], [2, 4], [3, 1]], [[0, 1], [-1, 2], [3, 7]]):
+        bad = sorted(i for row in ids for i in row if not 0 <= i < 4)
+        with pytest.raises(ValueError, match=re.escape(f"expert indices {bad} are outside [0, num_experts=4)")):
+            local(x, w, torch.tensor(ids), experts, 4)
+    with pytest.raises(ValueError, match=r"indices must be \[N, K\]"):
+        local(x, w, torch.tensor([0, 1, 2]), experts, 4)
 
 
 def test_chunked_needs_expert_weights():

@@ -209,3 +209,16 @@ def test_linear_ce_peak_memory_gpu():
         peaks[name] = torch.cuda.max_memory_allocated() - base
     logits_bytes = T * vocab * 4
     assert peaks["mat"] - peaks["lean"] > logits_bytes, peaks
+
+
+@pytest.mark.parametrize("loss_fn", [None, "slot"])
+def test_every_target_ignored_gives_zero_loss_and_zero_gradients(loss_fn):
+    # e.g. a batch whose sequences are shorter than the depth: the twin's loss is 0, not NaN
+    lean, mat, embed, head = setup()
+    hidden, ids, labels = inputs()
+    labels = torch.full_like(labels, -100)
+    kw = {"loss_fn": ce_slot()} if loss_fn else {}
+    for mtp, extra in ((lean, kw), (mat, {})):
+        loss, depths, g = grads(mtp, embed, head, hidden, ids, labels, **extra)
+        assert loss.item() == 0 and torch.equal(depths, torch.zeros(2))
+        assert all(torch.isfinite(x).all() and not x.any() for x in g)

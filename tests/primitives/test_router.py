@@ -5,11 +5,13 @@ The Triton kernel runs on the CPU under TRITON_INTERPRET=1 in a subprocess (this
 script with --interpret); bf16 and large shapes run in the GPU tests.
 """
 import json
+import os
 import sys
 
 import pytest
 import torch
 
+from bumblebee import registry
 from bumblebee.baselines import router as base
 from bumblebee.primitives import router as prim
 from tests.interpreter import run_under_interpreter
@@ -166,6 +168,8 @@ BAD = [
     (dict(routed_experts=torch.zeros(5, 4, dtype=torch.long)), r"routed_experts must be \[T=7, k=4\], got shape \(5, 4\)"),
     (dict(routed_experts=torch.full((7, 4), 16)), r"routed_experts hold 16, outside the experts \[0, 16\)"),
     (dict(routed_experts=torch.full((7, 4), -1)), r"routed_experts hold -1"),
+    (dict(routed_experts=torch.tensor([[0, 1, 2, 3]] * 6 + [[5, 9, 5, 1]])),
+     r"routed_experts repeat an expert within a token: token 6 has \[5, 9, 5, 1\]"),
     (dict(bias=torch.zeros(15)), r"bias must be \[E=16\]"),
 ]
 
@@ -185,6 +189,8 @@ def test_softmax_bad_input_raises_value_error():
         base.softmax_topk(torch.randn(3, 4), top_k=5)
     with pytest.raises(ValueError, match=r"routed_experts hold 4"):
         base.softmax_topk(torch.randn(3, 4), top_k=2, routed_experts=torch.full((3, 2), 4))
+    with pytest.raises(ValueError, match=r"repeat an expert within a token: token 0 has \[1, 1\]"):
+        base.softmax_topk(torch.randn(3, 4), top_k=2, routed_experts=torch.tensor([[1, 1], [0, 1], [2, 3]]))
 
 
 # ---- bias update -------------------------------------------------------------------------------
@@ -371,3 +377,17 @@ def test_grouped_mm_experts_backward_matches_loop_with_expanded_gradient():
 
 if __name__ == "__main__" and "--interpret" in sys.argv:
     _interpret_main()
+
+
+def test_aux_free_says_when_it_runs_the_twins_algorithm():
+    # what `bumblebee pair` reports: float64 always routes through the torch reference algorithm,
+    # and without CUDA (outside the Triton interpreter) so does every dtype
+    code, why = registry.code_on("router", "aux_free", "cuda", torch.float64)  # a description: no GPU needed
+    assert code == "aux_free_ref" and "float64" in why
+    assert registry.code_on("router", "aux_free", "cuda", torch.bfloat16) == ("aux_free", None)
+    code, why = registry.code_on("router", "aux_free", "cpu", torch.float32)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        assert (code, why) == ("aux_free", None)
+    else:
+        assert code == "aux_free_ref" and "CUDA" in why
+    assert registry.code_on("router", "aux_free_ref", "cpu", torch.float32) == ("aux_free_ref", None)

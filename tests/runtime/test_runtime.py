@@ -140,6 +140,9 @@ def test_bad_input():
         rt.optim_step()
     with pytest.raises(ValueError, match="temperature"):
         rt.forward(Batch(ids), temperature=0.0)
+    for empty in (ids[:0], ids[:, :0]):  # an empty batch: refused up front, not deep in a reshape
+        with pytest.raises(ValueError, match=r"batch.input_ids is an empty batch of shape"):
+            rt.forward_backward(Batch(empty))
 
 
 # ---- two gloo ranks under a sharded state ------------------------------------------------------------
