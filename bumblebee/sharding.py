@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import math
 import warnings
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -296,17 +295,14 @@ class TrainState:
         return out
 
     def save_pretrained(self, path, *, max_shard_bytes: int = 5 * 2**30) -> None:
-        """HF export from the sharded state: every rank gathers, rank 0 writes (atomically)."""
+        """HF export from the sharded state: every rank gathers, rank 0 writes (each file atomically,
+        nothing else in the folder touched); an error is raised on every rank."""
+        from bumblebee.distributed import on_rank0
         from bumblebee.models import hf_io
         state = self.full_state_dict(rank0_only=True)
-        error = None
-        if dist.get_rank(self.group) == 0:
-            try:
-                if hasattr(self.model, "ours_to_hf_state"):  # e.g. fused experts -> per-expert keys
-                    state = self.model.ours_to_hf_state(state)
-                hf_io.save_weights(state, self.model.config.to_hf(), Path(path), max_shard_bytes=max_shard_bytes)
-            except Exception as e:  # noqa: BLE001  (re-raised after the barrier: no rank is left waiting)
-                error = e
-        dist.barrier(group=self.group)
-        if error is not None:
-            raise error
+
+        def write():
+            out = self.model.ours_to_hf_state(state) if hasattr(self.model, "ours_to_hf_state") else state
+            config, generation_config = hf_io.export_configs(self.model)
+            hf_io.save_weights(out, config, path, generation_config=generation_config, max_shard_bytes=max_shard_bytes)
+        on_rank0(write, self.group)

@@ -37,6 +37,16 @@ def _hf_config(name_or_config) -> dict:
     return copy.deepcopy(NAMED[name_or_config])
 
 
+def _source(cls, hf: dict, generation_config: dict | None = None) -> dict:
+    """What an export carries through from the config the model came from: the fields of the text
+    model (a multimodal hub config nests them under text_config), with the top level's token ids."""
+    fields = cls.config_class.text_fields(hf) if hasattr(cls.config_class, "text_fields") else dict(hf)
+    for k in hf_io.TOKEN_IDS:
+        if k in hf and k not in fields:
+            fields[k] = hf[k]
+    return {"config": copy.deepcopy(fields), "generation_config": copy.deepcopy(generation_config)}
+
+
 def init_weights(model: torch.nn.Module, seed: int = 0) -> None:
     """Normal(0, initializer_range) for matrices, ones for norms (transformers' init)."""
     g = torch.Generator().manual_seed(seed)
@@ -69,6 +79,7 @@ def build(name_or_config, impl: dict | None = None, *, seed: int = 0, dtype=None
     init_weights(model, seed)
     if hasattr(model, "init_extra_weights"):  # a model's own init where the generic one differs
         model.init_extra_weights(seed)
+    model.hf_source = _source(cls, hf)
     return model.to(device=device, dtype=dtype or config.dtype)
 
 
@@ -90,6 +101,7 @@ def from_pretrained(path, impl: dict | None = None, *, dtype=None, device="cpu")
         more, ignore = model.checkpoint_extras(path)
         optional += more
     hf_io.load_weights(model, path, optional=optional, ignore_prefixes=ignore)
+    model.hf_source = _source(cls, hf, hf_io.read_generation_config(path))
     return model
 
 

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from bumblebee import models, registry
+from bumblebee import checkpoint, models, registry
 
 CFG, MOE, TIED, Q35, ODD, DSV3 = ("qwen3-tiny", "qwen3-moe-tiny", "tied", "qwen3.5-moe-tiny", "odd-vocab",
                                   "deepseek-v3-mtp-tiny")
@@ -285,14 +285,14 @@ def one_rank(mesh, out: Path):
         state.load(out / "half")
     except ValueError as e:
         res["half"] = str(e)
-    # crash mid-save, after every DCP file is written but before the completion marker and the
-    # rename: the previous checkpoint stays in place and the debris is refused as incomplete
+    # crash mid-save, after every DCP file is written but before the json's commit: the previous
+    # checkpoint stays current and the new data folder is removed (tests/core/test_checkpoint.py has more)
     import types
-    from bumblebee import checkpoint
     state.save(out / "crash")
     res["crash_saved"] = _full(state)
+    before = sorted(p.name for p in (out / "crash").iterdir())
     _train(state, mesh, 2)
-    real_dcp, real_commit = checkpoint.dcp, checkpoint._commit
+    real_dcp, real_shutil = checkpoint.dcp, checkpoint.shutil
 
     def save_then_crash(*a, **kw):
         real_dcp.save(*a, **kw)
@@ -304,30 +304,27 @@ def one_rank(mesh, out: Path):
         res["crash"] = str(e)
     finally:
         checkpoint.dcp = real_dcp
+    res["crash_listing"] = (before, sorted(p.name for p in (out / "crash").iterdir()))
     fresh = _apply("fsdp2", mesh=mesh, seed=9)
     fresh.load(out / "crash")
     res["crash_loaded"] = _full(fresh)
-    try:
-        fresh.load(out / ".crash.partial")
-    except ValueError as e:
-        res["partial"] = str(e)
 
-    # crash between the two renames of the swap: load falls back to the previous checkpoint
-    def rename_once_then_crash(tmp, path):
-        os.rename(path, checkpoint._aside(path, "old"))
-        raise RuntimeError("simulated crash between the renames")
-    checkpoint._commit = rename_once_then_crash
+    # crash after the commit, before the previous data folder is removed: the new checkpoint is current
+    def crash(*a, **kw):
+        raise RuntimeError("simulated crash after the commit")
+    checkpoint.shutil = types.SimpleNamespace(rmtree=crash)
     try:
         state.save(out / "crash")
     except RuntimeError as e:
         res["crash2"] = str(e)
     finally:
-        checkpoint._commit = real_commit
+        checkpoint.shutil = real_shutil
     fresh = _apply("fsdp2", mesh=mesh, seed=11)
     fresh.load(out / "crash")
-    res["crash2_loaded"] = _full(fresh)
-    state.save(out / "crash")  # the next save completes and cleans up
-    res["crash_after"] = sorted(p.name for p in out.iterdir() if "crash" in p.name)
+    res["crash2_saved"], res["crash2_loaded"] = _full(state), _full(fresh)
+    state.save(out / "crash")  # the next save completes and removes the leftover
+    res["crash_after"] = sorted(p.name for p in (out / "crash").iterdir() if not p.name.startswith("dcp-"))
+    res["crash_after_data"] = len([p for p in (out / "crash").iterdir() if p.name.startswith("dcp-")])
     from torch.distributed.device_mesh import init_device_mesh
     ep_mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("efsdp", "ep"))
     for key, ep in (("ep_mesh", ep_mesh), ("ep_mesh_1d", mesh)):
@@ -536,16 +533,18 @@ def test_discarded_state_frees_the_model(one, variant):
 
 
 def test_half_written_checkpoint_is_refused(one):
-    assert "incomplete" in one[0]["half"] and "incomplete" in one[0]["partial"]
+    assert "incomplete" in one[0]["half"]
 
 
 def test_crash_mid_save_keeps_the_previous_checkpoint(one):
     res = one[0]
     assert "simulated crash" in res["crash"] and "simulated crash" in res["crash2"]
+    assert res["crash_listing"][0] == res["crash_listing"][1]  # nothing left behind
     for k, v in res["crash_saved"].items():
         assert torch.equal(res["crash_loaded"][k], v), k
+    for k, v in res["crash2_saved"].items():  # committed before the crash: the new checkpoint loads
         assert torch.equal(res["crash2_loaded"][k], v), k
-    assert res["crash_after"] == ["crash"]
+    assert res["crash_after"] == [checkpoint.MARKER] and res["crash_after_data"] == 1
 
 
 @pytest.mark.parametrize("variant", ["fsdp2", "zero1"])
