@@ -123,6 +123,7 @@ class TrainState:
     def __init__(self, model, mesh, *, lr, betas, eps, weight_decay, mixed_precision, grad_clip, ep_mesh=None):
         self.model, self.mesh, self.group = model, mesh, mesh.get_group()
         self.grad_clip, self.steps = grad_clip, 0
+        self.skip_reason: str | None = None  # why the last step() did not update, if it did not
         self.compute_dtype = MIXED_PRECISION[mixed_precision]
         self.full_shapes: dict[str, torch.Size] = {}  # global shapes (experts: all E of them)
         self.hp = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
@@ -160,6 +161,10 @@ class TrainState:
     def zero_grad(self) -> None:
         raise NotImplementedError
 
+    def has_local_grad(self) -> bool:
+        """Whether a backward has given this rank any gradient since `zero_grad`."""
+        raise NotImplementedError
+
     # ---- shared ---------------------------------------------------------------------------------
     def _make_optimizer(self, params: list[torch.Tensor]) -> torch.optim.Optimizer:
         opt = torch.optim.AdamW(params, **self.hp)
@@ -181,17 +186,28 @@ class TrainState:
 
     @torch.no_grad()
     def step(self) -> tuple[bool, float, int]:
-        """(ok, global grad norm before clipping, zero gradient entries). A non-finite norm
-        skips the update on every rank (they all see the same all-reduced norm)."""
+        """(ok, global grad norm before clipping, zero gradient entries). The update is skipped on
+        every rank (they all see the same all-reduced values; `skip_reason` says why) when the norm
+        is non-finite, or when no rank received a gradient since `zero_grad`: AdamW would still move
+        the weights by its moments and decay them, and count a step. A skip leaves the weights, the
+        optimizer state and `steps` as they were."""
+        got_grad = self.has_local_grad()  # before reduced_grad_shards, which fills absent gradients
         grads = self.reduced_grad_shards()
         dev = grads[0].device if grads else torch.device("cpu")
-        acc = torch.zeros(2, dtype=torch.float64, device=dev)
+        acc = torch.zeros(3, dtype=torch.float64, device=dev)
         for g in grads:
             acc[0] += g.float().pow(2).sum().double()
             acc[1] += (g == 0).sum().double()
+        acc[2] = float(got_grad)
         dist.all_reduce(acc, group=self.group)
         norm, zeros = math.sqrt(acc[0].item()), int(acc[1].item())
+        self.skip_reason = None
+        if acc[2].item() == 0:
+            self.skip_reason = "no gradient"
+            self.zero_grad()  # as before the call: no gradient anywhere
+            return False, norm, zeros
         if not math.isfinite(norm):
+            self.skip_reason = "non-finite gradient norm"
             return False, norm, zeros
         if self.grad_clip is not None:
             coef = self.grad_clip / (norm + 1e-6)  # torch.nn.utils.clip_grad_norm_'s formula
