@@ -400,6 +400,16 @@ def one(workdir, two):
     return spawn(1, "one_rank", workdir)
 
 
+def _zeros_close(run, ref):
+    """Zero gradient entries per step. Most are structural (embedding rows of tokens not in the batch,
+    experts no token chose) and equal in any layout; an entry whose gradient cancels to exactly zero
+    in one summation order and not in another may add or remove a few (62529 vs 62528 seen), so the
+    counts agree within 0.1%: miscounting a shard's padding or a whole tensor is far beyond that."""
+    assert len(run["zeros"]) == len(ref["zeros"])
+    for i, (a, b) in enumerate(zip(run["zeros"], ref["zeros"])):
+        assert abs(a - b) <= max(2, 1e-3 * b), f"step {i}: {a} zero gradient entries vs reference {b}"
+
+
 def _close(run, ref, start=0):
     for i, (a, b) in enumerate(zip(run["loss"], ref["loss"][start:])):
         assert abs(a - b) <= 1e-5, f"step {start + i}: loss {a} vs reference {b}"
@@ -420,7 +430,8 @@ def test_two_ranks_match_reference(two, refs, variant):
     for rank in two:
         run = rank[variant]
         _close(run, ref)
-        assert all(run["ok"]) and run["zeros"] == ref["zeros"]
+        assert all(run["ok"])
+        _zeros_close(run, ref)
     # Adam divides by sqrt(v): an entry whose gradient is rounding noise moves by up to lr per step
     # either way, so the final weights get an absolute tolerance of a few float32 ulps of lr * STEPS.
     # Qwen3.5-MoE has more such entries (its two ranks sum the gradient in another order than the one
@@ -441,7 +452,7 @@ def test_uneven_shards_twins_agree_bitwise(two):
 def test_four_ranks_match_reference(four, ref, variant):
     for rank in four:
         _close(rank[variant], ref)
-        assert rank[variant]["zeros"] == ref["zeros"]
+        _zeros_close(rank[variant], ref)
 
 
 @pytest.mark.parametrize("variant", list(EP_VARIANTS))
@@ -450,7 +461,7 @@ def test_expert_parallel_matches_reference(two, four, refs, variant, world):
     ref = refs[EP_VARIANTS[variant][2]]
     for rank in (two if world == 2 else four):
         _close(rank[variant], ref)
-        assert rank[variant]["zeros"] == ref["zeros"]
+        _zeros_close(rank[variant], ref)
 
 
 @pytest.mark.parametrize("key,world", [("load-moe_ep-into-zero1", 4), ("load-moe_ep", 1)])
@@ -551,7 +562,7 @@ def test_crash_mid_save_keeps_the_previous_checkpoint(one):
 def test_mesh_that_does_not_divide_shards_unevenly(four, refs, variant):
     for rank in four:
         _close(rank[f"odd-{variant}"], refs[ODD])
-        assert rank[f"odd-{variant}"]["zeros"] == refs[ODD]["zeros"]
+        _zeros_close(rank[f"odd-{variant}"], refs[ODD])
 
 
 def test_ep_mesh_on_a_dense_model_is_refused(one):
