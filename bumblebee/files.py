@@ -4,6 +4,7 @@ of ours is written aside and renamed into place, and nothing else in the folder 
     folder = prepare_folder(path, "save_pretrained path")   # created if need be; a regular file is refused
     tmp = write_aside(folder, "config.json", lambda p: p.write_text(...))   # fsync'd, hidden name
     os.replace(tmp, folder / "config.json"); fsync_dir(folder)
+    with progress(nbytes, "saving weights") as bar: ...   # a tqdm bar past a few seconds
 
 Files and folders are created with the process's umask (tempfile's helpers would make them 0600/0700,
 unreadable to the other users of a shared checkpoint).
@@ -13,10 +14,20 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import sys
 from pathlib import Path
 from typing import Callable
 
+from tqdm import tqdm
+
 TMP_TAG = ".tmp-"
+PROGRESS_DELAY_S = 3.0  # a bar only for what takes longer: small checkpoints (and tests) stay quiet
+
+
+def progress(total_bytes: int, desc: str, *, disable: bool = False) -> tqdm:
+    """A bytes progress bar on stderr that shows up once the work has taken PROGRESS_DELAY_S."""
+    return tqdm(total=total_bytes, desc=desc, unit="B", unit_scale=True, unit_divisor=1024,
+                delay=PROGRESS_DELAY_S, leave=False, disable=disable, file=sys.stderr)
 
 
 def prepare_folder(path, arg: str) -> Path:

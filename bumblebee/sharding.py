@@ -300,12 +300,16 @@ class TrainState:
         part in the gathers; with rank0_only the other ranks return {}."""
         config = getattr(self.model, "config", None)
         dtype = dtype or getattr(config, "dtype", torch.float32)
+        from bumblebee.files import progress
         keep = not rank0_only or dist.get_rank(self.group) == 0
         out = {}
-        for name, m in self.masters().items():
-            full = self._as_dtensor(name, m).full_tensor()  # one all-gather per tensor, on every rank
-            if keep:
-                out[name] = full.to(dtype).cpu()
+        total = sum(math.prod(self.full_shapes[name]) for name in self.masters()) * dtype.itemsize
+        with progress(total, "gathering weights", disable=dist.get_rank(self.group) != 0) as bar:
+            for name, m in self.masters().items():
+                full = self._as_dtensor(name, m).full_tensor()  # one all-gather per tensor, on every rank
+                if keep:
+                    out[name] = full.to(dtype).cpu()
+                bar.update(full.numel() * dtype.itemsize)
         if keep:
             out.update({name: b.detach().cpu().clone() for name, b in persistent_buffers(self.model).items()})
         return out

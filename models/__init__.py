@@ -84,7 +84,10 @@ def build(name_or_config, impl: dict | None = None, *, seed: int = 0, dtype=None
 
 
 def from_pretrained(path, impl: dict | None = None, *, dtype=None, device="cpu"):
-    """Load config.json and *.safetensors written by transformers (or by `save_pretrained`)."""
+    """Load config.json and *.safetensors written by transformers (or by `save_pretrained`). The model
+    comes back in eval mode, as transformers returns it; call `.train()` where a framework checks the
+    flag (bumblebee's modules compute the same in both modes: no dropout). A bar on stderr shows the
+    loading's progress once it takes more than a few seconds."""
     hf = hf_io.read_config(path)
     cls = _model_class(hf)
     config = cls.config_class.from_hf(hf)
@@ -102,7 +105,7 @@ def from_pretrained(path, impl: dict | None = None, *, dtype=None, device="cpu")
         optional += more
     hf_io.load_weights(model, path, optional=optional, ignore_prefixes=ignore)
     model.hf_source = _source(cls, hf, hf_io.read_generation_config(path))
-    return model
+    return model.eval()  # as transformers' from_pretrained; no module here behaves differently in train()
 
 
 __all__ = ["build", "from_pretrained", "init_weights", "NAMED", "MODEL_TYPES"]

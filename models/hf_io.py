@@ -17,7 +17,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from bumblebee import files
+from bumblebee import files as fs
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -116,11 +116,14 @@ def load_weights(model: torch.nn.Module, path, *, optional: tuple[str, ...] = ()
     for name in params:
         if name in files:
             by_file.setdefault(files[name], []).append(name)
-    with torch.no_grad():
+    todo = [n for names in by_file.values() for n in names] + list(sources)
+    total = sum(params[n].numel() * params[n].element_size() for n in todo)
+    with torch.no_grad(), fs.progress(total, f"loading {path.name}") as bar:
         for file, names in by_file.items():
             with safe_open(file, "pt") as f:
                 for name in names:
                     _copy(params[name], f.get_tensor(name), name, file.name)
+                    bar.update(params[name].numel() * params[name].element_size())
         with ExitStack() as stack:
             handles: dict[Path, object] = {}
             for name, (srcs, combine) in sources.items():
@@ -129,6 +132,7 @@ def load_weights(model: torch.nn.Module, path, *, optional: tuple[str, ...] = ()
                         handles[files[src]] = stack.enter_context(safe_open(files[src], "pt"))
                 tensors = [handles[files[src]].get_tensor(src) for src in srcs]
                 _copy(params[name], combine(tensors), name, files[srcs[0]].name)
+                bar.update(params[name].numel() * params[name].element_size())
 
 
 def _copy(dst: torch.Tensor, t: torch.Tensor, name: str, file: str) -> None:
@@ -148,26 +152,29 @@ def save_weights(state: dict[str, torch.Tensor], config: dict, path, *, generati
     checkpoint that the new one does not use are removed afterwards: only names of the HF pattern
     (`model.safetensors`, `model-XXXXX-of-YYYYY.safetensors`) that its index listed, or its single
     `model.safetensors` (which readers would otherwise take before the new index)."""
-    folder = files.prepare_folder(path, "save_pretrained path")
+    folder = fs.prepare_folder(path, "save_pretrained path")
     shards = _plan_shards(state, max_shard_bytes)
+    nbytes = {n: t.numel() * t.element_size() for n, t in state.items()}
     aside: dict[str, Path] = {}  # final name -> temporary path
     try:
-        for file, names in shards:
-            aside[file] = files.write_aside(folder, file, lambda p, names=names: save_file(
-                {n: state[n].detach().cpu().contiguous() for n in names}, p, metadata={"format": "pt"}))
-        index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in state.values())},
+        with fs.progress(sum(nbytes.values()), f"saving {folder.name}") as bar:
+            for file, names in shards:
+                aside[file] = fs.write_aside(folder, file, lambda p, names=names: save_file(
+                    {n: state[n].detach().cpu().contiguous() for n in names}, p, metadata={"format": "pt"}))
+                bar.update(sum(nbytes[n] for n in names))
+        index = {"metadata": {"total_size": sum(nbytes.values())},
                  "weight_map": {n: file for file, names in shards for n in names}}
         if len(shards) > 1:
-            aside[INDEX] = files.write_json_aside(folder, INDEX, index)
-        aside["config.json"] = files.write_json_aside(folder, "config.json", config)
+            aside[INDEX] = fs.write_json_aside(folder, INDEX, index)
+        aside["config.json"] = fs.write_json_aside(folder, "config.json", config)
         if generation_config is not None:
-            aside["generation_config.json"] = files.write_json_aside(folder, "generation_config.json",
+            aside["generation_config.json"] = fs.write_json_aside(folder, "generation_config.json",
                                                                      generation_config)
         _commit_weights(folder, aside, index)
         for name in ("config.json", "generation_config.json"):
             if name in aside:
                 os.replace(aside.pop(name), folder / name)
-        files.fsync_dir(folder)
+        fs.fsync_dir(folder)
     finally:
         for tmp in aside.values():  # what was not renamed into place (a failure, or interim copies)
             tmp.unlink(missing_ok=True)
@@ -189,7 +196,7 @@ def _plan_shards(state: dict[str, torch.Tensor], max_shard_bytes: int) -> list[t
 
 def _listed_weight_files(folder: Path) -> set[str]:
     """Weight files of the checkpoint now in `folder` (our naming pattern only, never a path elsewhere)."""
-    index = files.read_json(folder / INDEX)
+    index = fs.read_json(folder / INDEX)
     listed = set()
     if isinstance(index, dict) and isinstance(index.get("weight_map"), dict):
         listed = {f for f in index["weight_map"].values() if isinstance(f, str)}
@@ -213,7 +220,7 @@ def _commit_weights(folder: Path, aside: dict[str, Path], index: dict) -> None:
             os.replace(aside.pop(file), folder / file)
         if clash:  # first an interim index that names the clashing new files by their temporary names
             interim = {n: (aside[f].name if f in clash else f) for n, f in index["weight_map"].items()}
-            os.replace(files.write_json_aside(folder, INDEX, {**index, "weight_map": interim}), folder / INDEX)
+            os.replace(fs.write_json_aside(folder, INDEX, {**index, "weight_map": interim}), folder / INDEX)
             kept = {f: aside.pop(f) for f in sorted(clash)}  # named by that index from now on: not debris
         else:
             os.replace(aside.pop(INDEX), folder / INDEX)
@@ -226,7 +233,7 @@ def _commit_weights(folder: Path, aside: dict[str, Path], index: dict) -> None:
             for tmp in kept.values():
                 tmp.unlink(missing_ok=True)
         stale = old - new
-    files.fsync_dir(folder)
+    fs.fsync_dir(folder)
     for file in sorted(stale):
         (folder / file).unlink(missing_ok=True)
 
@@ -234,11 +241,11 @@ def _commit_weights(folder: Path, aside: dict[str, Path], index: dict) -> None:
 def _replace_keeping(src: Path, dst: Path) -> None:
     """Put `src`'s content at `dst` while `src` stays readable (an interim index still names it): a
     hard link renamed over `dst`."""
-    link = src.parent / files.aside_name(dst.name)
+    link = src.parent / fs.aside_name(dst.name)
     try:
         os.link(src, link)
     except OSError:  # no hard links on this file system: a copy (slower, the same guarantee)
-        link = files.write_aside(src.parent, dst.name, lambda p: shutil.copyfile(src, p))
+        link = fs.write_aside(src.parent, dst.name, lambda p: shutil.copyfile(src, p))
     os.replace(link, dst)
 
 

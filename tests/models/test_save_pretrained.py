@@ -167,3 +167,27 @@ def test_created_folder_and_files_honour_the_umask(tmp_path):
         assert p.stat().st_mode & 0o777 == 0o755, p
     for p in (tmp_path / "a" / "b").iterdir():
         assert p.stat().st_mode & 0o777 == 0o644, p
+
+
+def test_from_pretrained_returns_eval_mode_as_transformers(tmp_path):
+    model = _model(1)
+    assert model.training  # a freshly built model is for training (transformers' from_config too)
+    model.save_pretrained(tmp_path / "ckpt")
+    loaded = bb.models.from_pretrained(tmp_path / "ckpt")
+    assert not loaded.training and not any(m.training for m in loaded.modules())
+    transformers = pytest.importorskip("transformers")
+    assert not transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt").training
+
+
+def test_progress_bars_on_stderr_only_past_the_delay(tmp_path, capsys, monkeypatch):
+    from bumblebee import files
+    model = _model(1)
+    model.save_pretrained(tmp_path / "quick")
+    bb.models.from_pretrained(tmp_path / "quick")
+    assert capsys.readouterr().err == ""  # fast: no bar
+    monkeypatch.setattr(files, "PROGRESS_DELAY_S", 0.0)  # as if every step took longer than the delay
+    model.save_pretrained(tmp_path / "slow", max_shard_bytes=_shard_bytes(model, 3))
+    bb.models.from_pretrained(tmp_path / "slow")
+    out = capsys.readouterr()
+    assert "saving slow" in out.err and "loading slow" in out.err and "B/s" in out.err  # bytes bars
+    assert out.out == ""
