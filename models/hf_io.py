@@ -26,7 +26,8 @@ OWN_WEIGHTS = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors|\.model(-\d{5}-o
 
 
 TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id")
-NOT_CARRIED = ("quantization_config",)  # the export holds plain weights, whatever the source held
+# the export holds plain weights, whatever the source held, and no code files for auto_map to name
+NOT_CARRIED = ("quantization_config", "auto_map")
 
 
 def read_config(path) -> dict:

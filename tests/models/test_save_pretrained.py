@@ -131,12 +131,14 @@ def test_export_carries_the_loaded_config_and_generation_config(tmp_path):
     cfg = json.loads((src / "config.json").read_text())
     extra = {"bos_token_id": 1, "eos_token_id": [2, 3], "pad_token_id": 0, "_name_or_path": "org/model",
              "some_tool_setting": {"k": [1, 2]}}
-    (src / "config.json").write_text(json.dumps({**cfg, **extra, "hidden_size": cfg["hidden_size"]}))
+    dropped = {"quantization_config": {"quant_method": "fp8"}, "auto_map": {"AutoConfig": "configuration_x.XConfig"}}
+    (src / "config.json").write_text(json.dumps({**cfg, **extra, **dropped}))
     gen = {"bos_token_id": 1, "eos_token_id": [2, 3], "temperature": 0.6, "top_p": 0.95, "do_sample": True}
     (src / "generation_config.json").write_text(json.dumps(gen))
     bb.models.from_pretrained(src).save_pretrained(out)
     written = json.loads((out / "config.json").read_text())
     assert {k: written.get(k) for k in extra} == extra
+    assert not set(dropped) & set(written)  # plain weights, and no code files for auto_map to name
     assert json.loads((out / "generation_config.json").read_text()) == gen
     # without a source generation_config.json, one is derived from the token ids (as transformers does)
     (src / "generation_config.json").unlink()
