@@ -42,6 +42,7 @@ class Zero1State(TrainState):
                                                 dtype=torch.float32, device=p.device)
                               for name, p in self._params.items()}
         self.main_grads = {name: g[:self._params[name].shape[0]] for name, g in self._padded_grads.items()}
+        self._got_grad = [False]  # set by the hooks (a list: they must not hold `self`, see _accumulate)
         self._hooks = [p.register_post_accumulate_grad_hook(self._accumulate(name))
                        for name, p in self._params.items()]
         self.optimizer = self._make_optimizer(list(self._masters.values()))
@@ -49,11 +50,12 @@ class Zero1State(TrainState):
     def _accumulate(self, name):
         # The hook holds the buffer, not `self`: hooks live in the parameters' C++ autograd state,
         # where the garbage collector cannot see a cycle, so a reference to self would leak the state.
-        main_grad = self.main_grads[name]
+        main_grad, got_grad = self.main_grads[name], self._got_grad
 
         def hook(p):
             main_grad.add_(p.grad)
             p.grad = None  # the fp32 main grad is the only full gradient kept
+            got_grad[0] = True
         return hook
 
     def masters(self):
@@ -100,6 +102,10 @@ class Zero1State(TrainState):
             g.zero_()
             self._params[name].grad = None
             self._masters[name].grad = None
+        self._got_grad[0] = False
+
+    def has_local_grad(self):
+        return self._got_grad[0]
 
 
 @register("state_sharding", "zero1", kind="baseline", twin="fsdp2")

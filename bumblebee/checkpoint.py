@@ -1,83 +1,110 @@
-"""Reshardable DCP checkpoints written aside, then renamed into place.
+"""Reshardable DCP checkpoints: each save in a fresh data folder, made current by one atomic rename.
 
     save(state_dict, path, meta=..., group=...)   # every rank calls it
     load(state_dict, path, meta=...)              # in place; DCP reshards DTensors as needed
 
-Layout: `path/` holds DCP's `.metadata` and `__*_*.distcp` files plus `bumblebee_checkpoint.json`
-(who wrote it: parameter names and full shapes, world size, twin). The json is written last, after
-every rank's DCP files, into `.<name>.partial/`; rank 0 then swaps that folder into `path`. A crash
-before the swap leaves the previous checkpoint at `path` untouched; a crash between the two renames
-of the swap leaves it at `.<name>.old/`, which `load` falls back to. A folder without the json is a
-half-written checkpoint and is refused with a ValueError, as is a checkpoint of another model.
+Layout: `path/bumblebee_checkpoint.json` says who wrote the checkpoint (parameter names and full
+shapes, world size, twin) and, under `data`, which sub-folder `dcp-<id>/` holds DCP's `.metadata`
+and `__*_*.distcp` files. A save writes a new data folder, then replaces the json (write aside, fsync,
+rename: the commit), then removes the data folder the previous json named. A crash before the commit
+leaves the previous checkpoint current; a crash after it leaves the new one current and the old data
+folder listed under `stale` for the next save to remove. Nothing else in `path` is touched, so a
+checkpoint may share its folder with other files. A folder without the json is refused with a
+ValueError, as is a checkpoint of another model. Checkpoints of the earlier layout (DCP files directly
+in `path`) still load; a save over one removes exactly the files its `.metadata` names.
 """
 from __future__ import annotations
 
-import json
 import os
+import re
+import secrets
 import shutil
 from pathlib import Path
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+
+from bumblebee import files
+from bumblebee.distributed import on_rank0
 
 MARKER = "bumblebee_checkpoint.json"
+DATA = re.compile(r"dcp-[0-9a-f]{12}")
+OLD_LAYOUT = re.compile(r"\.metadata|__\d+_\d+\.distcp")  # DCP's files directly in `path` (earlier saves)
 
 
 def _aside(path: Path, what: str) -> Path:
     return path.parent / f".{path.name}.{what}"
 
 
-def _barrier(group) -> None:
-    if dist.is_initialized():
-        dist.barrier(group=group)
-
-
 def _rank(group) -> int:
     return dist.get_rank(group) if dist.is_initialized() else 0
 
 
-def _commit(tmp: Path, path: Path) -> None:
-    """Swap the finished folder `tmp` into `path` (rank 0 only)."""
-    old = _aside(path, "old")
-    shutil.rmtree(old, ignore_errors=True)
-    if path.exists():
-        os.rename(path, old)  # until the next rename, the previous checkpoint sits at `old`
-    os.rename(tmp, path)
-    shutil.rmtree(old, ignore_errors=True)
+def _new_data_folder(path: Path) -> str:
+    files.prepare_folder(path, "checkpoint path")
+    name = f"dcp-{secrets.token_hex(6)}"
+    (path / name).mkdir()
+    return name
 
 
 def save(state_dict: dict, path, *, meta: dict, group=None) -> None:
     path = Path(path).absolute()
-    tmp = _aside(path, "partial")
-    if _rank(group) == 0:
-        shutil.rmtree(tmp, ignore_errors=True)  # debris of an earlier interrupted save
-        tmp.mkdir(parents=True)
-    _barrier(group)
-    dcp.save(state_dict, checkpoint_id=str(tmp), process_group=group)
-    _barrier(group)  # every rank's files are on disk
-    error = None
-    if _rank(group) == 0:
+    name = on_rank0(lambda: _new_data_folder(path), group)
+    try:
+        dcp.save(state_dict, checkpoint_id=str(path / name), process_group=group)
+    except BaseException:
+        if _rank(group) == 0:
+            shutil.rmtree(path / name, ignore_errors=True)  # ours, created above, named by no json yet
+        raise
+    if dist.is_initialized():
+        dist.barrier(group=group)  # every rank's files are on disk
+    on_rank0(lambda: _commit(path, name, meta), group)
+
+
+def _commit(path: Path, name: str, meta: dict) -> None:
+    """Make `path/name` current (rank 0), then remove the data of the checkpoint it replaces."""
+    try:
+        stale = _stale(path) - {name}
+        tmp = files.write_json_aside(path, MARKER, {**meta, "data": name, "stale": sorted(stale)})
+    except BaseException:
+        shutil.rmtree(path / name, ignore_errors=True)
+        raise
+    os.replace(tmp, path / MARKER)  # the commit
+    files.fsync_dir(path)
+    for entry in sorted(stale):
+        if (path / entry).is_dir():
+            shutil.rmtree(path / entry, ignore_errors=True)
+        else:
+            (path / entry).unlink(missing_ok=True)
+
+
+def _stale(path: Path) -> set[str]:
+    """Entries of `path` that the current checkpoint's json names as its own (its data folder, or its
+    DCP files in the earlier layout) and that a new save replaces, plus the leftovers it lists."""
+    meta = files.read_json(path / MARKER)
+    if not isinstance(meta, dict):
+        return set()
+    names = set(n for n in meta.get("stale", []) if isinstance(n, str))
+    if isinstance(meta.get("data"), str):
+        names.add(meta["data"])
+    elif (path / ".metadata").is_file():  # the earlier layout: exactly the files DCP's metadata names
         try:
-            with open(tmp / MARKER, "w") as f:
-                json.dump(meta, f, indent=1)
-                f.flush()
-                os.fsync(f.fileno())
-            _commit(tmp, path)
-        except Exception as e:  # noqa: BLE001  (re-raised below on every rank, after the barrier)
-            error = e
-    _barrier(group)
-    if error is not None:
-        raise error
+            md = FileSystemReader(str(path)).read_metadata()
+            names |= {".metadata"} | {info.relative_path for info in md.storage_data.values()}
+        except Exception:  # noqa: BLE001  (unreadable: remove nothing)
+            pass
+    return {n for n in names if (DATA.fullmatch(n) or OLD_LAYOUT.fullmatch(n)) and (path / n).exists()}
 
 
 def resolve(path) -> Path:
-    """The folder holding a complete checkpoint for `path`, or a ValueError saying why none does."""
+    """The folder holding a complete checkpoint's json for `path`, or a ValueError saying why none does."""
     path = Path(path).absolute()
     if (path / MARKER).is_file():
         return path
     old = _aside(path, "old")
     if not path.exists() and (old / MARKER).is_file():
-        return old  # a save was interrupted between its two renames
+        return old  # an earlier version's save was interrupted between its two renames
     if path.exists():
         raise ValueError(f"checkpoint {path} is incomplete: it has no {MARKER} (a save was interrupted "
                          f"or the folder was not written by bumblebee.checkpoint)")
@@ -85,8 +112,19 @@ def resolve(path) -> Path:
 
 
 def read_meta(path) -> dict:
-    with open(resolve(path) / MARKER) as f:
-        return json.load(f)
+    return files.read_json(resolve(path) / MARKER) or {}
+
+
+def data_folder(path) -> Path:
+    """Where the DCP files of the checkpoint at `path` are."""
+    where = resolve(path)
+    meta = read_meta(where)
+    if "data" not in meta:
+        return where  # the earlier layout
+    if not (isinstance(meta["data"], str) and DATA.fullmatch(meta["data"]) and (where / meta["data"]).is_dir()):
+        raise ValueError(f"checkpoint {where} is incomplete: its {MARKER} names data {meta['data']!r}, "
+                         f"which is not a dcp-* folder there")
+    return where / meta["data"]
 
 
 def check_compatible(saved: dict, ours: dict, path) -> None:
@@ -108,5 +146,5 @@ def load(state_dict: dict, path, *, meta: dict, group=None) -> dict:
     where = resolve(path)
     saved = read_meta(where)
     check_compatible(saved, meta, where)
-    dcp.load(state_dict, checkpoint_id=str(where), process_group=group)
+    dcp.load(state_dict, checkpoint_id=str(data_folder(where)), process_group=group)
     return saved

@@ -1,4 +1,5 @@
-"""Autograd-aware collectives for vocabulary/tensor parallelism (Megatron's region pattern).
+"""Autograd-aware collectives for vocabulary/tensor parallelism (Megatron's region pattern), and
+`on_rank0`, a file-system change made by one rank whose outcome every rank shares.
 
 A loss that is *replicated* on every rank after its all-reduces must not have its gradient summed
 again in the backward: `reduce_from_group` all-reduces forward and passes the gradient through,
@@ -87,3 +88,31 @@ def agree_once(obj, group, device, fields: dict, seen) -> None:
         seen[obj] = True
     except TypeError:
         pass
+
+
+def on_rank0(fn, group=None):
+    """fn() on rank 0 of `group` (a file-system change that one rank makes for all); its result on
+    every rank, or its exception raised on every rank (the others get one of the same type and
+    message), so that no rank goes on believing a failed save succeeded. Without torch.distributed
+    initialized: fn()."""
+    if not dist.is_initialized():
+        return fn()
+    result = error = None
+    if dist.get_rank(group) == 0:
+        try:
+            result = fn()
+        except Exception as e:  # noqa: BLE001  (raised below on every rank: no rank is left waiting)
+            error = e
+    box = [(result, None if error is None else (type(error), str(error)))]
+    dist.broadcast_object_list(box, group=group, group_src=0)
+    result, what = box[0]
+    if error is not None:
+        raise error
+    if what is not None:
+        typ, msg = what
+        try:
+            exc = typ(msg)
+        except Exception:  # noqa: BLE001  (a type that takes other arguments)
+            exc = RuntimeError(f"on rank 0: {typ.__name__}: {msg}")
+        raise exc
+    return result

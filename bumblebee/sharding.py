@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import math
 import warnings
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -124,6 +123,7 @@ class TrainState:
     def __init__(self, model, mesh, *, lr, betas, eps, weight_decay, mixed_precision, grad_clip, ep_mesh=None):
         self.model, self.mesh, self.group = model, mesh, mesh.get_group()
         self.grad_clip, self.steps = grad_clip, 0
+        self.skip_reason: str | None = None  # why the last step() did not update, if it did not
         self.compute_dtype = MIXED_PRECISION[mixed_precision]
         self.full_shapes: dict[str, torch.Size] = {}  # global shapes (experts: all E of them)
         self.hp = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
@@ -161,6 +161,10 @@ class TrainState:
     def zero_grad(self) -> None:
         raise NotImplementedError
 
+    def has_local_grad(self) -> bool:
+        """Whether a backward has given this rank any gradient since `zero_grad`."""
+        raise NotImplementedError
+
     # ---- shared ---------------------------------------------------------------------------------
     def _make_optimizer(self, params: list[torch.Tensor]) -> torch.optim.Optimizer:
         # fused on CUDA: one kernel per group of tensors instead of foreach's several passes over
@@ -185,17 +189,28 @@ class TrainState:
 
     @torch.no_grad()
     def step(self) -> tuple[bool, float, int]:
-        """(ok, global grad norm before clipping, zero gradient entries). A non-finite norm
-        skips the update on every rank (they all see the same all-reduced norm)."""
+        """(ok, global grad norm before clipping, zero gradient entries). The update is skipped on
+        every rank (they all see the same all-reduced values; `skip_reason` says why) when the norm
+        is non-finite, or when no rank received a gradient since `zero_grad`: AdamW would still move
+        the weights by its moments and decay them, and count a step. A skip leaves the weights, the
+        optimizer state and `steps` as they were."""
+        got_grad = self.has_local_grad()  # before reduced_grad_shards, which fills absent gradients
         grads = self.reduced_grad_shards()
         dev = grads[0].device if grads else torch.device("cpu")
-        acc = torch.zeros(2, dtype=torch.float64, device=dev)
+        acc = torch.zeros(3, dtype=torch.float64, device=dev)
         for g in grads:  # per tensor, in the twins' common order: both twins round alike
             acc[0] += g.float().pow(2).sum().double()
             acc[1] += (g == 0).sum().double()
+        acc[2] = float(got_grad)
         dist.all_reduce(acc, group=self.group)
         norm, zeros = math.sqrt(acc[0].item()), int(acc[1].item())
+        self.skip_reason = None
+        if acc[2].item() == 0:
+            self.skip_reason = "no gradient"
+            self.zero_grad()  # as before the call: no gradient anywhere
+            return False, norm, zeros
         if not math.isfinite(norm):
+            self.skip_reason = "non-finite gradient norm"
             return False, norm, zeros
         if self.grad_clip is not None:
             coef = self.grad_clip / (norm + 1e-6)  # torch.nn.utils.clip_grad_norm_'s formula
@@ -287,28 +302,29 @@ class TrainState:
         part in the gathers; with rank0_only the other ranks return {}."""
         config = getattr(self.model, "config", None)
         dtype = dtype or getattr(config, "dtype", torch.float32)
+        from bumblebee.files import progress
         keep = not rank0_only or dist.get_rank(self.group) == 0
         out = {}
-        for name, m in self.masters().items():
-            full = self._as_dtensor(name, m).full_tensor()  # one all-gather per tensor, on every rank
-            if keep:
-                out[name] = full.to(dtype).cpu()
+        total = sum(math.prod(self.full_shapes[name]) for name in self.masters()) * dtype.itemsize
+        with progress(total, "gathering weights", disable=dist.get_rank(self.group) != 0) as bar:
+            for name, m in self.masters().items():
+                full = self._as_dtensor(name, m).full_tensor()  # one all-gather per tensor, on every rank
+                if keep:
+                    out[name] = full.to(dtype).cpu()
+                bar.update(full.numel() * dtype.itemsize)
         if keep:
             out.update({name: b.detach().cpu().clone() for name, b in persistent_buffers(self.model).items()})
         return out
 
     def save_pretrained(self, path, *, max_shard_bytes: int = 5 * 2**30) -> None:
-        """HF export from the sharded state: every rank gathers, rank 0 writes (atomically)."""
+        """HF export from the sharded state: every rank gathers, rank 0 writes (each file atomically,
+        nothing else in the folder touched); an error is raised on every rank."""
+        from bumblebee.distributed import on_rank0
         from bumblebee.models import hf_io
         state = self.full_state_dict(rank0_only=True)
-        error = None
-        if dist.get_rank(self.group) == 0:
-            try:
-                if hasattr(self.model, "ours_to_hf_state"):  # e.g. fused experts -> per-expert keys
-                    state = self.model.ours_to_hf_state(state)
-                hf_io.save_weights(state, self.model.config.to_hf(), Path(path), max_shard_bytes=max_shard_bytes)
-            except Exception as e:  # noqa: BLE001  (re-raised after the barrier: no rank is left waiting)
-                error = e
-        dist.barrier(group=self.group)
-        if error is not None:
-            raise error
+
+        def write():
+            out = self.model.ours_to_hf_state(state) if hasattr(self.model, "ours_to_hf_state") else state
+            config, generation_config = hf_io.export_configs(self.model)
+            hf_io.save_weights(out, config, path, generation_config=generation_config, max_shard_bytes=max_shard_bytes)
+        on_rank0(write, self.group)

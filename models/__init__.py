@@ -38,6 +38,16 @@ def _hf_config(name_or_config) -> dict:
     return copy.deepcopy(NAMED[name_or_config])
 
 
+def _source(cls, hf: dict, generation_config: dict | None = None) -> dict:
+    """What an export carries through from the config the model came from: the fields of the text
+    model (a multimodal hub config nests them under text_config), with the top level's token ids."""
+    fields = cls.config_class.text_fields(hf) if hasattr(cls.config_class, "text_fields") else dict(hf)
+    for k in hf_io.TOKEN_IDS:
+        if k in hf and k not in fields:
+            fields[k] = hf[k]
+    return {"config": copy.deepcopy(fields), "generation_config": copy.deepcopy(generation_config)}
+
+
 def init_weights(model: torch.nn.Module, seed: int = 0) -> None:
     """Normal(0, initializer_range) for matrices, ones for norms (transformers' init)."""
     g = torch.Generator().manual_seed(seed)
@@ -79,11 +89,15 @@ def build(name_or_config, impl: dict | None = None, *, seed: int = 0, dtype=None
     init_weights(model, seed)
     if hasattr(model, "init_extra_weights"):  # a model's own init where the generic one differs
         model.init_extra_weights(seed)
+    model.hf_source = _source(cls, hf)
     return model.to(device=device, dtype=dtype or config.dtype)
 
 
 def from_pretrained(path, impl: dict | None = None, *, dtype=None, device="cpu"):
-    """Load config.json and *.safetensors written by transformers (or by `save_pretrained`)."""
+    """Load config.json and *.safetensors written by transformers (or by `save_pretrained`). The model
+    comes back in eval mode, as transformers returns it; call `.train()` where a framework checks the
+    flag (bumblebee's modules compute the same in both modes: no dropout). A bar on stderr shows the
+    loading's progress once it takes more than a few seconds."""
     hf = hf_io.read_config(path)
     cls = _model_class(hf)
     config = _parse_config(cls, hf, f"{path}/config.json")
@@ -101,7 +115,8 @@ def from_pretrained(path, impl: dict | None = None, *, dtype=None, device="cpu")
         more, ignore = model.checkpoint_extras(path)
         optional += more
     hf_io.load_weights(model, path, optional=optional, ignore_prefixes=ignore)
-    return model
+    model.hf_source = _source(cls, hf, hf_io.read_generation_config(path))
+    return model.eval()  # as transformers' from_pretrained; no module here behaves differently in train()
 
 
 __all__ = ["build", "from_pretrained", "init_weights", "NAMED", "MODEL_TYPES"]

@@ -1,14 +1,15 @@
 """Hugging Face checkpoint I/O with our own code: config.json + *.safetensors (single or sharded).
 
-Saving writes into a sibling temporary folder and renames it into place, so a crash mid-save leaves
-the previous checkpoint intact.
+Saving writes only its own files into the target folder (a tokenizer or README beside them stays),
+each under a temporary name first, so a crash mid-save leaves the previous checkpoint loadable.
 """
 from __future__ import annotations
 
+import copy
 import json
 import os
+import re
 import shutil
-import tempfile
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -16,7 +17,17 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from bumblebee import files as fs
+
 INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+# weight files of the HF layout, and their temporary names while a save is under way
+OWN_WEIGHTS = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors|\.model(-\d{5}-of-\d{5})?\.safetensors\.tmp-[0-9a-f]+")
+
+
+TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id")
+# the export holds plain weights, whatever the source held, and no code files for auto_map to name
+NOT_CARRIED = ("quantization_config", "auto_map")
 
 
 def read_config(path) -> dict:
@@ -46,22 +57,49 @@ def _safe_open(file: Path):
         raise ValueError(f"{file} is not a readable safetensors file: {e}") from e
 
 
+def read_generation_config(path) -> dict | None:
+    """generation_config.json of the folder `path` (sampling defaults, stop tokens), or None."""
+    gen = Path(path) / "generation_config.json"
+    if not gen.is_file():
+        return None
+    with open(gen) as f:
+        return json.load(f)
+
+
+def export_configs(model) -> tuple[dict, dict]:
+    """(config.json, generation_config.json) of `model`'s export. The fields the model uses come from
+    its config; every other field of the config it was loaded or built from (`model.hf_source`) is
+    carried through as it was (token ids, `_name_or_path`, fields of other tools). The generation
+    config is the source folder's, unchanged, else the token ids of the config (as transformers'
+    `GenerationConfig.from_model_config` derives it)."""
+    source = getattr(model, "hf_source", None) or {}
+    ours = model.config.to_hf()
+    carried = {k: v for k, v in (source.get("config") or {}).items() if k not in ours and k not in NOT_CARRIED}
+    config = {**ours, **carried}
+    if "torch_dtype" in config and "dtype" in ours:  # the older name of `dtype`: both must say the same
+        config["torch_dtype"] = ours["dtype"]
+    gen = source.get("generation_config")
+    if gen is None:
+        gen = {"_from_model_config": True, **{k: config[k] for k in TOKEN_IDS if config.get(k) is not None}}
+    return config, copy.deepcopy(gen)
+
+
 def _weight_files(path: Path) -> dict[str, Path]:
-    """tensor name -> file holding it."""
-    if (path / INDEX).is_file():
-        weight_map = _read_json(path / INDEX).get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise ValueError(f"{path / INDEX} lacks its weight_map {{tensor name: file}}")
-        files = {name: path / file for name, file in weight_map.items()}
-        for file in set(files.values()):
-            if not file.is_file():
-                raise FileNotFoundError(f"{INDEX} in {path} names {file.name}, which does not exist")
-        return files
-    single = path / "model.safetensors"
-    if not single.is_file():
-        raise FileNotFoundError(f"{path} has neither model.safetensors nor {INDEX}")
-    with _safe_open(single) as f:
-        return {name: single for name in f.keys()}
+    """tensor name -> file holding it. model.safetensors is taken before an index, as transformers does."""
+    single = path / SINGLE
+    if single.is_file():
+        with _safe_open(single) as f:
+            return {name: single for name in f.keys()}
+    if not (path / INDEX).is_file():
+        raise FileNotFoundError(f"{path} has neither {SINGLE} nor {INDEX}")
+    weight_map = _read_json(path / INDEX).get("weight_map")
+    if not isinstance(weight_map, dict):
+        raise ValueError(f"{path / INDEX} lacks its weight_map {{tensor name: file}}")
+    files = {name: path / file for name, file in weight_map.items()}
+    for file in set(files.values()):
+        if not file.is_file():
+            raise FileNotFoundError(f"{INDEX} in {path} names {file.name}, which does not exist")
+    return files
 
 
 def checkpoint_names(path) -> list[str]:
@@ -99,11 +137,14 @@ def load_weights(model: torch.nn.Module, path, *, optional: tuple[str, ...] = ()
     for name in params:
         if name in files:
             by_file.setdefault(files[name], []).append(name)
-    with torch.no_grad():
+    todo = [n for names in by_file.values() for n in names] + list(sources)
+    total = sum(params[n].numel() * params[n].element_size() for n in todo)
+    with torch.no_grad(), fs.progress(total, f"loading {path.name}") as bar:
         for file, names in by_file.items():
             with _safe_open(file) as f:
                 for name in names:
                     _copy(params[name], f.get_tensor(name), name, file.name)
+                    bar.update(params[name].numel() * params[name].element_size())
         with ExitStack() as stack:
             handles: dict[Path, object] = {}
             for name, (srcs, combine) in sources.items():
@@ -112,6 +153,7 @@ def load_weights(model: torch.nn.Module, path, *, optional: tuple[str, ...] = ()
                         handles[files[src]] = stack.enter_context(_safe_open(files[src]))
                 tensors = [handles[files[src]].get_tensor(src) for src in srcs]
                 _copy(params[name], combine(tensors), name, files[srcs[0]].name)
+                bar.update(params[name].numel() * params[name].element_size())
 
 
 def _copy(dst: torch.Tensor, t: torch.Tensor, name: str, file: str) -> None:
@@ -120,46 +162,112 @@ def _copy(dst: torch.Tensor, t: torch.Tensor, name: str, file: str) -> None:
     dst.copy_(t)
 
 
-def save_weights(state: dict[str, torch.Tensor], config: dict, path, *, max_shard_bytes: int = 5 * 2**30) -> None:
-    """Write config.json and safetensors shards (with an index when more than one) atomically."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+def save_weights(state: dict[str, torch.Tensor], config: dict, path, *, generation_config: dict | None = None,
+                 max_shard_bytes: int = 5 * 2**30) -> None:
+    """Write config.json, generation_config.json (when given) and safetensors shards (with an index
+    when more than one) into the folder `path`, leaving every other file there alone.
+
+    Every file is written under a hidden temporary name first (fsync'd): a failure while writing
+    leaves the previous checkpoint untouched. The renames then switch the weights in one step (see
+    `_commit_weights`), config.json and generation_config.json follow. Weight files of the previous
+    checkpoint that the new one does not use are removed afterwards: only names of the HF pattern
+    (`model.safetensors`, `model-XXXXX-of-YYYYY.safetensors`) that its index listed, or its single
+    `model.safetensors` (which readers would otherwise take before the new index)."""
+    folder = fs.prepare_folder(path, "save_pretrained path")
+    shards = _plan_shards(state, max_shard_bytes)
+    nbytes = {n: t.numel() * t.element_size() for n, t in state.items()}
+    aside: dict[str, Path] = {}  # final name -> temporary path
     try:
-        shards, size = [[]], 0
-        for name, t in state.items():
-            nbytes = t.numel() * t.element_size()
-            if shards[-1] and size + nbytes > max_shard_bytes:
-                shards.append([])
-                size = 0
-            shards[-1].append(name)
-            size += nbytes
-        weight_map = {}
-        for i, names in enumerate(shards):
-            file = "model.safetensors" if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            save_file({n: state[n].detach().cpu().contiguous() for n in names}, tmp / file, metadata={"format": "pt"})
-            weight_map.update({n: file for n in names})
+        with fs.progress(sum(nbytes.values()), f"saving {folder.name}") as bar:
+            for file, names in shards:
+                aside[file] = fs.write_aside(folder, file, lambda p, names=names: save_file(
+                    {n: state[n].detach().cpu().contiguous() for n in names}, p, metadata={"format": "pt"}))
+                bar.update(sum(nbytes[n] for n in names))
+        index = {"metadata": {"total_size": sum(nbytes.values())},
+                 "weight_map": {n: file for file, names in shards for n in names}}
         if len(shards) > 1:
-            total = sum(t.numel() * t.element_size() for t in state.values())
-            with open(tmp / INDEX, "w") as f:
-                json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
-        with open(tmp / "config.json", "w") as f:
-            json.dump(config, f, indent=2)
-        _replace_dir(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+            aside[INDEX] = fs.write_json_aside(folder, INDEX, index)
+        aside["config.json"] = fs.write_json_aside(folder, "config.json", config)
+        if generation_config is not None:
+            aside["generation_config.json"] = fs.write_json_aside(folder, "generation_config.json",
+                                                                     generation_config)
+        _commit_weights(folder, aside, index)
+        for name in ("config.json", "generation_config.json"):
+            if name in aside:
+                os.replace(aside.pop(name), folder / name)
+        fs.fsync_dir(folder)
+    finally:
+        for tmp in aside.values():  # what was not renamed into place (a failure, or interim copies)
+            tmp.unlink(missing_ok=True)
 
 
-def _replace_dir(new: Path, path: Path) -> None:
-    if not path.exists():
-        os.rename(new, path)
-        return
-    old = Path(tempfile.mkdtemp(prefix=f".{path.name}.old-", dir=path.parent))
-    os.rmdir(old)
-    os.rename(path, old)  # until the next rename completes, the previous checkpoint sits at `old`
-    os.rename(new, path)
-    shutil.rmtree(old, ignore_errors=True)
+def _plan_shards(state: dict[str, torch.Tensor], max_shard_bytes: int) -> list[tuple[str, list[str]]]:
+    shards, size = [[]], 0
+    for name, t in state.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    if len(shards) == 1:
+        return [(SINGLE, shards[0])]
+    return [(f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors", names) for i, names in enumerate(shards)]
+
+
+def _listed_weight_files(folder: Path) -> set[str]:
+    """Weight files of the checkpoint now in `folder` (our naming pattern only, never a path elsewhere)."""
+    index = fs.read_json(folder / INDEX)
+    listed = set()
+    if isinstance(index, dict) and isinstance(index.get("weight_map"), dict):
+        listed = {f for f in index["weight_map"].values() if isinstance(f, str)}
+    if (folder / SINGLE).is_file():
+        listed.add(SINGLE)
+    return {f for f in listed if OWN_WEIGHTS.fullmatch(f) and (folder / f).is_file()}
+
+
+def _commit_weights(folder: Path, aside: dict[str, Path], index: dict) -> None:
+    """Rename the new weight files (and index) from `aside` into place so that a reader sees the
+    previous weights or the new ones, never a mix, at every instant (readers take model.safetensors
+    before the index, as transformers does)."""
+    old = _listed_weight_files(folder)
+    new = set(index["weight_map"].values())
+    if new == {SINGLE}:
+        os.replace(aside.pop(SINGLE), folder / SINGLE)  # the switch: readers take this file first
+        stale = old - new | ({INDEX} if (folder / INDEX).is_file() else set())
+    else:
+        clash = new & old  # names the current index uses: overwriting them one by one would mix
+        for file in sorted(new - clash):
+            os.replace(aside.pop(file), folder / file)
+        if clash:  # first an interim index that names the clashing new files by their temporary names
+            interim = {n: (aside[f].name if f in clash else f) for n, f in index["weight_map"].items()}
+            os.replace(fs.write_json_aside(folder, INDEX, {**index, "weight_map": interim}), folder / INDEX)
+            kept = {f: aside.pop(f) for f in sorted(clash)}  # named by that index from now on: not debris
+        else:
+            os.replace(aside.pop(INDEX), folder / INDEX)
+        if SINGLE in old:
+            (folder / SINGLE).unlink()  # the switch from a single file (taken first) to the new index
+        if clash:
+            for file, tmp in kept.items():
+                _replace_keeping(tmp, folder / file)
+            os.replace(aside.pop(INDEX), folder / INDEX)  # the final names
+            for tmp in kept.values():
+                tmp.unlink(missing_ok=True)
+        stale = old - new
+    fs.fsync_dir(folder)
+    for file in sorted(stale):
+        (folder / file).unlink(missing_ok=True)
+
+
+def _replace_keeping(src: Path, dst: Path) -> None:
+    """Put `src`'s content at `dst` while `src` stays readable (an interim index still names it): a
+    hard link renamed over `dst`."""
+    link = src.parent / fs.aside_name(dst.name)
+    try:
+        os.link(src, link)
+    except OSError:  # no hard links on this file system: a copy (slower, the same guarantee)
+        link = fs.write_aside(src.parent, dst.name, lambda p: shutil.copyfile(src, p))
+    os.replace(link, dst)
 
 
 class HFCheckpointMixin:
@@ -171,4 +279,5 @@ class HFCheckpointMixin:
             state.pop("lm_head.weight", None)  # transformers stores a tied head once
         if hasattr(self, "ours_to_hf_state"):  # e.g. fused experts -> per-expert keys
             state = self.ours_to_hf_state(state)
-        save_weights(state, self.config.to_hf(), Path(path), max_shard_bytes=max_shard_bytes)
+        config, generation_config = export_configs(self)
+        save_weights(state, config, path, generation_config=generation_config, max_shard_bytes=max_shard_bytes)

@@ -80,6 +80,9 @@ class FSDP2State(TrainState):
         for p in self._params.values():
             p.grad = None
 
+    def has_local_grad(self):
+        return any(p.grad is not None for p in self._params.values())
+
 
 @register("state_sharding", "fsdp2", kind="primitive", twin="zero1", default=True)
 def fsdp2(model, mesh, *, optimizer="adamw", lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0,

@@ -143,11 +143,18 @@ class Runtime:
 
     def optim_step(self) -> dict:
         """Apply the accumulated gradients (global-norm clipping and the non-finite skip of the
-        state), zero them, and move auxiliary-loss-free router biases by their token counts."""
+        state), zero them, and move auxiliary-loss-free router biases by their token counts.
+        Without any gradient on any rank (no forward_backward since the last step) nothing changes:
+        {"applied": False, "skipped": "no gradient"}, weights, optimizer state, step count and router
+        biases as they were."""
         state = self._need_state("optim_step")
         applied, norm, zeros = state.step()
         state.zero_grad()
         out = {"applied": applied, "grad_norm": norm, "zero_grads": zeros, "step": state.steps}
+        if not applied:
+            out["skipped"] = state.skip_reason
+        if state.skip_reason == "no gradient":  # no tokens were trained on: the biases stay too
+            return out
         if any(r.scoring == "sigmoid" for r in moe.routers(self.model).values()):
             moe.update_router_bias(self.model, rate=self.router_bias_rate, group=state.group)
             out["router_max_over_mean"] = max(s["max_over_mean"] for s in moe.router_load_stats(self.model).values())

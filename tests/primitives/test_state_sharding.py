@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from bumblebee import models, registry
+from bumblebee import checkpoint, models, registry
 
 CFG, MOE, TIED, Q35, ODD, DSV3 = ("qwen3-tiny", "qwen3-moe-tiny", "tied", "qwen3.5-moe-tiny", "odd-vocab",
                                   "deepseek-v3-mtp-tiny")
@@ -291,14 +291,14 @@ def one_rank(mesh, out: Path):
         state.load(out / "half")
     except ValueError as e:
         res["half"] = str(e)
-    # crash mid-save, after every DCP file is written but before the completion marker and the
-    # rename: the previous checkpoint stays in place and the debris is refused as incomplete
+    # crash mid-save, after every DCP file is written but before the json's commit: the previous
+    # checkpoint stays current and the new data folder is removed (tests/core/test_checkpoint.py has more)
     import types
-    from bumblebee import checkpoint
     state.save(out / "crash")
     res["crash_saved"] = _full(state)
+    before = sorted(p.name for p in (out / "crash").iterdir())
     _train(state, mesh, 2)
-    real_dcp, real_commit = checkpoint.dcp, checkpoint._commit
+    real_dcp, real_shutil = checkpoint.dcp, checkpoint.shutil
 
     def save_then_crash(*a, **kw):
         real_dcp.save(*a, **kw)
@@ -310,30 +310,27 @@ def one_rank(mesh, out: Path):
         res["crash"] = str(e)
     finally:
         checkpoint.dcp = real_dcp
+    res["crash_listing"] = (before, sorted(p.name for p in (out / "crash").iterdir()))
     fresh = _apply("fsdp2", mesh=mesh, seed=9)
     fresh.load(out / "crash")
     res["crash_loaded"] = _full(fresh)
-    try:
-        fresh.load(out / ".crash.partial")
-    except ValueError as e:
-        res["partial"] = str(e)
 
-    # crash between the two renames of the swap: load falls back to the previous checkpoint
-    def rename_once_then_crash(tmp, path):
-        os.rename(path, checkpoint._aside(path, "old"))
-        raise RuntimeError("simulated crash between the renames")
-    checkpoint._commit = rename_once_then_crash
+    # crash after the commit, before the previous data folder is removed: the new checkpoint is current
+    def crash(*a, **kw):
+        raise RuntimeError("simulated crash after the commit")
+    checkpoint.shutil = types.SimpleNamespace(rmtree=crash)
     try:
         state.save(out / "crash")
     except RuntimeError as e:
         res["crash2"] = str(e)
     finally:
-        checkpoint._commit = real_commit
+        checkpoint.shutil = real_shutil
     fresh = _apply("fsdp2", mesh=mesh, seed=11)
     fresh.load(out / "crash")
-    res["crash2_loaded"] = _full(fresh)
-    state.save(out / "crash")  # the next save completes and cleans up
-    res["crash_after"] = sorted(p.name for p in out.iterdir() if "crash" in p.name)
+    res["crash2_saved"], res["crash2_loaded"] = _full(state), _full(fresh)
+    state.save(out / "crash")  # the next save completes and removes the leftover
+    res["crash_after"] = sorted(p.name for p in (out / "crash").iterdir() if not p.name.startswith("dcp-"))
+    res["crash_after_data"] = len([p for p in (out / "crash").iterdir() if p.name.startswith("dcp-")])
     from torch.distributed.device_mesh import init_device_mesh
     ep_mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("efsdp", "ep"))
     for key, ep in (("ep_mesh", ep_mesh), ("ep_mesh_1d", mesh)):
@@ -409,6 +406,16 @@ def one(workdir, two):
     return spawn(1, "one_rank", workdir)
 
 
+def _zeros_close(run, ref):
+    """Zero gradient entries per step. Most are structural (embedding rows of tokens not in the batch,
+    experts no token chose) and equal in any layout; an entry whose gradient cancels to exactly zero
+    in one summation order and not in another may add or remove a few (62529 vs 62528 seen), so the
+    counts agree within 0.1%: miscounting a shard's padding or a whole tensor is far beyond that."""
+    assert len(run["zeros"]) == len(ref["zeros"])
+    for i, (a, b) in enumerate(zip(run["zeros"], ref["zeros"])):
+        assert abs(a - b) <= max(2, 1e-3 * b), f"step {i}: {a} zero gradient entries vs reference {b}"
+
+
 def _close(run, ref, start=0):
     for i, (a, b) in enumerate(zip(run["loss"], ref["loss"][start:])):
         assert abs(a - b) <= 1e-5, f"step {start + i}: loss {a} vs reference {b}"
@@ -429,7 +436,8 @@ def test_two_ranks_match_reference(two, refs, variant):
     for rank in two:
         run = rank[variant]
         _close(run, ref)
-        assert all(run["ok"]) and run["zeros"] == ref["zeros"]
+        assert all(run["ok"])
+        _zeros_close(run, ref)
     # Adam divides by sqrt(v): an entry whose gradient is rounding noise moves by up to lr per step
     # either way, so the final weights get an absolute tolerance of a few float32 ulps of lr * STEPS.
     # Qwen3.5-MoE has more such entries (its two ranks sum the gradient in another order than the one
@@ -450,7 +458,7 @@ def test_uneven_shards_twins_agree_bitwise(two):
 def test_four_ranks_match_reference(four, ref, variant):
     for rank in four:
         _close(rank[variant], ref)
-        assert rank[variant]["zeros"] == ref["zeros"]
+        _zeros_close(rank[variant], ref)
 
 
 @pytest.mark.parametrize("variant", list(EP_VARIANTS))
@@ -459,7 +467,7 @@ def test_expert_parallel_matches_reference(two, four, refs, variant, world):
     ref = refs[EP_VARIANTS[variant][2]]
     for rank in (two if world == 2 else four):
         _close(rank[variant], ref)
-        assert rank[variant]["zeros"] == ref["zeros"]
+        _zeros_close(rank[variant], ref)
 
 
 @pytest.mark.parametrize("key,world", [("load-moe_ep-into-zero1", 4), ("load-moe_ep", 1)])
@@ -542,23 +550,25 @@ def test_discarded_state_frees_the_model(one, variant):
 
 
 def test_half_written_checkpoint_is_refused(one):
-    assert "incomplete" in one[0]["half"] and "incomplete" in one[0]["partial"]
+    assert "incomplete" in one[0]["half"]
 
 
 def test_crash_mid_save_keeps_the_previous_checkpoint(one):
     res = one[0]
     assert "simulated crash" in res["crash"] and "simulated crash" in res["crash2"]
+    assert res["crash_listing"][0] == res["crash_listing"][1]  # nothing left behind
     for k, v in res["crash_saved"].items():
         assert torch.equal(res["crash_loaded"][k], v), k
+    for k, v in res["crash2_saved"].items():  # committed before the crash: the new checkpoint loads
         assert torch.equal(res["crash2_loaded"][k], v), k
-    assert res["crash_after"] == ["crash"]
+    assert res["crash_after"] == [checkpoint.MARKER] and res["crash_after_data"] == 1
 
 
 @pytest.mark.parametrize("variant", ["fsdp2", "zero1"])
 def test_mesh_that_does_not_divide_shards_unevenly(four, refs, variant):
     for rank in four:
         _close(rank[f"odd-{variant}"], refs[ODD])
-        assert rank[f"odd-{variant}"]["zeros"] == refs[ODD]["zeros"]
+        _zeros_close(rank[f"odd-{variant}"], refs[ODD])
 
 
 def test_ep_mesh_on_a_dense_model_is_refused(one):

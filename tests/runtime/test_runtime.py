@@ -157,15 +157,35 @@ def _batch(model, step):
     return ids, adv
 
 
+FOREIGN = {"rt-ckpt/README.md": "# run notes\n", "rt-ckpt/sub/keep.txt": "keep",
+           "rt-hf/tokenizer.json": "{}", "rt-hf/sub/chat_template.jinja": "{{ messages }}"}
+
+
+def _snapshot(state):
+    """Every tensor a step could change, this rank's part: masters, Adam moments and step counts,
+    compute parameters, buffers (router biases), the step counter."""
+    from torch.distributed.tensor import DTensor
+
+    def local(t):
+        return (t.to_local() if isinstance(t, DTensor) else t).detach().clone()
+    sd = state.state_dict()
+    out = {f"{part}.{k}": local(v) for part in ("model", "optim", "buffers") for k, v in sd.get(part, {}).items()}
+    out.update({f"param.{k}": local(p) for k, p in state.model.named_parameters()})
+    out.update({f"adam_step.{i}": st["step"].clone() for i, st in enumerate(state.optimizer.state.values())})
+    out["steps"] = torch.tensor(state.steps)
+    return out
+
+
 def runtime_runs(mesh, out: Path):
     """DeepSeek-V3 (aux-free routers) on two ranks, each with half of every batch: global-mean IS loss
-    (weights = 1 / global token count), optimizer steps, checkpoint, resume, export."""
+    (weights = 1 / global token count), optimizer steps, checkpoint, resume, export; an optimizer
+    step without gradient on both twins; saves next to other files and onto a regular file."""
     from bumblebee.models import moe
     n, r = mesh.size(), mesh.get_local_rank()
 
-    def make(seed):
+    def make(seed, impl="fsdp2"):
         model = models.build("deepseek-v3-tiny", seed=seed)
-        state = registry.resolve("state_sharding", "fsdp2")(model, mesh, lr=LR, mixed_precision="fp32", grad_clip=None)
+        state = registry.resolve("state_sharding", impl)(model, mesh, lr=LR, mixed_precision="fp32", grad_clip=None)
         return Runtime(model, state, router_bias_rate=0.05)
 
     def step(rt, i):
@@ -177,22 +197,43 @@ def runtime_runs(mesh, out: Path):
                             "importance_sampling")
         return rt.optim_step()
 
+    def skip(rt):
+        before = _snapshot(rt.state)
+        got = rt.optim_step()  # no forward_backward since the last step
+        after = _snapshot(rt.state)
+        return {"out": got, "changed": [k for k in before if not torch.equal(before[k], after[k])]}
+
     rt = make(0)
     res = {"steps": [step(rt, i) for i in range(STEPS)]}
+    res["weights"] = rt.state.full_state_dict(torch.float32)  # after STEPS steps, biases included
     rt.save_state(out / "rt-ckpt")
     rt.save_weights(out / "rt-hf")
-    res["continued"] = step(rt, STEPS)
+    res["no_grad"] = {"fsdp2": skip(rt)}
+    res["continued"] = step(rt, STEPS)  # equal to the resumed run's only if the skip changed nothing
     resumed = make(9)
     resumed.load_state(out / "rt-ckpt")
     res["resumed"] = step(resumed, STEPS)
-    res["biases"] = {k: v.clone() for k, v in rt.model.named_buffers() if k.endswith("e_score_correction_bias")}
+    other = make(0, "zero1")
+    step(other, 0)  # moments and a step count that a wrongly applied step would move
+    res["no_grad"]["zero1"] = skip(other)
+    res["no_grad"]["zero1"]["next"] = step(other, 1)  # the ranks still agree on every collective
     res["has_routers"] = bool(moe.routers(rt.model))
+    res["refused"] = {}
+    for op in ("save_state", "save_weights"):
+        try:
+            getattr(rt, op)(out / "rt-file")
+        except ValueError as e:
+            res["refused"][op] = str(e)
     return res
 
 
 @pytest.fixture(scope="module")
 def two(tmp_path_factory):
     out = tmp_path_factory.mktemp("runtime")
+    for rel, text in FOREIGN.items():  # files of others in the folders the runtime saves into
+        (out / rel).parent.mkdir(parents=True, exist_ok=True)
+        (out / rel).write_text(text)
+    (out / "rt-file").write_text("a file, not a folder")
     return spawn(2, "runtime_runs", out, module=__name__), out
 
 
@@ -214,13 +255,53 @@ def test_two_ranks_follow_one_process(two):
         opt.step()
         opt.zero_grad()
         moe.update_router_bias(model, rate=0.05)
-    for k, v in runs[0]["biases"].items():  # the runtime skips MTP depths: their routers see no tokens
-        assert (v.abs().max() > 0) == (not k.startswith("mtp.")), k
+    want = model.state_dict()
+    got = runs[0]["weights"]
+    assert set(got) == set(want)
+    for k in got:  # the ranks gathered the same full tensors
+        assert all(torch.equal(rank["weights"][k], got[k]) for rank in runs[1:]), k
+    for k, v in want.items():
+        if k.endswith("e_score_correction_bias"):
+            # biases move by +-rate on the sign of (mean load - load), from integer token counts: equal
+            # unless a top-k choice flips on a rounding-level tie between the two layouts
+            assert (got[k] != v).float().mean() <= 0.25 and (got[k] - v).abs().max() <= 2 * 0.05 * STEPS, k
+            # the runtime skips MTP depths: their routers see no tokens
+            assert (got[k].abs().max() > 0) == (not k.startswith("mtp.")), k
+        else:
+            # the same math with fp32 sums in another order (two half batches, gloo): 4.5e-5 at most
+            # seen after 3 Adam steps of lr 1e-2 (eps keeps entries with noise-level gradients still)
+            torch.testing.assert_close(got[k], v, rtol=1e-4, atol=2e-4, msg=k)
 
 
 def test_resume_and_export(two):
     runs, out = two
     for rank in runs:
         assert rank["resumed"]["grad_norm"] == rank["continued"]["grad_norm"]
-    loaded = models.from_pretrained(out / "rt-hf")
-    assert any(k.endswith("e_score_correction_bias") for k in loaded.state_dict())
+    loaded = models.from_pretrained(out / "rt-hf").state_dict()
+    want = runs[0]["weights"]  # what the state held when it exported: the values, not only the names
+    assert set(loaded) == set(want) and any(k.endswith("e_score_correction_bias") for k in loaded)
+    for k, v in want.items():
+        assert torch.equal(loaded[k], v), k
+
+
+@pytest.mark.parametrize("impl", ["fsdp2", "zero1"])
+def test_optim_step_without_gradient_changes_nothing(two, impl):
+    runs, _ = two
+    for rank in runs:
+        res = rank["no_grad"][impl]
+        assert res["out"]["applied"] is False and res["out"]["skipped"] == "no gradient"
+        assert res["changed"] == []  # weights, Adam state, step counter, router biases: bitwise
+        if impl == "zero1":
+            assert res["next"]["applied"] and res["next"]["step"] == 2
+
+
+def test_saves_keep_other_files_and_refuse_a_file(two):
+    runs, out = two
+    for rel, text in FOREIGN.items():
+        assert (out / rel).read_text() == text, rel
+    assert (out / "rt-file").read_text() == "a file, not a folder"
+    for rank in runs:
+        assert "checkpoint path" in rank["refused"]["save_state"]
+        assert "save_pretrained path" in rank["refused"]["save_weights"]
+        for msg in rank["refused"].values():
+            assert "rt-file exists and is not a folder" in msg
