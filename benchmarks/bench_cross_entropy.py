@@ -99,6 +99,9 @@ def _cases():
 
 def _save():
     import triton
+    import subprocess
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True, text=True)
+    RESULTS.update(commit=os.environ.get("BENCH_COMMIT") or head.stdout.strip() or None)
     RESULTS.update(device=torch.cuda.get_device_name(), torch=torch.__version__,
                    triton=triton.__version__, date=datetime.date.today().isoformat(),
                    memory_definition="peak during fwd+bwd - memory before it - bytes of dH and dW",

@@ -48,6 +48,10 @@ CATEGORIES = [  # first match wins; kernel names lower-cased
 
 
 def commit() -> dict:
+    """The commit of the code that runs: BENCH_COMMIT when the launcher sets it (a copy of the tree
+    sent to another machine may carry stale git metadata), else git's HEAD and whether it is dirty."""
+    if os.environ.get("BENCH_COMMIT"):
+        return {"commit": os.environ["BENCH_COMMIT"], "dirty": None}
     try:
         rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=HERE, capture_output=True, text=True).stdout.strip()
         dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=HERE,
