@@ -191,7 +191,8 @@ def profile_layer(step, rank, out: Path, picture=False):
         if picture:
             try:
                 trace_picture(tj, out / "moe_dispatch_trace.png",
-                              "chunked dispatch, C = 2, 16K tokens/rank, EP = 2: forward then backward")
+                              f"chunked dispatch, C = 2, 16K tokens/rank, EP = {dist.get_world_size()}: "
+                              "forward then backward")
             except Exception as e:  # noqa: BLE001
                 print(f"trace picture failed: {e}", flush=True)
         else:

@@ -309,7 +309,9 @@ def main() -> None:
     if args.worker:
         return worker(args)
     if args.cpu_smoke:
-        args.model, args.layers, args.gpus = "qwen3-moe-tiny", 2, 1
+        args.model = args.model if args.model.endswith("tiny") else "qwen3-moe-tiny"
+        args.layers = min(args.layers, len(hf_slice(args.model, 99, True).get("layer_types") or [0] * 2))
+        args.gpus = 1
         args.seq_lens, args.steps, args.long_steps, args.warmup, args.profile_len = "64", 3, 2, 1, 64
         args.stacks = args.stacks.replace("transformers+liger", "transformers")
     stacks = args.stacks.split(",")

@@ -75,7 +75,8 @@ class Bumblebee(Stack):
 def _slots(model) -> dict:
     """The implementation name each slot resolves to in our model (the defaults unless impl names one)."""
     from bumblebee import registry
-    return {slot: model.impl.get(slot) or registry.get(slot).name for slot in registry.slots()}
+    used = model.slots_used() if hasattr(model, "slots_used") else registry.slots()
+    return {slot: model.impl.get(slot) or registry.get(slot).name for slot in used} | {"state_sharding": "fsdp2"}
 
 
 class TransformersLiger(Stack):
@@ -95,6 +96,15 @@ class TransformersLiger(Stack):
             version = getattr(liger_kernel, "__version__", None)
         else:
             self.name, version = "transformers", None
+        deltanet = None
+        if hf.model_type.startswith("qwen3_5"):
+            # transformers' gated DeltaNet runs flash-linear-attention's chunk_gated_delta_rule where
+            # installed; where fla refuses its own gated backward (Hopper, Triton < 3.7.1) the peer gets
+            # the dq/dk/dw/dg kernel we install into fla for ourselves, so both run the same DeltaNet
+            from bumblebee.primitives import linear_attention as la
+            ops = la.fla_ops() if device.type == "cuda" else None
+            deltanet = ("transformers' torch path (fla absent)" if ops is None else
+                        f"fla {'with our chunk_bwd_dqkwg (' + la.DQKWG_HOOK + ')' if la.DQKWG_HOOK else 'as is'}")
         model = _transformers_model(path, device, attn_implementation="sdpa")
         model.config.use_cache = False
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -108,7 +118,8 @@ class TransformersLiger(Stack):
         self.optimizer = torch.optim.AdamW(model.parameters(), **HP)
         self.config = {"transformers": transformers.__version__, "liger_kernel": version, "liger_patch": patched,
                        "attn_implementation": "sdpa", "gradient_checkpointing": "non-reentrant",
-                       "fsdp2": "fully_shard per decoder layer + root", "optimizer": "torch AdamW (default foreach)"}
+                       "fsdp2": "fully_shard per decoder layer + root", "optimizer": "torch AdamW (default foreach)",
+                       "deltanet": deltanet}
 
     def forward_backward(self, ids):
         loss = self.model(input_ids=ids, labels=ids).loss
