@@ -80,7 +80,9 @@ class Parallel:
     recompute: bool = True
     loss: str = "linear_ce"       # "linear_ce" | "materialized_ce"
     reshard_after_forward: bool = True
-    device: str = "cuda"          # "cuda": AdamW's foreach path; "cpu": its per-tensor path
+    device: str = "cuda"          # "cuda": AdamW fused (or foreach, see adamw); "cpu": its per-tensor path
+    adamw: str = "fused"          # on CUDA: "fused" (the state-sharding twins' optimizer: no temporaries)
+                                  # or "foreach" (torch's default; results measured before fused AdamW)
     moe_fused_recompute: bool = True  # the chunked dispatch's FUSED_RECOMPUTE under the models' recompute
 
 
@@ -461,9 +463,11 @@ def _state_terms(est: Estimate, model, g: dict, par: Parallel, b: int, mtp: bool
     p_rank = g["dense"] + g["expert"]         # parameters on this rank before data-parallel sharding
     p_shard = g["dense"] / n + g["expert"] / (n // ep)  # this rank's shard
     largest = max(p.numel() // (ep if _is_expert(name) else 1) for name, p in model.named_parameters())
-    # AdamW's temporaries: foreach (CUDA) holds one fp32 list as large as the shard; the per-tensor
-    # path (CPU) one tensor as large as the largest parameter shard
-    adam_temp = 4 * (p_shard if par.device == "cuda" else largest / n)
+    # AdamW's temporaries: fused (CUDA) none, foreach one fp32 list as large as the shard; the
+    # per-tensor path (CPU) one tensor as large as the largest parameter shard
+    if par.adamw not in ("fused", "foreach"):
+        raise ValueError(f"adamw must be 'fused' or 'foreach', got {par.adamw!r}")
+    adam_temp = 4 * (p_shard if par.adamw == "foreach" else 0) if par.device == "cuda" else 4 * largest / n
     if par.sharding == "fsdp2":
         est.params, est.grads, est.optimizer = int(4 * p_shard), int(4 * p_shard), int(8 * p_shard)
         local_layers = -(-model.config.num_hidden_layers // par.pp)

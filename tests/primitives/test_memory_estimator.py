@@ -161,7 +161,7 @@ def test_composed_step_peak(run, row):
     # runs without the key predate the chunked dispatch's fused recompute (it saves less)
     fused = impl.get("moe_fused_recompute", False)
     est = memory.estimate(config, memory.Parallel(dp=run["world_size"], ep=run["ep"], seq_len=row["seq_len"],
-                                                  moe_fused_recompute=fused))
+                                                  moe_fused_recompute=fused, adamw=run.get("adamw", "foreach")))
     _, cfg = memory._model_on_meta(config)
     assert list(cfg.layer_types) == run["layer_types"] and cfg.mtp_num_hidden_layers == 1
     static, peak = row["static_GiB"] * 2**30, row["peak_GiB"] * 2**30
@@ -177,7 +177,8 @@ def test_state_sharding_benchmark_peak(run, row):
     config = {**models.NAMED[s["model"]], "num_hidden_layers": s["layers"], "dtype": "float32"}
     est = memory.estimate(config, memory.Parallel(
         dp=run["world_size"], ep=s["ep"], sharding=row["impl"], mixed_precision=s["mixed_precision"],
-        micro_batch=s["micro_batch"], seq_len=s["seq_len"], recompute=s["recompute"], loss=s["loss"]))
+        micro_batch=s["micro_batch"], seq_len=s["seq_len"], recompute=s["recompute"], loss=s["loss"],
+        adamw=s.get("adamw", "foreach")))  # runs before fused AdamW
     assert abs(est.peak - row["peak_bytes"]) <= 0.10 * row["peak_bytes"], (est.peak, row["peak_bytes"], est.phases)
     assert abs(est.static - row["static_bytes"]) <= 0.05 * row["static_bytes"]
 
@@ -203,3 +204,14 @@ def test_hybrid_layer_terms():
     assert plain.phases["first_block"] < short.phases["first_block"]
     text = memory.table(config, memory.Parallel(dp=2, ep=2, seq_len=32768))
     assert "at last_block" in text and "mtp_activations" in text
+
+
+@pytest.mark.parametrize("run,row", [p for p in _rows("training_step_qwen3-30b-a3b_h200_x1.json",
+                                                      "training_step_qwen3-30b-a3b_h200_x1_long.json")
+                                     if p.values[1]["stack"] == "bumblebee"])
+def test_training_step_peak(run, row):
+    """benchmarks/bench_training_step.py, our stack: the defaults on one rank (linear_ce, chunked dispatch
+    with its fused recompute, FSDP2 with fused AdamW, full recompute, bf16)."""
+    assert row["config"]["impl"]["cross_entropy"] == "linear_ce" and row["gpus"] == 1
+    est = memory.estimate(run["hf_config"], memory.Parallel(dp=1, seq_len=row["seq_len"]))
+    assert abs(est.peak - row["peak_bytes"]) <= 0.06 * row["peak_bytes"], (est.peak, row["peak_bytes"], est.phases)
