@@ -5,6 +5,7 @@
     report = bb.pair(model="qwen3-tiny", slot="attention", a="sdpa", b="eager", steps=5)
 """
 from bumblebee.registry import build, get, register, resolve, slots  # noqa: F401
+from bumblebee.model_registry import register_model  # noqa: F401
 from bumblebee import models  # noqa: E402,F401
 from bumblebee.pairing import pair  # noqa: E402,F401
 

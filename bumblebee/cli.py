@@ -102,7 +102,10 @@ def main(argv: list[str] | None = None) -> int:
 
     from bumblebee import registry
     if args.cmd == "list":
+        from bumblebee import models
         print(registry.describe())
+        print()
+        print(models.describe())
         return 0
     from bumblebee.pairing import SAME_CODE_EXIT, format_report, pair, write_json
     try:

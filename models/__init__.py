@@ -10,6 +10,7 @@ import copy
 import torch
 
 from bumblebee import registry
+from bumblebee.model_registry import families, family_of, model_types, register_model
 from bumblebee.models import hf_io
 from bumblebee.models.configs import NAMED
 from bumblebee.models.deepseek_v3 import DeepseekV3ForCausalLM
@@ -17,17 +18,19 @@ from bumblebee.models.qwen3 import Qwen3ForCausalLM
 from bumblebee.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM
 from bumblebee.models.qwen3_moe import Qwen3MoeForCausalLM
 
-MODEL_TYPES = {"qwen3": Qwen3ForCausalLM, "qwen3_moe": Qwen3MoeForCausalLM, "deepseek_v3": DeepseekV3ForCausalLM,
-               # Qwen3.5: the hub's multimodal configs (text under text_config) and transformers' text ones
-               "qwen3_5": Qwen3_5ForCausalLM, "qwen3_5_text": Qwen3_5ForCausalLM,
-               "qwen3_5_moe": Qwen3_5MoeForCausalLM, "qwen3_5_moe_text": Qwen3_5MoeForCausalLM}
+for _name, _cls, _types in (("qwen3", Qwen3ForCausalLM, ("qwen3",)),
+                             ("qwen3_moe", Qwen3MoeForCausalLM, ("qwen3_moe",)),
+                             ("deepseek_v3", DeepseekV3ForCausalLM, ("deepseek_v3",)),
+                             # Qwen3.5: the hub's multimodal configs (text under text_config) and
+                             # transformers' text ones
+                             ("qwen3_5", Qwen3_5ForCausalLM, ("qwen3_5", "qwen3_5_text")),
+                             ("qwen3_5_moe", Qwen3_5MoeForCausalLM, ("qwen3_5_moe", "qwen3_5_moe_text"))):
+    register_model(_name, _cls, _cls.config_class, hf_model_types=_types)
+MODEL_TYPES = model_types()  # the shipped families' {model_type: class}; later registrations: model_types()
 
 
 def _model_class(hf: dict):
-    kind = hf.get("model_type")
-    if kind not in MODEL_TYPES:
-        raise ValueError(f"unknown model_type {kind!r}; accepted: {sorted(MODEL_TYPES)}")
-    return MODEL_TYPES[kind]
+    return family_of(hf.get("model_type")).model_class
 
 
 def _hf_config(name_or_config) -> dict:
@@ -120,3 +123,25 @@ def from_pretrained(path, impl: dict | None = None, *, dtype=None, device="cpu")
 
 
 __all__ = ["build", "from_pretrained", "init_weights", "NAMED", "MODEL_TYPES"]
+
+
+def slots_of(model_type: str) -> tuple[str, ...]:
+    """The slots a model family looks up, read off a meta-device build of a named config of its type."""
+    family = family_of(model_type)
+    hf = next((c for c in NAMED.values() if c.get("model_type") in family.hf_model_types), None)
+    if hf is None:
+        return ()
+    with torch.device("meta"):
+        model = family.model_class(_parse_config(family.model_class, copy.deepcopy(hf), "its named config"), None)
+    return model.slots_used() if hasattr(model, "slots_used") else ()
+
+
+def describe() -> str:
+    """Every registered model family, the HF model_types it serves, its slots and named configs."""
+    lines = ["models:"]
+    for f in families().values():
+        named = sorted(n for n, c in NAMED.items() if c.get("model_type") in f.hf_model_types)
+        lines.append(f"  {f.name} ({f.model_class.__name__}; model_type {', '.join(f.hf_model_types)})")
+        lines.append(f"    slots: {', '.join(slots_of(f.hf_model_types[0])) or '-'}")
+        lines.append(f"    named configs: {', '.join(named) or '-'}")
+    return "\n".join(lines)

@@ -1,0 +1,36 @@
+"""bumblebee.register_model: a family registered from outside loads, builds and trains like a shipped one."""
+import pytest
+import torch
+
+import bumblebee as bb
+from bumblebee.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
+
+
+class MyQwen3(Qwen3ForCausalLM):
+    """An outside family: Qwen3's layers under another model_type."""
+
+
+def test_registered_family_builds_and_trains(tmp_path):
+    bb.register_model("my_qwen3", MyQwen3, Qwen3Config, hf_model_types=["my_qwen3"])
+    hf = {**bb.models.NAMED["qwen3-tiny"], "model_type": "my_qwen3"}
+    model = bb.models.build(hf, seed=0)
+    assert type(model) is MyQwen3
+    ids = torch.randint(0, hf["vocab_size"], (2, 9))
+    model(ids, labels=ids).loss.backward()
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+    assert "my_qwen3" in bb.models.describe() and "attention, cross_entropy" in bb.models.describe()
+
+
+def test_unknown_model_type_lists_the_registered_families():
+    with pytest.raises(ValueError, match="registered models: qwen3 \\(qwen3\\).*register_model"):
+        bb.models.build({**bb.models.NAMED["qwen3-tiny"], "model_type": "llama"})
+
+
+def test_bad_registrations_are_refused():
+    with pytest.raises(ValueError, match="already served"):
+        bb.register_model("other", MyQwen3, Qwen3Config, hf_model_types=["qwen3"])
+    with pytest.raises(TypeError, match="from_hf"):
+        bb.register_model("nocfg", MyQwen3, dict, hf_model_types=["nocfg"])
+    with pytest.raises(ValueError, match="config_class"):
+        from bumblebee.models.qwen3_moe import Qwen3MoeConfig
+        bb.register_model("mismatch", MyQwen3, Qwen3MoeConfig, hf_model_types=["mismatch"])
