@@ -57,16 +57,9 @@ def _compiled_chunks():
 
 def _impl(name):
     if name in ("linear_ce", "linear_ce_lean", "linear_ce_fwdgrad"):
-        from bumblebee.primitives import cross_entropy as lce
-        path = {"linear_ce": "auto", "linear_ce_lean": False, "linear_ce_fwdgrad": True}[name]
-
-        def f(h, w, y):
-            saved, lce.GRAD_IN_FORWARD = lce.GRAD_IN_FORWARD, path
-            try:
-                return lce.linear_cross_entropy(h, w, y)
-            finally:
-                lce.GRAD_IN_FORWARD = saved
-        return f
+        from bumblebee import registry
+        path = {"linear_ce": "auto", "linear_ce_lean": "lean", "linear_ce_fwdgrad": "grad_in_forward"}[name]
+        return registry.resolve("cross_entropy", f"linear_ce:path={path}")
     if name == "materialized_ce":
         from bumblebee.baselines.cross_entropy import materialized_cross_entropy
         return materialized_cross_entropy
@@ -125,6 +118,9 @@ def test_cross_entropy(benchmark, impl, shape, dims):
     case = dict(impl=impl, shape=shape, N=n, H=h, V=v, floor_ms=6 * n * h * v / rate / 1e9)
     RESULTS["cases"].append(case)
     fn = _impl(impl)
+    if hasattr(fn, "config"):  # ours: the options it ran with go into the result
+        from bumblebee.options import record
+        case["config"] = record(fn.config)
     g = torch.Generator(device="cuda").manual_seed(0)
     hidden = torch.randn(n, h, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
     weight = (torch.randn(v, h, device="cuda", dtype=torch.bfloat16, generator=g) * h ** -0.5).requires_grad_()

@@ -76,7 +76,7 @@ def _slots(model) -> dict:
     """The implementation name each slot resolves to in our model (the defaults unless impl names one)."""
     from bumblebee import registry
     used = model.slots_used() if hasattr(model, "slots_used") else registry.slots()
-    return {slot: model.impl.get(slot) or registry.get(slot).name for slot in used} | {"state_sharding": "fsdp2"}
+    return {slot: registry.get(slot, model.impl.get(slot)).name for slot in used} | {"state_sharding": "fsdp2"}
 
 
 class TransformersLiger(Stack):

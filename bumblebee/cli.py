@@ -55,6 +55,7 @@ memory and step time."""
 
 PAIR_EPILOG = """example:
   bumblebee pair --model qwen3-tiny --slot cross_entropy --a linear_ce --b materialized_ce --json r.json
+  bumblebee pair --model qwen3-tiny --slot cross_entropy --a linear_ce:path=lean --b materialized_ce
 
 exit status:
   0  the two sides were compared (read the differences: pair does not judge them)
@@ -71,15 +72,16 @@ def parser() -> argparse.ArgumentParser:
 
     top = argparse.ArgumentParser(prog="bumblebee", description=__doc__)
     sub = top.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("list", help="every slot, its implementations and SKILL.md")
+    sub.add_parser("list", help="every slot, its implementations, their options and SKILL.md")
     p = sub.add_parser("pair", help="train one model with two implementations of a slot and compare",
                        formatter_class=_HelpFormatter, epilog=PAIR_EPILOG,
                        description=PAIR_DESCRIPTION)
     p.add_argument("--model", default="qwen3-tiny", metavar="NAME", help=f"a named model: {', '.join(NAMED)}")
     p.add_argument("--slot", default="attention",
                    help=f"the slot to pair: {', '.join(registry.slots())} (bumblebee list: their implementations)")
-    p.add_argument("--a", default="sdpa", metavar="IMPL", help="the implementation of side a (usually the primitive)")
-    p.add_argument("--b", default="eager", metavar="IMPL", help="the implementation of side b (usually its twin)")
+    p.add_argument("--a", default="sdpa", metavar="IMPL", help="the implementation of side a (usually the primitive): a name, or name:field=value,... "
+                        "to set its options (bumblebee list: each one's options)")
+    p.add_argument("--b", default="eager", metavar="IMPL", help="the implementation of side b (usually its twin), as --a")
     p.add_argument("--steps", type=_positive_int, default=5, metavar="N",
                    help="AdamW steps per side; the first is the warm-up, left out of the step time")
     p.add_argument("--seed", type=int, default=0, help="seed of the initial weights and of the token batches")

@@ -59,8 +59,12 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-LINEAR_CE_WORKSPACE = 128 << 20  # primitives/cross_entropy.py WORKSPACE_BYTES (one fp32 logit chunk)
-LINEAR_CE_MIN_COLUMNS = 1024     # its MIN_CHUNK_COLUMNS: the chunk grows past the workspace beyond 32K tokens
+from bumblebee.primitives.cross_entropy import MIN_CHUNK_COLUMNS, LinearCE
+
+# linear_ce's lean path at its default options: one fp32 logit chunk of workspace_bytes, at least
+# MIN_CHUNK_COLUMNS wide (the chunk grows past the workspace beyond 32K tokens)
+LINEAR_CE_WORKSPACE = LinearCE.workspace_bytes
+LINEAR_CE_MIN_COLUMNS = MIN_CHUNK_COLUMNS
 FLA_CHUNK = 64                   # fla's chunk_gated_delta_rule chunk size (its A is [T, H_v, 64])
 _BYTES = {"bf16": 2, "fp32": 4}
 MOMENTS = ("loss", "first_block", "loss_after_mtp", "last_block")  # the backward's, in time order

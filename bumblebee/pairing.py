@@ -45,10 +45,11 @@ def _run(model, batches, device, lr, desc):
 def pair(model: str = "qwen3-tiny", slot: str = "attention", a: str = "sdpa", b: str = "eager", *,
          steps: int = 5, seed: int = 0, batch_size: int = 2, seq_len: int = 64, lr: float = 1e-3,
          warmup: int = 1, device=None, dtype=None, impl: dict | None = None) -> dict:
-    """Train `model` with slot=a and slot=b from the same weights on the same batches; compare."""
+    """Train `model` with slot=a and slot=b from the same weights on the same batches; compare. `a`
+    and `b` are any choice the registry takes: a name, "name:field=value,...", a config instance."""
     from bumblebee import models
 
-    registry.get(slot, a), registry.get(slot, b)  # ValueError listing what is accepted
+    (impl_a, _), (impl_b, _) = registry.choose(slot, a), registry.choose(slot, b)  # ValueError listing what is accepted
     for name, value in (("steps", steps), ("batch_size", batch_size), ("seq_len", seq_len)):
         if not isinstance(value, int) or value < 1:  # an empty batch has no loss to compare
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
@@ -59,6 +60,7 @@ def pair(model: str = "qwen3-tiny", slot: str = "attention", a: str = "sdpa", b:
     run_dtype = next(model_a.parameters()).dtype
     ran = {side: dict(zip(("code", "note"), registry.code_on(slot, name, device, run_dtype)))
            for side, name in (("a", a), ("b", b))}
+    configs = {"a": model_a.impl_configs()}
     batches = _batches(model_a.config.vocab_size, steps, batch_size, seq_len, seed)
     torch.manual_seed(seed)
     rec_a = _run(model_a.to(device), batches, device, lr, f"{slot}={a}")
@@ -67,10 +69,17 @@ def pair(model: str = "qwen3-tiny", slot: str = "attention", a: str = "sdpa", b:
     model_b.load_state_dict(weights)
     torch.manual_seed(seed)
     rec_b = _run(model_b.to(device), batches, device, lr, f"{slot}={b}")
+    configs["b"] = model_b.impl_configs()
+    # two configs of one implementation run different code (e.g. linear_ce's two paths), unless a
+    # side ran its twin's code instead
+    same = ran["a"]["code"] == ran["b"]["code"] and (
+        ran["a"]["note"] or ran["b"]["note"] or configs["a"][slot] == configs["b"][slot])
     skipped = min(warmup, steps - 1)  # a single step is timed although it is the warm-up: the report says so
     return {
-        "model": model, "slot": slot, "a": a, "b": b, "device": _device_name(device), "seed": seed,
-        "ran": ran, "status": "same_code" if ran["a"]["code"] == ran["b"]["code"] else "compared",
+        "model": model, "slot": slot, "a": impl_a.name, "b": impl_b.name, "device": _device_name(device),
+        "seed": seed, "options": {"a": registry.spec(slot, a), "b": registry.spec(slot, b)},
+        # every slot of each side's model as it was resolved: implementation and options
+        "configs": configs, "ran": ran, "status": "same_code" if same else "compared",
         "batch_size": batch_size, "seq_len": seq_len,
         "steps": [{"step": i, "loss_a": ra["loss"], "loss_b": rb["loss"],
                    "loss_abs_diff": abs(ra["loss"] - rb["loss"]),
@@ -92,10 +101,11 @@ def _device_name(device: torch.device) -> str:
 
 
 def format_report(r: dict) -> str:
-    lines = [f"pair {r['model']}  slot={r['slot']}  a={r['a']}  b={r['b']}  device={r['device']}"]
+    opts = r["options"]
+    lines = [f"pair {r['model']}  slot={r['slot']}  a={opts['a']}  b={opts['b']}  device={r['device']}"]
     for side in "ab":
         code, note = r["ran"][side]["code"], r["ran"][side]["note"]
-        lines.append(f"  {side}={r[side]} ran " + ("its own code" if code == r[side] else f"{code}'s code: {note}"))
+        lines.append(f"  {side}={opts[side]} ran " + ("its own code" if code == r[side] else f"{code}'s code: {note}"))
     if r["status"] == "same_code":
         lines.append(f"SAME CODE: both sides ran {r['ran']['a']['code']}'s code on {r['device']}; the agreement "
                      f"below tests nothing (exit status {SAME_CODE_EXIT})")

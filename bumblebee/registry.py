@@ -2,7 +2,8 @@
 
 A primitive and its baseline twin register under the same slot; a model picks one by name, so a
 swap is one string in the model config (or `--swap slot=impl` on the CLI), never an edit of the
-model file.
+model file. An implementation with options registers their config class (`bumblebee.options`); it
+is then chosen by name (its defaults), by `"name:field=value,..."`, or by a config instance.
 """
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+
+from bumblebee import options
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -30,6 +33,7 @@ class Impl:
     # falls_back(device, dtype) -> why a training step there runs the twin's code instead of this
     # implementation's own, or None; set by the primitives whose kernels need a device
     falls_back: Callable | None = None
+    config: type | None = None  # its options (a frozen dataclass), or None: it has none
 
 
 _SLOTS: dict[str, dict[str, Impl]] = {}
@@ -38,19 +42,23 @@ _loaded = False
 
 
 def register(slot: str, name: str, *, kind: str, twin: str | None = None, default: bool = False,
-             falls_back: Callable | None = None) -> Callable:
+             falls_back: Callable | None = None, config: type | None = None) -> Callable:
     """Decorator: `@register("attention", "sdpa", kind="primitive", twin="eager")`. A primitive that
     runs its twin's code on some devices says so through `falls_back(device, dtype) -> reason | None`
-    (see `code_on`)."""
+    (see `code_on`). With `config=Cls`, the decorated function takes a Cls instance as its first
+    argument, and `resolve` returns it bound to the chosen one (`options.Bound`)."""
     if kind not in ("primitive", "baseline"):
         raise ValueError(f"kind must be 'primitive' or 'baseline', got {kind!r}")
+    if config is not None:
+        options.check_config_class(config, name)
 
     def deco(obj):
         impls = _SLOTS.setdefault(slot, {})
         if name in impls and impls[name].obj is not obj:
             raise ValueError(f"implementation {name!r} of slot {slot!r} is registered twice")
         skill = f"skills/{slot.replace('_', '-')}/SKILL.md"
-        impls[name] = Impl(slot, name, obj, kind, twin, skill, summary(obj.__doc__), falls_back)
+        impls[name] = Impl(slot, name, obj, kind, twin, skill, summary(obj.__doc__), falls_back,
+                            config)
         if default or slot not in _DEFAULTS:
             _DEFAULTS[slot] = name
         return obj
@@ -79,12 +87,16 @@ def slots() -> dict[str, dict[str, Impl]]:
     return {s: dict(v) for s, v in sorted(_SLOTS.items())}
 
 
-def get(slot: str, name: str | None = None) -> Impl:
-    """The implementation `name` of `slot` (its default when name is None)."""
+def get(slot: str, name=None) -> Impl:
+    """The implementation `name` of `slot` (its default when name is None); `name` may also be any
+    choice `choose` takes."""
     _load_all()
     if slot not in _SLOTS:
         raise ValueError(f"unknown slot {slot!r}; accepted: {sorted(_SLOTS)}")
     name = _DEFAULTS[slot] if name is None else name
+    if not isinstance(name, str):
+        return choose(slot, name)[0]
+    name = name.split(":", 1)[0]
     if name not in _SLOTS[slot]:
         raise ValueError(f"unknown implementation {name!r} for slot {slot!r}; accepted: {sorted(_SLOTS[slot])}")
     return _SLOTS[slot][name]
@@ -98,9 +110,47 @@ def code_on(slot: str, name: str, device, dtype) -> tuple[str, str | None]:
     return (impl.twin, why) if why else (impl.name, None)
 
 
-def resolve(slot: str, name: str | None = None) -> Any:
-    """The registered object itself (a function for functional slots, a class for module slots)."""
-    return get(slot, name).obj
+def choose(slot: str, choice=None) -> tuple[Impl, Any]:
+    """(the implementation, its config or None) of a choice: None (the slot's default), a name (its
+    default options), `"name:field=value,..."` (parsed with the config's field types), or a config
+    instance (it names its implementation: `impl_name`). ValueError naming what is accepted."""
+    if choice is None or isinstance(choice, str):
+        name, colon, text = (choice or "").partition(":")
+        impl = get(slot, name or None)
+        if colon and impl.config is None:
+            raise ValueError(f"implementation {impl.name!r} of slot {slot!r} takes no options, got {choice!r}")
+        if impl.config is None:
+            return impl, None
+        return impl, options.parse(impl.config, text) if colon else impl.config()
+    name = getattr(type(choice), "impl_name", None)
+    impl = get(slot, name) if isinstance(name, str) else None
+    if impl is None or type(choice) is not impl.config:
+        raise TypeError(f"slot {slot!r} takes an implementation name or a config instance of one, got {choice!r}")
+    return impl, choice
+
+
+def resolve(slot: str, name=None) -> Any:
+    """The registered object (a function for functional slots, a class for module slots); a
+    configured one bound to its chosen config (the defaults when `name` is a plain name)."""
+    impl, config = choose(slot, name)
+    return impl.obj if config is None else options.Bound(impl.obj, config)
+
+
+def spec(slot: str, choice=None) -> str:
+    """The shortest string `choose` reads back as this choice: the name, plus the options that differ
+    from the defaults (`"linear_ce:path=lean"`)."""
+    impl, config = choose(slot, choice)
+    if config is None:
+        return impl.name
+    changed = [f"{k}={v}" for k, v in options.record(config).items()
+               if k != "impl" and v != getattr(impl.config, k)]
+    return impl.name + (":" + ",".join(changed) if changed else "")
+
+
+def record(slot: str, choice=None) -> dict:
+    """{"impl": name, **config fields} of a choice, for reports and results."""
+    impl, config = choose(slot, choice)
+    return options.record(config) if config is not None else {"impl": impl.name}
 
 
 def build(slot: str, name: str | None = None, *args, **kwargs) -> Any:
@@ -113,7 +163,8 @@ class SlotChoices(dict):
     """A model's {slot: implementation}, recording in `asked` every slot the model looks up while it
     is built (looked up even when unset: the model then takes the default). A slot never looked up
     is one the model does not use: choosing an implementation for it would change nothing, and a
-    pairing of it would report agreement that was never tested."""
+    pairing of it would report agreement that was never tested. A configured implementation's value
+    is its resolved config instance (parsed once, by `check_impl`), any other's its name."""
 
     def __init__(self, impl=()):
         super().__init__(impl)
@@ -123,19 +174,26 @@ class SlotChoices(dict):
         self.asked.add(slot)
         return super().get(slot, default)
 
+    def configs(self) -> dict[str, dict]:
+        """{slot: {"impl": name, **config fields}} of every slot looked up (defaults included)."""
+        return {slot: record(slot, dict.get(self, slot)) for slot in sorted(self.asked)}
 
-def check_impl(impl: Mapping[str, str] | None) -> SlotChoices:
-    """Validate a {slot: implementation} mapping; raises TypeError / ValueError naming what is accepted."""
+
+def check_impl(impl: Mapping[str, Any] | None) -> SlotChoices:
+    """Validate a {slot: choice} mapping (see `choose`); raises TypeError / ValueError naming what is
+    accepted. Configured implementations are resolved to their config instances here, once."""
     if impl is None:
         return SlotChoices()
     if not isinstance(impl, Mapping):
         raise TypeError(f"impl must be a dict {{slot: implementation}}, e.g. {{'cross_entropy': 'linear_ce'}}; "
                         f"got {type(impl).__name__} {impl!r}")
-    for slot, name in impl.items():
-        if not isinstance(slot, str) or not isinstance(name, str):
-            raise TypeError(f"impl maps slot names to implementation names (strings), got {slot!r}: {name!r}")
-        get(slot, name)
-    return SlotChoices(impl)
+    resolved = {}
+    for slot, choice in impl.items():
+        if not isinstance(slot, str) or choice is None:
+            raise TypeError(f"impl maps slot names to implementation names or configs, got {slot!r}: {choice!r}")
+        found, config = choose(slot, choice)
+        resolved[slot] = found.name if config is None else config
+    return SlotChoices(resolved)
 
 
 def check_used(impl: SlotChoices, model: str) -> None:
@@ -155,5 +213,7 @@ def describe() -> str:
         for impl in impls.values():
             twin = f", twin of {impl.twin}" if impl.twin else ""
             lines.append(f"  {impl.name:<18} {impl.kind}{twin}: {impl.summary}")
+            for field, default, doc in options.fields(impl.config) if impl.config else ():
+                lines.append(f"      {field}={default!r}: {doc}")
         lines.append(f"  skill: {next(iter(impls.values())).skill}")
     return "\n".join(lines)

@@ -199,6 +199,11 @@ class CausalLM(HFCheckpointMixin, nn.Module):
         """The slots this model looked up while it was built (see `registry.SlotChoices`)."""
         return tuple(sorted(self.impl.asked))
 
+    def impl_configs(self) -> dict[str, dict]:
+        """{slot: {"impl": name, **its options}} of every slot this model uses, defaults included:
+        what a report or a result records of what ran."""
+        return self.impl.configs()
+
     @staticmethod
     def _check_types(labels, position_ids):
         for name, value in (("labels", labels), ("position_ids", position_ids)):

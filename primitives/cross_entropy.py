@@ -7,12 +7,14 @@ Algorithm (same on every device; the chunk work is a Triton kernel on CUDA, torc
   backward  recompute z_NC chunk by chunk, logit gradient g_NC from the saved statistics (fp32),
             dW_CH = g_NC^T @ hidden_NH (the whole N reduction inside one GEMM with fp32
             accumulation, written once), dH_NH += g_NC @ weight_CH into an fp32 accumulator.
-Workspace: one fp32 z_NC chunk of WORKSPACE_BYTES (g_NC is written over it), the fp32 [N, H] dH
+Workspace: one fp32 z_NC chunk of LinearCE.workspace_bytes (g_NC is written over it), the fp32 [N, H] dH
 accumulator, and a copy of the non-ignored hidden rows when some labels are ignored; nothing
 scales with N x V. FLOPs: 8NHV (2 forward, 6 backward).
 Shape suffixes: N tokens, H hidden, V (local) vocabulary, C chunk columns.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -20,25 +22,46 @@ import torch.distributed as dist
 from bumblebee.checks import check_cross_entropy_inputs
 from bumblebee.distributed import vocab_range
 from bumblebee.kernels.linear_ce import NEG_INIT, chunk_grad, chunk_stats_
+from bumblebee.options import Bound, check_choice, check_int, option
 from bumblebee.registry import register
 
-WORKSPACE_BYTES = 128 << 20  # the fp32 logit chunk buffer (the gradient chunk is written over it)
-MIN_CHUNK_COLUMNS = 1024  # so the workspace grows past WORKSPACE_BYTES beyond 32K tokens
-CHUNK_COLUMNS: int | None = None  # fixed chunk width (tests); None: derived from WORKSPACE_BYTES
-# The 6NHV variant (scalar losses only: gradients computed in the forward, no logit recompute), 16-25%
-# faster than the lean 8NHV path. "auto": taken when its transient workspace (a rows x V fp32 chunk
-# plus the fp32 [V, H] dW accumulator) fits GRAD_IN_FORWARD_BUDGET_BYTES; True / False force it.
-GRAD_IN_FORWARD: bool | str = "auto"
-GRAD_IN_FORWARD_ROWS = 2048  # token rows per chunk of that variant (workspace rows x V x 4 bytes)
-GRAD_IN_FORWARD_BUDGET_BYTES = 4 << 30
+MIN_CHUNK_COLUMNS = 1024  # below it the fp32 dH read-modify-write per chunk (8NH bytes) dominates
+PATHS = ("auto", "grad_in_forward", "lean")
+
+
+@dataclass(frozen=True)
+class LinearCE:
+    """Options of linear_ce: `impl={"cross_entropy": LinearCE(path="lean")}`, or the string
+    "linear_ce:path=lean,budget_bytes=2GiB" (CLI: `--a linear_ce:path=lean`)."""
+
+    impl_name = "linear_ce"  # not a field: the implementation these options configure
+    path: str = option("auto", "grad_in_forward: the 6NHV path (gradients of a scalar loss computed in "
+                       "the forward, 16-25% faster); lean: the 8NHV path (vocabulary chunks, logits "
+                       "recomputed in the backward); auto: grad_in_forward when its workspace fits "
+                       "budget_bytes, else lean")
+    budget_bytes: int = option(4 << 30, "the most transient workspace auto lets the 6NHV path take "
+                               "(grad_in_forward_rows x V fp32 logits + the fp32 [V, H] dW accumulator)")
+    grad_in_forward_rows: int = option(2048, "token rows per chunk of the 6NHV path")
+    workspace_bytes: int = option(128 << 20, "the lean path's fp32 logit chunk (the gradient chunk is "
+                                  "written over it); grows past this beyond 32K tokens (MIN_CHUNK_COLUMNS)")
+    chunk_columns: int | None = option(None, "fixed vocabulary columns per chunk of the lean path; None: "
+                                       "derived from workspace_bytes")
+
+    def __post_init__(self):
+        check_choice(self, "path", PATHS)
+        check_int(self, "budget_bytes", 0)
+        check_int(self, "grad_in_forward_rows", 1)
+        check_int(self, "workspace_bytes", 1)
+        check_int(self, "chunk_columns", 1, optional=True)
+
+
 _CUDA_MM: dict = {}  # dtype -> whether mm/addmm with out_dtype=float32 work (probed once)
 
 
-def _chunk_columns(n: int, v: int) -> int:
-    if CHUNK_COLUMNS is not None:
-        return max(1, min(CHUNK_COLUMNS, v))
-    cols = WORKSPACE_BYTES // max(1, n * 4)
-    # below ~1024 columns the fp32 dH read-modify-write per chunk (8NH bytes) starts to dominate
+def _chunk_columns(n: int, v: int, config: LinearCE) -> int:
+    if config.chunk_columns is not None:
+        return max(1, min(config.chunk_columns, v))
+    cols = config.workspace_bytes // max(1, n * 4)
     return max(1, min(v, max(MIN_CHUNK_COLUMNS, cols // 256 * 256)))
 
 
@@ -122,14 +145,13 @@ def _finish(m_N, d_N, tgt_N, zsum_N, pz_N, valid, vocab, smoothing, z_loss, want
 class _LinearCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, labels, valid, offset, vocab, smoothing, z_loss, temperature,
-                want_entropy, group):
+                want_entropy, group, cols):
         n, v = hidden.shape[0], weight.shape[0]
         dev = hidden.device
         acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
         lab_N = torch.where(valid, labels.long() - offset, -1)  # local index; outside [0, v): not ours
         m_N = torch.full((n,), NEG_INIT, device=dev, dtype=acc)
         d_N, tgt_N, zsum_N, pz_N = torch.zeros(4, n, device=dev, dtype=acc).unbind(0)
-        cols = _chunk_columns(n, v)
         buf = torch.empty(n * cols, device=dev, dtype=acc)
         inv_t = 1.0 / temperature
         for c0, c1 in _chunks(v, cols):
@@ -140,7 +162,7 @@ class _LinearCE(torch.autograd.Function):
         loss_N, ent_N, lse_N, s_N = _finish(m_N, d_N, tgt_N, zsum_N, pz_N, valid, vocab, smoothing,
                                             z_loss, want_entropy, group)
         ctx.save_for_backward(hidden, weight, lab_N, valid, lse_N, s_N)
-        ctx.args = (vocab, smoothing, z_loss, inv_t, want_entropy, group)
+        ctx.args = (vocab, smoothing, z_loss, inv_t, want_entropy, group, cols)
         if not want_entropy:
             ctx.mark_non_differentiable(ent_N)
         return loss_N, ent_N
@@ -148,7 +170,7 @@ class _LinearCE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_loss, g_ent):
         hidden, weight, lab_N, valid, lse_N, s_N = ctx.saved_tensors
-        vocab, smoothing, z_loss, inv_t, want_entropy, group = ctx.args
+        vocab, smoothing, z_loss, inv_t, want_entropy, group, cols = ctx.args
         n, v = hidden.shape[0], weight.shape[0]
         acc = lse_N.dtype
         fv = valid.to(acc)
@@ -160,7 +182,6 @@ class _LinearCE(torch.autograd.Function):
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         dh = torch.zeros(hidden.shape, device=hidden.device, dtype=acc) if need_h else None
         dw = torch.empty_like(weight) if need_w else None
-        cols = _chunk_columns(n, v)
         buf = torch.empty(n * cols, device=hidden.device, dtype=acc)
         for c0, c1 in _chunks(v, cols):
             w_CH = weight[c0:c1]
@@ -174,7 +195,7 @@ class _LinearCE(torch.autograd.Function):
         if need_h and group is not None:
             dist.all_reduce(dh, group=group)
         dh = dh.to(hidden.dtype) if need_h else None
-        return dh, dw, None, None, None, None, None, None, None, None, None
+        return dh, dw, *([None] * 10)
 
 
 class _LinearCEGradInForward(torch.autograd.Function):
@@ -184,12 +205,12 @@ class _LinearCEGradInForward(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, labels, valid, offset, vocab, smoothing, z_loss, temperature,
-                mean, group):
+                mean, group, rows):
         n, v = hidden.shape[0], weight.shape[0]
         dev = hidden.device
         acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
         lab_N = torch.where(valid, labels.long() - offset, -1)
-        rows = max(1, min(n, GRAD_IN_FORWARD_ROWS))
+        rows = max(1, min(n, rows))
         buf = torch.empty(rows * v, device=dev, dtype=acc)
         dh = torch.empty(hidden.shape, device=dev, dtype=hidden.dtype)
         dw = torch.zeros(weight.shape, device=dev, dtype=acc)
@@ -226,32 +247,32 @@ class _LinearCEGradInForward(torch.autograd.Function):
         s = float(g)  # a Python scalar multiplies in fp32 (a bf16 cast of g would add 2^-9 error)
         if s != 1.0:
             dh, dw = dh * s, dw * s
-        return (dh, dw, *([None] * 9))
+        return (dh, dw, *([None] * 10))
 
 
-def grad_in_forward_workspace_bytes(n: int, v: int, h: int) -> int:
+def grad_in_forward_workspace_bytes(n: int, v: int, h: int, config: LinearCE = LinearCE()) -> int:
     """Transient bytes of the 6NHV variant beyond the lean path: one fp32 rows x V logit chunk and
     the fp32 [V, H] dW accumulator."""
-    return 4 * (max(1, min(n, GRAD_IN_FORWARD_ROWS)) * v + v * h)
+    return 4 * (max(1, min(n, config.grad_in_forward_rows)) * v + v * h)
 
 
-def _grad_in_forward(hidden, weight, reduction, return_entropy) -> bool:
-    """The 6NHV variant serves a scalar loss whose backward will run; "auto" also needs its workspace
-    to fit the budget (else the lean path: one logit chunk of WORKSPACE_BYTES)."""
-    if GRAD_IN_FORWARD is False or reduction == "none" or return_entropy or not torch.is_grad_enabled():
+def _grad_in_forward(hidden, weight, reduction, return_entropy, config: LinearCE) -> bool:
+    """The 6NHV variant serves a scalar loss whose backward will run (path=grad_in_forward too);
+    "auto" also needs its workspace to fit the budget (else the lean path)."""
+    if config.path == "lean" or reduction == "none" or return_entropy or not torch.is_grad_enabled():
         return False
     if not (hidden.requires_grad or weight.requires_grad):
         return False
-    if GRAD_IN_FORWARD == "auto":
+    if config.path == "auto":
         n, v, h = hidden.shape[0], weight.shape[0], hidden.shape[1]
-        return grad_in_forward_workspace_bytes(n, v, h) <= GRAD_IN_FORWARD_BUDGET_BYTES
-    return bool(GRAD_IN_FORWARD)
+        return grad_in_forward_workspace_bytes(n, v, h, config) <= config.budget_bytes
+    return True
 
 
-@register("cross_entropy", "linear_ce", kind="primitive", twin="materialized_ce", default=True)
-def linear_cross_entropy(hidden, weight, labels, *, ignore_index=-100, reduction="mean",
-                         label_smoothing=0.0, z_loss_scale=0.0, temperature=1.0,
-                         return_entropy=False, process_group=None):
+@register("cross_entropy", "linear_ce", kind="primitive", twin="materialized_ce", default=True, config=LinearCE)
+def linear_cross_entropy_with(config: LinearCE, hidden, weight, labels, *, ignore_index=-100, reduction="mean",
+                              label_smoothing=0.0, z_loss_scale=0.0, temperature=1.0,
+                              return_entropy=False, process_group=None):
     """Chunked LM-head + cross-entropy (Triton on CUDA): never materializes the [N, V] logits."""
     offset, vocab = vocab_range(weight.shape[0], process_group, hidden.device)
     check_cross_entropy_inputs(hidden, weight, labels, ignore_index=ignore_index, reduction=reduction,
@@ -261,11 +282,11 @@ def linear_cross_entropy(hidden, weight, labels, *, ignore_index=-100, reduction
     n_valid = int(valid.sum())  # one host sync (the label check already made one)
     if 0 < n_valid < labels.shape[0]:  # ignored rows contribute nothing: drop them from the GEMMs
         idx = valid.nonzero()[:, 0]
-        out = linear_cross_entropy(hidden.index_select(0, idx), weight, labels.index_select(0, idx),
-                                   ignore_index=ignore_index, reduction=reduction,
-                                   label_smoothing=label_smoothing, z_loss_scale=z_loss_scale,
-                                   temperature=temperature, return_entropy=return_entropy,
-                                   process_group=process_group)
+        out = linear_cross_entropy_with(config, hidden.index_select(0, idx), weight,
+                                        labels.index_select(0, idx), ignore_index=ignore_index,
+                                        reduction=reduction, label_smoothing=label_smoothing,
+                                        z_loss_scale=z_loss_scale, temperature=temperature,
+                                        return_entropy=return_entropy, process_group=process_group)
         if reduction != "none" and not return_entropy:
             return out
         loss, entropy = out if return_entropy else (out, None)
@@ -274,15 +295,22 @@ def linear_cross_entropy(hidden, weight, labels, *, ignore_index=-100, reduction
         if entropy is not None:
             entropy = entropy.new_zeros(labels.shape[0]).index_put((idx,), entropy)
         return (loss, entropy) if return_entropy else loss
-    if _grad_in_forward(hidden, weight, reduction, return_entropy):
+    if _grad_in_forward(hidden, weight, reduction, return_entropy, config):
         return _LinearCEGradInForward.apply(hidden, weight, labels, valid, offset, vocab,
                                             float(label_smoothing), float(z_loss_scale),
-                                            float(temperature), reduction == "mean", process_group)
+                                            float(temperature), reduction == "mean", process_group,
+                                            config.grad_in_forward_rows)
     loss, entropy = _LinearCE.apply(hidden, weight, labels, valid, offset, vocab,
                                     float(label_smoothing), float(z_loss_scale), float(temperature),
-                                    bool(return_entropy), process_group)
+                                    bool(return_entropy), process_group,
+                                    _chunk_columns(hidden.shape[0], weight.shape[0], config))
     if reduction == "sum":
         loss = loss.sum()
     elif reduction == "mean":
         loss = loss.sum() / max(n_valid, 1)
     return (loss, entropy) if return_entropy else loss
+
+
+# The public function: linear_ce with its default options (the twin's signature); a model's impl
+# choice gets it bound to the chosen ones by `registry.resolve`.
+linear_cross_entropy = Bound(linear_cross_entropy_with, LinearCE())

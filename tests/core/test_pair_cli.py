@@ -36,6 +36,32 @@ def test_pair_cli_writes_table_and_json(tmp_path, capsys):
         assert r["step_time_ms"][side] > 0
 
 
+def test_pair_of_two_configs_records_both_sides_resolved_configs(tmp_path, capsys):
+    import dataclasses
+
+    from bumblebee.primitives.cross_entropy import LinearCE
+
+    out = tmp_path / "r.json"
+    assert main(["pair", "--slot", "cross_entropy", "--a", "linear_ce:path=lean,chunk_columns=64",
+                 "--b", "materialized_ce", "--steps", "2", "--seq-len", "8", "--json", str(out)]) == 0
+    table = capsys.readouterr().out
+    assert "a=linear_ce:path=lean,chunk_columns=64 ran its own code" in table
+    r = json.loads(out.read_text())
+    assert (r["a"], r["b"], r["status"]) == ("linear_ce", "materialized_ce", "compared")
+    assert r["options"] == {"a": "linear_ce:path=lean,chunk_columns=64", "b": "materialized_ce"}
+    lean = dataclasses.asdict(LinearCE(path="lean", chunk_columns=64))
+    assert r["configs"] == {"a": {"attention": {"impl": "sdpa"}, "cross_entropy": {"impl": "linear_ce", **lean}},
+                            "b": {"attention": {"impl": "sdpa"}, "cross_entropy": {"impl": "materialized_ce"}}}
+    assert all(s["loss_abs_diff"] < 1e-4 for s in r["steps"])
+    # two paths of one implementation run different code: compared, not "same code"
+    from bumblebee.pairing import pair
+    assert pair("qwen3-tiny", "cross_entropy", "linear_ce:path=lean", "linear_ce:path=grad_in_forward",
+                steps=1, seq_len=8)["status"] == "compared"
+    assert pair("qwen3-tiny", "cross_entropy", "linear_ce", "linear_ce", steps=1, seq_len=8)["status"] == "same_code"
+    assert main(["pair", "--slot", "cross_entropy", "--a", "linear_ce:path=fast"]) == 2
+    assert "LinearCE.path must be one of 'auto', 'grad_in_forward', 'lean'; got 'fast'" in capsys.readouterr().err
+
+
 def test_pair_detects_a_different_function(monkeypatch):
     """A twin that computes another function must show up in the report (the check can fail)."""
     from bumblebee import registry

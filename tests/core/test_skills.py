@@ -66,4 +66,4 @@ def test_commands_exist(path):
             if "--slot" in opts:
                 for side in ("--a", "--b"):
                     if side in opts:
-                        registry.get(opts["--slot"], opts[side])
+                        registry.choose(opts["--slot"], opts[side])  # options included

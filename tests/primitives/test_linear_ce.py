@@ -12,8 +12,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from bumblebee.baselines.cross_entropy import materialized_cross_entropy
+from bumblebee.options import Bound
 from bumblebee.primitives import cross_entropy as lce
-from bumblebee.primitives.cross_entropy import linear_cross_entropy
+from bumblebee.primitives.cross_entropy import LinearCE, linear_cross_entropy, linear_cross_entropy_with
 
 N, H, V = 45, 23, 101  # V prime; N, H not multiples of any block
 
@@ -75,11 +76,15 @@ def assert_close(got, ref, base=None, k=4.0, floor=1e-6):
         assert rel(x, r) <= limit, f"output {i}: rel err {rel(x, r):.3g} > {limit:.3g}"
 
 
+def configured(**options):
+    """linear_cross_entropy with these options, as the registry hands it to a model."""
+    return Bound(linear_cross_entropy_with, LinearCE(**options))
+
+
 @pytest.fixture(params=[None, 13], ids=["auto_chunk", "chunk13"])
-def chunk(request, monkeypatch):
-    monkeypatch.setattr(lce, "CHUNK_COLUMNS", request.param)
-    monkeypatch.setattr(lce, "GRAD_IN_FORWARD", False)  # the lean path (vocabulary chunks)
-    return request.param
+def lean(request):
+    """The lean path (vocabulary chunks), with the automatic chunk width and a fixed one."""
+    return configured(path="lean", chunk_columns=request.param)
 
 
 OPTIONS = [
@@ -95,11 +100,11 @@ OPTIONS = [
 
 
 @pytest.mark.parametrize("opts", OPTIONS, ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()) or "default")
-def test_matches_float64_reference(opts, chunk):
+def test_matches_float64_reference(opts, lean):
     hidden, weight, labels, g = make()
     seed = int(torch.randint(0, 2**30, (), generator=g))
     ref = run(reference, hidden.double(), weight.double(), labels, torch.Generator().manual_seed(seed), **opts)
-    got = run(linear_cross_entropy, hidden, weight, labels, torch.Generator().manual_seed(seed), **opts)
+    got = run(lean, hidden, weight, labels, torch.Generator().manual_seed(seed), **opts)
     base = run(materialized_cross_entropy, hidden, weight, labels, torch.Generator().manual_seed(seed), **opts)
     assert_close(got, ref, base, k=8.0, floor=1e-5)
 
@@ -107,16 +112,15 @@ def test_matches_float64_reference(opts, chunk):
 @pytest.mark.parametrize("opts", [dict(), dict(reduction="sum", label_smoothing=0.1, z_loss_scale=1e-3,
                                                 temperature=0.8)], ids=["mean", "sum-all"])
 @pytest.mark.parametrize("pattern", ["some", "all"])
-def test_grad_in_forward_variant(opts, pattern, monkeypatch):
+def test_grad_in_forward_variant(opts, pattern):
     """The 6NHV variant (gradients in the forward) computes the same function."""
-    monkeypatch.setattr(lce, "GRAD_IN_FORWARD", True)
-    monkeypatch.setattr(lce, "GRAD_IN_FORWARD_ROWS", 16)
     hidden, weight, labels, g = make()
     if pattern == "all":
         labels[:] = -100
     seed = int(torch.randint(0, 2**30, (), generator=g))
     ref = run(reference, hidden.double(), weight.double(), labels, torch.Generator().manual_seed(seed), **opts)
-    got = run(linear_cross_entropy, hidden, weight, labels, torch.Generator().manual_seed(seed), **opts)
+    gif = configured(path="grad_in_forward", grad_in_forward_rows=16)
+    got = run(gif, hidden, weight, labels, torch.Generator().manual_seed(seed), **opts)
     if pattern == "all":
         assert all(torch.isfinite(x).all() and x.abs().max() == 0 for x in got)
     else:
@@ -124,28 +128,61 @@ def test_grad_in_forward_variant(opts, pattern, monkeypatch):
 
 
 @pytest.mark.parametrize("budget", ["fits", "too_small"])
-def test_auto_path_follows_the_workspace_budget(budget, monkeypatch):
+def test_auto_path_follows_the_workspace_budget(budget):
     """The default takes the 6NHV variant when its workspace fits the budget, the lean path otherwise;
     either way the same function."""
     hidden, weight, labels, g = make()
     need = lce.grad_in_forward_workspace_bytes(hidden.shape[0], weight.shape[0], hidden.shape[1])
-    monkeypatch.setattr(lce, "GRAD_IN_FORWARD_BUDGET_BYTES", need if budget == "fits" else need - 1)
+    config = LinearCE(budget_bytes=need if budget == "fits" else need - 1)
     h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-    assert lce._grad_in_forward(h, w, "mean", False) == (budget == "fits")
-    assert not lce._grad_in_forward(h, w, "none", False) and not lce._grad_in_forward(h, w, "mean", True)
+    assert lce._grad_in_forward(h, w, "mean", False, config) == (budget == "fits")
+    assert not lce._grad_in_forward(h, w, "none", False, config)
+    assert not lce._grad_in_forward(h, w, "mean", True, config)
     with torch.no_grad():
-        assert not lce._grad_in_forward(h, w, "mean", False)
-    assert not lce._grad_in_forward(hidden, weight, "mean", False)  # nothing needs a gradient
+        assert not lce._grad_in_forward(h, w, "mean", False, config)
+    assert not lce._grad_in_forward(hidden, weight, "mean", False, config)  # nothing needs a gradient
     seed = int(torch.randint(0, 2**30, (), generator=g))
     ref = run(reference, hidden.double(), weight.double(), labels, torch.Generator().manual_seed(seed))
-    got = run(linear_cross_entropy, hidden, weight, labels, torch.Generator().manual_seed(seed))
+    got = run(Bound(linear_cross_entropy_with, config), hidden, weight, labels, torch.Generator().manual_seed(seed))
     base = run(materialized_cross_entropy, hidden, weight, labels, torch.Generator().manual_seed(seed))
     assert_close(got, ref, base, k=8.0, floor=1e-5)
 
 
+@pytest.mark.parametrize("path", lce.PATHS)
+@pytest.mark.parametrize("opts", [dict(), dict(reduction="sum", label_smoothing=0.1, z_loss_scale=1e-3)],
+                         ids=["mean", "sum-all"])
+def test_each_path_chosen_through_the_registry_matches_float64(path, opts):
+    """Every path named in a config string computes the float64 reference's loss and gradients,
+    and the registry really runs the path it names."""
+    from bumblebee import registry
+
+    fn = registry.resolve("cross_entropy", f"linear_ce:path={path},grad_in_forward_rows=16,chunk_columns=13")
+    assert fn.config == LinearCE(path=path, grad_in_forward_rows=16, chunk_columns=13)
+    hidden, weight, labels, g = make()
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    assert lce._grad_in_forward(h, w, "mean", False, fn.config) == (path != "lean")
+    seed = int(torch.randint(0, 2**30, (), generator=g))
+    ref = run(reference, hidden.double(), weight.double(), labels, torch.Generator().manual_seed(seed), **opts)
+    got = run(fn, hidden, weight, labels, torch.Generator().manual_seed(seed), **opts)
+    base = run(materialized_cross_entropy, hidden, weight, labels, torch.Generator().manual_seed(seed), **opts)
+    assert_close(got, ref, base, k=8.0, floor=1e-5)
+
+
+@pytest.mark.parametrize("options,msg", [
+    (dict(path="fast"), r"LinearCE.path must be one of 'auto', 'grad_in_forward', 'lean'; got 'fast'"),
+    (dict(budget_bytes=-1), r"LinearCE.budget_bytes must be an int >= 0; got -1"),
+    (dict(grad_in_forward_rows=0), r"LinearCE.grad_in_forward_rows must be an int >= 1; got 0"),
+    (dict(workspace_bytes=1.5), r"LinearCE.workspace_bytes must be an int >= 1; got 1.5"),
+    (dict(chunk_columns=True), r"LinearCE.chunk_columns must be None or an int >= 1; got True"),
+])
+def test_bad_options_name_the_field_and_what_it_accepts(options, msg):
+    with pytest.raises(ValueError, match=msg):
+        LinearCE(**options)
+
+
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("pattern", ["none", "all", "head", "random"])
-def test_ignore_patterns(reduction, pattern, chunk):
+def test_ignore_patterns(reduction, pattern, lean):
     hidden, weight, labels, g = make(ignore_every=0)
     if pattern == "all":
         labels[:] = -100
@@ -156,7 +193,7 @@ def test_ignore_patterns(reduction, pattern, chunk):
     seed = int(torch.randint(0, 2**30, (), generator=g))
     kw = dict(reduction=reduction, return_entropy=True)
     ref = run(reference, hidden.double(), weight.double(), labels, torch.Generator().manual_seed(seed), **kw)
-    got = run(linear_cross_entropy, hidden, weight, labels, torch.Generator().manual_seed(seed), **kw)
+    got = run(lean, hidden, weight, labels, torch.Generator().manual_seed(seed), **kw)
     if pattern == "all":
         for x in got:
             assert torch.isfinite(x).all() and x.abs().max() == 0  # 0 loss, 0 entropy, 0 grads
@@ -190,18 +227,20 @@ def test_float64_inputs_are_exact():
     assert_close(got, ref, floor=1e-12)
 
 
-def test_workspace_is_chunked(monkeypatch):
-    """The auto chunk width follows WORKSPACE_BYTES; results do not depend on it."""
-    monkeypatch.setattr(lce, "WORKSPACE_BYTES", N * 4 * 16)  # -> the column minimum, < V
-    assert lce._chunk_columns(N, 5000) == lce.MIN_CHUNK_COLUMNS
-    monkeypatch.setattr(lce, "WORKSPACE_BYTES", 128 << 20)
-    assert lce._chunk_columns(16384, 151936) == 2048  # 16384 x 2048 x 4 B = 128 MiB
+def test_workspace_is_chunked():
+    """The auto chunk width follows workspace_bytes; results do not depend on it."""
+    small = LinearCE(workspace_bytes=N * 4 * 16)  # -> the column minimum, < V
+    assert lce._chunk_columns(N, 5000, small) == lce.MIN_CHUNK_COLUMNS
+    assert lce._chunk_columns(16384, 151936, LinearCE()) == 2048  # 16384 x 2048 x 4 B = 128 MiB
+    assert lce._chunk_columns(16384, 151936, LinearCE(chunk_columns=300)) == 300
 
 
 def test_registered():
     from bumblebee import registry
     impl = registry.get("cross_entropy", "linear_ce")
-    assert impl.obj is linear_cross_entropy and impl.kind == "primitive" and impl.twin == "materialized_ce"
+    assert impl.obj is linear_cross_entropy_with and impl.config is LinearCE
+    assert impl.kind == "primitive" and impl.twin == "materialized_ce"
+    assert registry.resolve("cross_entropy", "linear_ce") == linear_cross_entropy  # the defaults
 
 
 # --- bad input -------------------------------------------------------------------------------
@@ -264,8 +303,8 @@ def _vocab_parallel_worker(rank, world, init_file, seed):
         full = run(linear_cross_entropy, hidden, weight, labels, torch.Generator().manual_seed(seed), **kw)
         bounds = [0, 17, 50, 77, V][: world] + [V]  # uneven shards
         lo, hi = bounds[rank], bounds[rank + 1]
-        lce.CHUNK_COLUMNS = 8
-        shard = run(lambda h, w, y, **k: linear_cross_entropy(h, w[lo:hi], y, process_group=dist.group.WORLD, **k),
+        lean = configured(path="lean", chunk_columns=8)
+        shard = run(lambda h, w, y, **k: lean(h, w[lo:hi], y, process_group=dist.group.WORLD, **k),
                     hidden, weight, labels, torch.Generator().manual_seed(seed), **kw)
         shard[2] = shard[2][lo:hi]  # the weight grad of this rank's rows (zero elsewhere)
         full[2] = full[2][lo:hi]
@@ -273,12 +312,11 @@ def _vocab_parallel_worker(rank, world, init_file, seed):
         # mean reduction (a replicated scalar) too
         lm = linear_cross_entropy(hidden, weight[lo:hi], labels, process_group=dist.group.WORLD)
         assert abs(float(lm) - float(linear_cross_entropy(hidden, weight, labels))) < 1e-5
-        lce.GRAD_IN_FORWARD, lce.GRAD_IN_FORWARD_ROWS = True, 16  # the 6NHV variant, sharded
+        gif = configured(path="grad_in_forward", grad_in_forward_rows=16)  # the 6NHV variant, sharded
         kw = dict(label_smoothing=0.1, z_loss_scale=1e-3)
-        shard = run(lambda h, w, y, **k: linear_cross_entropy(h, w[lo:hi], y, process_group=dist.group.WORLD, **k),
+        shard = run(lambda h, w, y, **k: gif(h, w[lo:hi], y, process_group=dist.group.WORLD, **k),
                     hidden, weight, labels, torch.Generator().manual_seed(seed), **kw)
-        lce.GRAD_IN_FORWARD = False
-        full = run(linear_cross_entropy, hidden, weight, labels, torch.Generator().manual_seed(seed), **kw)
+        full = run(lean, hidden, weight, labels, torch.Generator().manual_seed(seed), **kw)
         shard[2], full[2] = shard[2][lo:hi], full[2][lo:hi]
         assert_close(shard, full, floor=1e-5)
     finally:
@@ -326,13 +364,12 @@ INTERPRETED = textwrap.dedent("""
     k.chunk_grad(z, g, lab, coef[0] + 5, *coef[1:6], 0.8)
     torch.testing.assert_close(g, want, rtol=2e-3, atol=1e-5)
     # the whole primitive with the kernels in the loop, against float64
-    lce.CHUNK_COLUMNS = 16
     h, w = torch.randn(11, 7, requires_grad=True), torch.randn(41, 7, requires_grad=True)
     y = torch.randint(0, 41, (11,)); y[::3] = -100
     up = torch.randn(11)
     kw = dict(label_smoothing=0.1, z_loss_scale=1e-3, temperature=0.9, return_entropy=True,
               reduction="sum")
-    loss, ent = lce.linear_cross_entropy(h, w, y, **kw)
+    loss, ent = lce.linear_cross_entropy_with(lce.LinearCE(chunk_columns=16), h, w, y, **kw)
     (loss + (ent * up).sum()).backward()
     from bumblebee.baselines.cross_entropy import materialized_cross_entropy as m
     h64, w64 = h.detach().double().requires_grad_(), w.detach().double().requires_grad_()
@@ -373,26 +410,24 @@ def test_gpu_low_precision(dtype, opts):
 
 
 @pytest.mark.gpu
-def test_gpu_chunked_all_ignored(monkeypatch):
-    monkeypatch.setattr(lce, "CHUNK_COLUMNS", 1000)
+def test_gpu_chunked_all_ignored():
     hidden, weight, labels, g = make(n=777, h=256, v=10007, dtype=torch.bfloat16, device="cuda")
     labels[:] = -100
     h, w = hidden.requires_grad_(), weight.requires_grad_()
-    loss = linear_cross_entropy(h, w, labels)
+    loss = configured(path="lean", chunk_columns=1000)(h, w, labels)
     loss.backward()
     assert loss.item() == 0 and h.grad.abs().max() == 0 and w.grad.abs().max() == 0
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_gpu_grad_in_forward_variant(dtype, monkeypatch):
-    monkeypatch.setattr(lce, "GRAD_IN_FORWARD", True)
-    monkeypatch.setattr(lce, "GRAD_IN_FORWARD_ROWS", 500)
+def test_gpu_grad_in_forward_variant(dtype):
     hidden, weight, labels, g = make(n=1531, h=517, v=32003, dtype=dtype, device="cuda")
     seed = int(torch.randint(0, 2**30, (), generator=g))
     kw = dict(label_smoothing=0.1, z_loss_scale=1e-3)
     ref = run(reference, hidden.double(), weight.double(), labels, torch.Generator().manual_seed(seed), **kw)
-    got = run(linear_cross_entropy, hidden, weight, labels, torch.Generator().manual_seed(seed), **kw)
+    gif = configured(path="grad_in_forward", grad_in_forward_rows=500)
+    got = run(gif, hidden, weight, labels, torch.Generator().manual_seed(seed), **kw)
     base = run(materialized_cross_entropy, hidden, weight, labels, torch.Generator().manual_seed(seed), **kw)
     print(f"\nrel err vs float64 [loss, dH, dW] {dtype} 6NHV: linear_ce "
           f"{[f'{rel(x, r):.2e}' for x, r in zip(got, ref)]} twin {[f'{rel(x, r):.2e}' for x, r in zip(base, ref)]}")
