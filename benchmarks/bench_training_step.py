@@ -310,7 +310,8 @@ def main() -> None:
         return worker(args)
     if args.cpu_smoke:
         args.model = args.model if args.model.endswith("tiny") else "qwen3-moe-tiny"
-        args.layers = min(args.layers, len(hf_slice(args.model, 99, True).get("layer_types") or [0] * 2))
+        from bumblebee.models import NAMED
+        args.layers = len(NAMED[args.model].get("layer_types") or ()) or NAMED[args.model]["num_hidden_layers"]
         # --gpus N: N gloo ranks (ours with EP = N)
         args.seq_lens, args.steps, args.long_steps, args.warmup, args.profile_len = "64", 3, 2, 1, 64
         args.stacks = args.stacks.replace("transformers+liger", "transformers")

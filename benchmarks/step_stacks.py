@@ -58,8 +58,9 @@ class Bumblebee(Stack):
         self.state = registry.resolve("state_sharding", "fsdp2")(
             model, mesh, lr=HP["lr"], betas=HP["betas"], eps=HP["eps"], weight_decay=HP["weight_decay"],
             grad_clip=GRAD_CLIP, mixed_precision=mixed_precision, ep_mesh=ep_mesh)
-        self.config = {"impl": _slots(model),
-                       "ep": ep, "state_sharding": "fsdp2", "recompute": "full"}
+        configs = model.impl_configs()  # every slot the model uses, with its options
+        self.config = {"impl": {slot: c["impl"] for slot, c in configs.items()} | {"state_sharding": "fsdp2"},
+                       "impl_configs": configs, "ep": ep, "recompute": "full"}
 
     def forward_backward(self, ids):
         loss = self.state.model(ids, labels=ids).loss
@@ -70,13 +71,6 @@ class Bumblebee(Stack):
         ok, norm, _ = self.state.step()
         self.state.zero_grad()
         return norm
-
-
-def _slots(model) -> dict:
-    """The implementation name each slot resolves to in our model (the defaults unless impl names one)."""
-    from bumblebee import registry
-    used = model.slots_used() if hasattr(model, "slots_used") else registry.slots()
-    return {slot: registry.get(slot, model.impl.get(slot)).name for slot in used} | {"state_sharding": "fsdp2"}
 
 
 class TransformersLiger(Stack):
