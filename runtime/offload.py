@@ -55,13 +55,8 @@ class Placement:
             for m in self.state.masters().values():
                 if id(m) not in params:  # ZeRO-1's master shards: optimizer state
                     m.data = move(m.data)
-            opt = self.state.optimizer
-            for group in opt.param_groups:
-                for p in group["params"]:
-                    st = opt.state.get(p, {})
-                    for k, v in st.items():  # a non-fused AdamW keeps its step counters on the CPU
-                        if isinstance(v, torch.Tensor) and (k != "step" or group.get("fused")):
-                            st[k] = move(v)
+            for st, k in _optimizer_entries(self.state.optimizer):
+                st[k] = move(st[k])
             self.where["optimizer"] = device
         for p in list(self.aside):
             if self.aside[p].device == _local(p).device:
@@ -76,13 +71,23 @@ class Placement:
         if self.state is not None:
             params = {id(p) for p in self.model.parameters()}
             out["optimizer"] += [m for m in self.state.masters().values() if id(m) not in params]
-            out["optimizer"] += [_local(v) for st in self.state.optimizer.state.values() for v in st.values()
-                                 if isinstance(v, torch.Tensor)]
+            out["optimizer"] += [_local(st[k]) for st, k in _optimizer_entries(self.state.optimizer)]
         return out
 
 
 def _local(t):
     return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _optimizer_entries(opt):
+    """(state dict, key) of every optimizer tensor that lives with the parameters (a non-fused AdamW
+    keeps its step counters on the CPU)."""
+    for group in opt.param_groups:
+        for p in group["params"]:
+            st = opt.state.get(p, {})
+            for k, v in st.items():
+                if isinstance(v, torch.Tensor) and (k != "step" or group.get("fused")):
+                    yield st, k
 
 
 def _main_grads(state):
