@@ -1,6 +1,7 @@
 """The runtime's RL surface on 1 and 2 gloo ranks, under both `state_sharding` twins and with expert
 parallelism (EP = 2): one batch split over micro-batches and ranks gives one gradient (ranks with
-different micro-batch counts included), offload round trips are bitwise and the next step equals
+different micro-batch counts included, FSDP2 reducing once or after every micro-batch), routes
+recorded in micro-batches replay, offload round trips are bitwise and the next step equals
 one without, per-step AdamW hyperparameters and the schedule match plain torch AdamW, and the
 exports (gathered and rank-local shards) equal save_pretrained's safetensors."""
 from __future__ import annotations
@@ -37,6 +38,11 @@ def _rows(n, r):
 def _batch(n, r, seed=0):
     ids, mask, adv, old = (t[_rows(n, r)] for t in _data(seed))
     return Batch(ids, loss_mask=mask, advantages=adv, sampler_logprobs=old)
+
+
+def _replay(batch, routes):
+    batch.routed_experts = routes
+    return batch
 
 
 def _runtime(mesh, variant, seed=0, **kw):
@@ -80,10 +86,17 @@ def rl_ranks(mesh, out: Path):
         if ep and n < 2:
             continue
         rt = _runtime(mesh, variant)
-        for mbt in (None, 2 * T, T):  # 1 micro-batch, rows of 2, rows of 1
+        for mbt, each in ((None, False), (2 * T, False), (T, False), (T, True)):  # 1, rows of 2, rows of 1
             rt.forward_backward(_batch(n, r), "ppo", loss_agg_mode="seq-mean-token-mean", micro_batch_tokens=mbt,
-                                kl_coef=0.0)
-            res["grads"][(variant, mbt)] = _full_grads(rt.state)
+                                reduce_each_micro_batch=each)
+            res["grads"][(variant, mbt, each)] = _full_grads(rt.state)
+        # routes recorded in micro-batches, then replayed by routers whose weights moved
+        rec = rt.forward(_batch(n, r), return_routed_experts=True, micro_batch_tokens=T)
+        _step(rt, n, r, 3)
+        fresh = rt.forward(_batch(n, r), return_routed_experts=True)
+        again = rt.forward(_replay(_batch(n, r), rec.routed_experts), return_routed_experts=True)
+        res.setdefault("replay", {})[variant] = {"replayed": torch.equal(again.routed_experts, rec.routed_experts),
+                                                 "moved": not torch.equal(fresh.routed_experts, rec.routed_experts)}
 
         # offload: each part alone onto new storage, then the whole round trip; then a step
         a, b = _runtime(mesh, variant), _runtime(mesh, variant)
@@ -138,11 +151,18 @@ def _reference_grads():
 
 def test_micro_batches_and_ranks_give_one_gradient(runs):
     want = _reference_grads()
-    assert len(runs[0]["grads"]) == 3 * (4 if len(runs) == 2 else 2)  # EP variants on two ranks only
+    assert len(runs[0]["grads"]) == 4 * (4 if len(runs) == 2 else 2)  # EP variants on two ranks only
     for key, got in runs[0]["grads"].items():
         assert set(got) == set(want), key
         for name, g in got.items():
             torch.testing.assert_close(g, want[name], rtol=1e-4, atol=1e-6, msg=f"{key} {name}")
+
+
+def test_routes_replay_on_every_layout(runs):
+    for rank in runs:
+        for variant, res in rank["replay"].items():
+            assert res["replayed"], variant
+    assert any(res["moved"] for rank in runs for res in rank["replay"].values())  # the step moved some route
 
 
 def test_offload_round_trip_is_bitwise_and_the_next_step_unchanged(runs):
