@@ -200,10 +200,17 @@ def test_offload_round_trip_without_state():
         assert torch.equal(p, before[n][0]) and torch.equal(p.grad, before[n][1]), n
 
 
-def test_export_equals_save_pretrained(tmp_path):
+EXPORTED = {  # MLA, aux-free routers (fp32 biases), MTP depths: the export holds copies of embedding and head
+    "deepseek-v3-mtp": {**models.NAMED["deepseek-v3-tiny"], "num_nextn_predict_layers": 1},
+    "qwen3.5-moe": "qwen3.5-moe-tiny",  # renamed MTP keys, shared expert gate
+    "qwen3-tied": {**models.NAMED["qwen3-tiny"], "tie_word_embeddings": True},  # the head stored once
+}
+
+
+@pytest.mark.parametrize("name", EXPORTED)
+def test_export_equals_save_pretrained(tmp_path, name):
     from safetensors.torch import load_file
-    # MLA, aux-free routers (fp32 biases), MTP depths: the export holds copies of embedding and head
-    model = models.build({**models.NAMED["deepseek-v3-tiny"], "num_nextn_predict_layers": 1}, seed=0)
+    model = models.build(EXPORTED[name], seed=0)
     rt = Runtime(model)
     rt.save_weights(tmp_path)
     want = load_file(tmp_path / "model.safetensors")
