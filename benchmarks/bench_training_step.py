@@ -321,6 +321,19 @@ def main() -> None:
     import step_stacks
     hf = hf_slice(args.model, args.layers, args.cpu_smoke)
     rows = []
+    gpu = "cpu" if args.cpu_smoke else torch.cuda.get_device_name(0).replace("NVIDIA ", "").replace(" ", "-").lower()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    name = f"training_step_{args.model}_{gpu}_x{args.gpus}{args.tag}.json"
+
+    def write() -> dict:  # after every row: a run cut short still leaves the rows it measured
+        report = {"benchmark": "training_step", "model": args.model, "layers": args.layers, "gpus": args.gpus,
+                  "hf_config": hf, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                  **commit(), "torch": torch.__version__, "device": gpu, "rows": rows, "comparison": compare(rows),
+                  "longest_fit": {st: max([r["seq_len"] for r in rows if r["stack"] == st and r.get("fits")],
+                                          default=None) for st in dict.fromkeys(r["stack"] for r in rows)}}
+        (out / name).write_text(json.dumps(report, indent=1))
+        return report
     with tempfile.TemporaryDirectory(prefix="bench_step_") as tmp:
         tmp = Path(tmp)
         step_stacks.make_init_checkpoint(hf, tmp / "init", "cpu" if args.cpu_smoke else "cuda")
@@ -328,23 +341,16 @@ def main() -> None:
             for stack in stacks:
                 rows.append(launch(args, stack, s, args.steps if s == lens[0] else args.long_steps,
                                    s == args.profile_len, tmp))
+                write()
         for stack in stacks:  # the longest fit: stop at the first length that does not
             for s in [int(x) for x in args.longest.split(",") if x]:
                 r = launch(args, stack, s, 1, False, tmp, warmup=1)
                 r["longest_probe"] = True
                 rows.append(r)
+                write()
                 if not r.get("fits"):
                     break
-    gpu = "cpu" if args.cpu_smoke else torch.cuda.get_device_name(0).replace("NVIDIA ", "").replace(" ", "-").lower()
-    report = {"benchmark": "training_step", "model": args.model, "layers": args.layers, "gpus": args.gpus,
-              "hf_config": hf, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              **commit(), "torch": torch.__version__, "device": gpu, "rows": rows, "comparison": compare(rows),
-              "longest_fit": {st: max([r["seq_len"] for r in rows if r["stack"] == st and r.get("fits")], default=None)
-                              for st in dict.fromkeys(r["stack"] for r in rows)}}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    name = f"training_step_{args.model}_{gpu}_x{args.gpus}{args.tag}.json"
-    (out / name).write_text(json.dumps(report, indent=1))
+    report = write()
     print(json.dumps({"comparison": report["comparison"], "longest_fit": report["longest_fit"]}, indent=1))
     print("wrote", out / name)
 
