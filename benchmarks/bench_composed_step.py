@@ -172,6 +172,7 @@ def main() -> None:
         "model": name, "layers": args.layers, "layer_types": list(model.config.layer_types), "params": n_params,
         "impl": {**impl, "state_sharding": "fsdp2", "recompute": "full", "mixed_precision": mixed,
                  "moe_fused_recompute": switches.is_on("FUSED_RECOMPUTE", moe_dispatch.FUSED_RECOMPUTE)},
+        "impl_configs": model.impl_configs(),  # every slot the model uses, with its options
         "allocator": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"), "matmul_tflops_bf16_8192": rate,
         "iterations": {"warmup": args.warmup, "timed": args.steps, "statistic": "median, slowest rank"},
         "rows": [],

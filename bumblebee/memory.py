@@ -60,6 +60,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from bumblebee.primitives.cross_entropy import MIN_CHUNK_COLUMNS, LinearCE
+from bumblebee.primitives.mla import FlashMLAConfig
 
 # linear_ce's lean path at its default options: one fp32 logit chunk of workspace_bytes, at least
 # MIN_CHUNK_COLUMNS wide (the chunk grows past the workspace beyond 32K tokens)
@@ -88,6 +89,7 @@ class Parallel:
     adamw: str = "fused"          # on CUDA: "fused" (the state-sharding twins' optimizer: no temporaries)
                                   # or "foreach" (torch's default; results measured before fused AdamW)
     moe_fused_recompute: bool = True  # the chunked dispatch's FUSED_RECOMPUTE under the models' recompute
+    mla_fused_rope: bool = FlashMLAConfig.fused_rope  # the mla slot's flash option fused_rope (on CUDA)
 
 
 @dataclass
@@ -502,9 +504,8 @@ def _num_experts(cfg) -> int:
 
 
 def _mla_fused_rope(par: Parallel) -> bool:
-    """Whether FlashMLA assembles q and k with the fused Triton kernel (on CUDA, FUSED_ROPE "on")."""
-    from bumblebee.primitives import mla  # lazy, like the models
-    return par.device == "cuda" and mla.FUSED_ROPE == "on"
+    """Whether FlashMLA assembles q and k with the fused Triton kernel (on CUDA, option fused_rope)."""
+    return par.device == "cuda" and par.mla_fused_rope
 
 
 def _activation_terms(est: Estimate, cfg, g: dict, par: Parallel, b: int, mtp: bool) -> dict:
