@@ -32,8 +32,7 @@ def rope(x_BThR, cos_BTR, sin_BTR, interleave: bool):
 
 @register("mla", "naive", kind="baseline", twin="flash")
 class NaiveMLA(MLAProjections):
-    """Per-head K/V expanded from the latent, explicit scores, fp32 softmax, causal (packed) mask.
-    `lean_backward` is accepted for the twin contract; the twin stores everything."""
+    """Per-head K/V expanded from the latent, explicit scores, fp32 softmax, causal (packed) mask."""
 
     def forward(self, x_BTD, cos, sin, cu_seqlens=None):
         """x [B, T, D], cos/sin [B, T, R] (per-token positions) -> [B, T, D]."""

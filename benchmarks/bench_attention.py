@@ -8,10 +8,10 @@ forward + backward, dense (batch 1) and packed (`cu_seqlens`).
 Implementations, all through the same [B, H, T, D] interface:
 - `sdpa`: the primitive as it runs by default (FlashAttention 4 where flash-attn-4 is installed and
   the head dim is <= 128; `attention_core` in the results says which);
-- `sdpa_no_fa4`: the primitive with its FA4 switch off (SDPA, cuDNN first; packed: PyTorch's FlashAttention 2
+- `sdpa_no_fa4`: the primitive as `sdpa:fa4=off` (SDPA, cuDNN first; packed: PyTorch's FlashAttention 2
   varlen kernel while sequences average under `kernels/varlen_attention.MAX_MEAN_LENGTH` tokens, else one
   SDPA call per sequence);
-- `sdpa_per_sequence`: FA4 and varlen switches off (packed: one SDPA call per sequence, cuDNN first);
+- `sdpa_per_sequence`: `sdpa:fa4=off,varlen=off` (packed: one SDPA call per sequence, cuDNN first);
 - `eager`: the twin (explicit [B, H, N, N] fp32 scores; up to 8K tokens);
 - anchors: `flash_backend` (SDPA's flash backend, FlashAttention 2; dense only), `varlen_direct`
   (aten._flash_attention_forward with cu_seqlens through kernels/varlen_attention.py, no slot, no
@@ -22,6 +22,7 @@ Cases (`CASES`): Qwen3 dense 8K / 32K / 64K tokens and packed 32K tokens as 8 x 
 32K and packed 64 x 512 and 8 x 4K. Useful causal FLOPs: 6 * Hq * d * sum over sequences of L^2 (forward two matmuls,
 backward four, half under the mask). Rates are read against a bf16 8192^3 matmul measured in the same
 process. Every case times a fixed number of iterations with CUDA events (median ms) after warm-up.
+Each record of a slot entry holds its resolved config (`impl_config`).
 """
 from __future__ import annotations
 
@@ -30,7 +31,6 @@ import datetime
 import json
 import os
 from pathlib import Path
-from unittest import mock
 
 import pytest
 import torch
@@ -44,6 +44,8 @@ CASES = ([("qwen3", (t,)) for t in (8192, 32768, 65536)]
          + [("qwen3", (n,) * c) for c, n in ((8, 4096), (16, 2048), (32, 1024), (64, 512), (256, 128))]  # 32K tokens
          + [("qwen3.5", (32768,)), ("qwen3.5", (512,) * 64), ("qwen3.5", (4096,) * 8)])
 IMPLS = ("sdpa", "sdpa_no_fa4", "sdpa_per_sequence", "eager", "flash_backend", "varlen_direct", "fa4_direct")
+SLOT_CHOICES = {"sdpa": "sdpa", "sdpa_no_fa4": "sdpa:fa4=off", "sdpa_per_sequence": "sdpa:fa4=off,varlen=off",
+                "eager": "eager"}  # the entries that run through the slot, as `impl` choices
 OUT = Path(os.environ.get("BENCH_OUT", Path(__file__).parent / "results"))
 RESULTS: dict = {"cases": []}
 CFG = {"shape": SHAPES["qwen3"], "device": "cuda", "dtype": torch.bfloat16}  # shape: set per case
@@ -56,7 +58,6 @@ def _cuda():
 def _case_fn(impl, lengths):
     """fn running forward + backward of `impl` on one packed stream of sequences `lengths` (a single
     length is a dense batch of 1)."""
-    from bumblebee.primitives import attention
     from bumblebee.registry import resolve
 
     s, dev, dt = CFG["shape"], CFG["device"], CFG["dtype"]
@@ -97,13 +98,10 @@ def _case_fn(impl, lengths):
                     q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True)
             return o.transpose(1, 2)
     else:
-        fn = resolve("attention", "eager" if impl == "eager" else "sdpa")
-        fa4_switch = attention.FA4 if impl == "sdpa" else "off"
-        varlen_switch = "off" if impl == "sdpa_per_sequence" else attention.VARLEN
+        fn = resolve("attention", SLOT_CHOICES[impl])
 
         def call():
-            with mock.patch.object(attention, "FA4", fa4_switch), mock.patch.object(attention, "VARLEN", varlen_switch):
-                return fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), **kw).transpose(1, 2)
+            return fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), **kw).transpose(1, 2)
 
     def step():
         call().backward(grad)
@@ -112,19 +110,20 @@ def _case_fn(impl, lengths):
 
 def _core(impl, packed):
     from bumblebee.kernels import flash_attention4 as fa4
-    from bumblebee.primitives import attention
     from bumblebee.kernels import varlen_attention
+    from bumblebee.primitives import attention
+    from bumblebee.registry import choose
     if impl in ("eager", "flash_backend", "varlen_direct"):
         return {"eager": "explicit scores", "flash_backend": "sdpa flash", "varlen_direct": "flash varlen"}[impl]
     if impl == "fa4_direct":
         return "fa4"
-    s = CFG["shape"]
-    on = impl == "sdpa" and attention.FA4 == "on" and (packed or s["head_dim"] <= attention.FA4_MAX_HEAD_DIM)
+    s, config = CFG["shape"], choose("attention", SLOT_CHOICES[impl])[1]
+    on = config.fa4 == "on" or config.fa4 == "auto" and (packed or s["head_dim"] <= attention.FA4_MAX_HEAD_DIM)
     if on and fa4.supports(torch.device(CFG["device"]), CFG["dtype"], s["head_dim"], s["head_dim"]):
         return "fa4"
     lengths = CFG["lengths"]
     cuda16 = CFG["device"] == "cuda" and CFG["dtype"] in (torch.bfloat16, torch.float16)
-    if (packed and impl != "sdpa_per_sequence" and attention.VARLEN == "on" and cuda16
+    if (packed and config.varlen and cuda16
             and varlen_attention.worthwhile(sum(lengths), len(lengths))):
         return "flash varlen"
     return "sdpa per sequence" if packed else "sdpa"
@@ -138,8 +137,11 @@ def _name(shape, lengths):
 def run_case(impl, shape, lengths):
     CFG["shape"] = SHAPES[shape] if CFG["device"] == "cuda" else SMOKE_SHAPE
     CFG["lengths"] = lengths
+    from bumblebee.registry import record
     rec = {"case": _name(shape, lengths), "impl": impl, "tokens": sum(lengths), "sequences": len(lengths),
            "shape": CFG["shape"], "attention_core": _core(impl, len(lengths) > 1)}
+    if impl in SLOT_CHOICES:
+        rec["impl_config"] = record("attention", SLOT_CHOICES[impl])
     if _cuda():
         torch.cuda.empty_cache()
     fn = _case_fn(impl, lengths)

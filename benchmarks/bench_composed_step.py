@@ -171,6 +171,7 @@ def main() -> None:
         "model": name, "layers": args.layers, "layer_types": list(model.config.layer_types), "params": n_params,
         "impl": {**impl, "state_sharding": "fsdp2", "recompute": "full", "mixed_precision": mixed,
                  "moe_fused_recompute": model.impl_configs().get("moe_dispatch", {}).get("fused_recompute", False)},
+        "impl_configs": model.impl_configs(),  # every slot the model uses, with its options
         "allocator": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"), "matmul_tflops_bf16_8192": rate,
         "iterations": {"warmup": args.warmup, "timed": args.steps, "statistic": "median, slowest rank"},
         "rows": [],

@@ -9,12 +9,12 @@ One attention layer (hidden 7168, 128 heads, q_lora_rank 1536, kv_lora_rank 512,
 v 128), bf16, batch 1, causal, forward + backward, at 4K / 16K / 32K tokens:
 - `flash_lean`, `flash_plain`: `primitives.mla.FlashMLA` with the lean backward on / off, as it
   runs by default (core on FA4 where installed; `mla_core_backend` in the results says which);
-- `flash_lean_sdpa`, `flash_plain_sdpa`: the same with the FA4 switch off (core on SDPA/cuDNN);
-- `flash_lean_pad_v` (16K): the same with `pad_v` (v zero-padded to 192 inside SDPA);
+- `flash_lean_sdpa`, `flash_plain_sdpa`: the same with option `fa4="off"` (core on SDPA/cuDNN);
+- `flash_lean_pad_v` (16K): the same with option `pad_v` (v zero-padded to 192 inside SDPA);
 - `flash_lean_packed`, `flash_lean_packed_sdpa`, `flash_lean_packed_per_sequence` (16K): the lean layer
   on a packed batch of 32 sequences of 512 tokens (`cu_seqlens`; an RL-style batch): FA4 (one varlen
   launch), FA4 off (PyTorch's FlashAttention 2 varlen kernel, v padded to 192, one launch), FA4 and
-  varlen off (one SDPA call per sequence);
+  varlen off (one SDPA call per sequence); each `flash_*` record holds its `FlashMLAConfig` (`mla_config`);
 - `naive`: `baselines.mla.NaiveMLA` (explicit scores: 4K only, it needs [128, T, T] fp32 scores);
 - `megatron`, `megatron_up_proj_recompute`: megatron-core's `MLASelfAttention` built from its local
   (non-transformer-engine) layer spec, plain and with `recompute_modules=["mla_up_proj"]` (its
@@ -37,7 +37,7 @@ views of contiguous [B, T, H, d]; `core_primitive` exactly what `FlashMLA._core`
 concatenation of nope and RoPE'd rope parts, k a concatenation with the shared rope key broadcast,
 v a strided slice of the kv_b_proj output, assembly included in the timing); `core_primitive_fused`
 the same with the assembly as one Triton kernel each way (`kernels/mla_rope.py`, what `_core` runs
-with BUMBLEBEE_MLA_FUSED_ROPE=on, which also switches the `flash_*` layers); `core_prealloc` the
+with option `fused_rope`, the default of the `flash_*` layers too); `core_prealloc` the
 same with q and k written into preallocated [B, T, H, 192] buffers; `core_cudnn_pad_v` v zero-padded
 to 192 ([B, H, T, d] as core_cudnn); `core_flash_pad_v` the flash backend (it refuses 192/128) with
 v padded to 192, BSHD views; `core_fa4` FlashAttention 4 (`kernels/flash_attention4.py`) on
@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import datetime
 import json
 import os
@@ -115,18 +116,25 @@ def _mem():
     return torch.cuda.memory_allocated() if _cuda() else 0
 
 
+def _options(impl):
+    """The FlashMLAConfig a `flash_*` case runs: lean or plain backward; FA4 off for `_sdpa`, FA4 and
+    varlen off for `_per_sequence`; pad_v for `_pad_v`."""
+    from bumblebee.primitives.mla import FlashMLAConfig
+    return FlashMLAConfig(lean_backward=impl.startswith("flash_lean"), pad_v=impl.endswith("pad_v"),
+                          fa4="off" if impl.endswith(("_sdpa", "_per_sequence")) else "auto",
+                          varlen=not impl.endswith("_per_sequence"))
+
+
 def _core_backend(impl):
     """Which attention core a FlashMLA case runs: "fa4" or "sdpa" (the twin: "explicit scores")."""
     if not impl.startswith("flash"):
         return "explicit scores"
     from bumblebee.kernels import flash_attention4 as fa4
-    from bumblebee.primitives import mla
-    s = CFG["sizes"]
+    s, config = CFG["sizes"], _options(impl)
     dqk = s["qk_nope_head_dim"] + s["qk_rope_head_dim"]
-    on = mla.FA4 == "on" and not impl.endswith(("_sdpa", "_per_sequence"))
-    if on and fa4.supports(torch.device(CFG["device"]), CFG["dtype"], dqk, s["v_head_dim"]):
+    if config.fa4 == "auto" and fa4.supports(torch.device(CFG["device"]), CFG["dtype"], dqk, s["v_head_dim"]):
         return "fa4"
-    varlen = (impl.endswith("packed_sdpa") and mla.VARLEN == "on" and CFG["device"] == "cuda"
+    varlen = ("_packed" in impl and config.varlen and CFG["device"] == "cuda"
               and CFG["dtype"] in (torch.bfloat16, torch.float16))
     return "flash varlen" if varlen else "sdpa"
 
@@ -136,10 +144,8 @@ def _layer(impl):
     from bumblebee.primitives.mla import FlashMLA
 
     torch.manual_seed(0)
-    cls = NaiveMLA if impl == "naive" else FlashMLA
     with torch.device(CFG["device"]):  # initialized where it runs (the CPU takes seconds at these sizes)
-        m = cls(**CFG["sizes"], lean_backward=impl.startswith("flash_lean"))
-    m.pad_v = impl.endswith("pad_v")
+        m = NaiveMLA(**CFG["sizes"]) if impl == "naive" else FlashMLA(_options(impl), **CFG["sizes"])
     with torch.no_grad():
         for name, p in m.named_parameters():
             p.fill_(1.0) if "norm" in name else p.normal_(0, 0.02)
@@ -239,7 +245,7 @@ MEGATRON_NAMES = {  # ours -> megatron's (both [out, in] Linear weights, same ro
 
 def megatron_parity(sizes, T):
     """Our FlashMLA and megatron's MLA with the same weights, fp32, one sequence of T tokens."""
-    from bumblebee.primitives.mla import FlashMLA
+    from bumblebee.primitives.mla import FlashMLA, FlashMLAConfig
 
     rec = {"what": "FlashMLA (fp32) vs megatron-core MLASelfAttention (local spec, fp32) with copied weights, "
                    "rope_type 'rope' base 10000, interleaved-pair RoPE, softmax scale 1/sqrt(d_qk)",
@@ -247,7 +253,7 @@ def megatron_parity(sizes, T):
     dev, dt = CFG["device"], torch.float32
     torch.manual_seed(1)
     with torch.device(dev):
-        ours = FlashMLA(**sizes).to(dt)
+        ours = FlashMLA(FlashMLAConfig(), **sizes).to(dt)
     with torch.no_grad():
         for name, p in ours.named_parameters():
             p.normal_(1.0, 0.1) if "norm" in name else p.normal_(0, 0.02)
@@ -405,17 +411,9 @@ def mla_case(impl, T):
         cu = torch.arange(0, T + 1, n, device=dev, dtype=torch.int32) if "_packed" in impl else None
         rec["sequences"] = T // n
         shims = contextlib.nullcontext
-        if impl.endswith("_sdpa"):
-            from bumblebee.primitives import mla
-            shims = lambda: mock.patch.object(mla, "FA4", "off")  # noqa: E731 - read at each forward
-        elif impl.endswith("_per_sequence"):
-            from bumblebee.primitives import mla
-
-            @contextlib.contextmanager
-            def shims():
-                with mock.patch.object(mla, "FA4", "off"), mock.patch.object(mla, "VARLEN", "off"):
-                    yield
         rec["core_backend"] = _core_backend(impl)
+        if impl != "naive":
+            rec["mla_config"] = dataclasses.asdict(m.options)
 
         def call():
             with shims():
@@ -514,7 +512,7 @@ def write_results(path=None):
         megatron_version = megatron.core.__version__
     except Exception:  # not installed, or fails to import
         megatron_version = None
-    from bumblebee.primitives.mla import FUSED_ROPE as mla_fused_rope
+    from bumblebee.primitives.mla import FlashMLAConfig
     try:
         from importlib.metadata import version
         fa4_version = version("flash-attn-4")
@@ -524,7 +522,8 @@ def write_results(path=None):
     path.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.update(device=torch.cuda.get_device_name() if _cuda() else "cpu (smoke)", torch=torch.__version__,
                    triton=triton_version, megatron_core=megatron_version,
-                   cudnn=torch.backends.cudnn.version() if _cuda() else None, mla_fused_rope=mla_fused_rope,
+                   cudnn=torch.backends.cudnn.version() if _cuda() else None,
+                   mla_fused_rope=FlashMLAConfig().fused_rope, mla_default_config=dataclasses.asdict(FlashMLAConfig()),
                    flash_attn_4=fa4_version, mla_core_backend=_core_backend("flash_lean"),
                    date=datetime.date.today().isoformat(), shapes=CFG["sizes"], dtype=str(CFG["dtype"]),
                    flop_formula=FLOP_FORMULA)

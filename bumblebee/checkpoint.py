@@ -4,14 +4,16 @@
     load(state_dict, path, meta=...)              # in place; DCP reshards DTensors as needed
 
 Layout: `path/bumblebee_checkpoint.json` says who wrote the checkpoint (parameter names and full
-shapes, world size, twin) and, under `data`, which sub-folder `dcp-<id>/` holds DCP's `.metadata`
-and `__*_*.distcp` files. A save writes a new data folder, then replaces the json (write aside, fsync,
-rename: the commit), then removes the data folder the previous json named. A crash before the commit
-leaves the previous checkpoint current; a crash after it leaves the new one current and the old data
-folder listed under `stale` for the next save to remove. Nothing else in `path` is touched, so a
-checkpoint may share its folder with other files. A folder without the json is refused with a
-ValueError, as is a checkpoint of another model. Checkpoints of the earlier layout (DCP files directly
-in `path`) still load; a save over one removes exactly the files its `.metadata` names.
+shapes, world size, twin, and under `impl_configs` the model's resolved slot configs: a record, not
+checked on load, since either twin loads the other's checkpoint) and, under `data`, which sub-folder
+`dcp-<id>/` holds DCP's `.metadata` and `__*_*.distcp` files. A save writes a new data folder, then
+replaces the json (write aside, fsync, rename: the commit), then removes the data folder the
+previous json named. A crash before the commit leaves the previous checkpoint current; a crash after
+it leaves the new one current and the old data folder listed under `stale` for the next save to
+remove. Nothing else in `path` is touched, so a checkpoint may share its folder with other files. A
+folder without the json is refused with a ValueError, as is a checkpoint of another model.
+Checkpoints of the earlier layout (DCP files directly in `path`) still load; a save over one removes
+exactly the files its `.metadata` names.
 """
 from __future__ import annotations
 

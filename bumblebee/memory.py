@@ -60,6 +60,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from bumblebee.primitives.cross_entropy import MIN_CHUNK_COLUMNS, LinearCE
+from bumblebee.primitives.mla import FlashMLAConfig
 
 # linear_ce's lean path at its default options: one fp32 logit chunk of workspace_bytes, at least
 # MIN_CHUNK_COLUMNS wide (the chunk grows past the workspace beyond 32K tokens)
@@ -91,6 +92,7 @@ class Parallel:
     moe_dispatch: str = "chunked"  # at EP = 1: "chunked" (its grouped path under the fused recompute) or
                                    # "local" (the twin's rows; also runs measured before that path)
     moe_group_rows: int = 65536    # ChunkedDispatch.group_rows
+    mla_fused_rope: bool = FlashMLAConfig.fused_rope  # the mla slot's flash option fused_rope (on CUDA)
 
 
 @dataclass
@@ -515,9 +517,8 @@ def _num_experts(cfg) -> int:
 
 
 def _mla_fused_rope(par: Parallel) -> bool:
-    """Whether FlashMLA assembles q and k with the fused Triton kernel (on CUDA, FUSED_ROPE "on")."""
-    from bumblebee.primitives import mla  # lazy, like the models
-    return par.device == "cuda" and mla.FUSED_ROPE == "on"
+    """Whether FlashMLA assembles q and k with the fused Triton kernel (on CUDA, option fused_rope)."""
+    return par.device == "cuda" and par.mla_fused_rope
 
 
 def _activation_terms(est: Estimate, cfg, g: dict, par: Parallel, b: int, mtp: bool) -> dict:

@@ -15,7 +15,7 @@ from bumblebee.norms import RMSNorm
 
 class MLAProjections(nn.Module):
     def __init__(self, dim, n_heads, *, q_lora_rank, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim,
-                 softmax_scale=None, rope_interleave=True, bias=False, lean_backward=True):
+                 softmax_scale=None, rope_interleave=True, bias=False):
         super().__init__()
         check_mla_config(dim, n_heads, q_lora_rank, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim)
         self.dim, self.n_heads, self.q_lora_rank, self.kv_lora_rank = dim, n_heads, q_lora_rank, kv_lora_rank
@@ -23,7 +23,6 @@ class MLAProjections(nn.Module):
         self.qk_dim = qk_nope_head_dim + qk_rope_head_dim
         self.softmax_scale = self.qk_dim ** -0.5 if softmax_scale is None else softmax_scale
         self.rope_interleave = rope_interleave
-        self.lean_backward = lean_backward
         if q_lora_rank is None:
             self.q_proj = nn.Linear(dim, n_heads * self.qk_dim, bias=False)
         else:

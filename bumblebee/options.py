@@ -16,6 +16,7 @@ from typing import Any
 
 _SIZE = re.compile(r"(\d+)\s*(KiB|MiB|GiB|TiB)?")
 _UNITS = {None: 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
+_TRUE, _FALSE = ("true", "1", "on"), ("false", "0", "off")
 
 
 def option(default: Any, doc: str) -> Any:
@@ -41,6 +42,12 @@ def check_choice(config, name: str, accepted: tuple) -> None:
                          f"got {value!r}")
 
 
+def check_bool(config, name: str) -> None:
+    value = getattr(config, name)
+    if not isinstance(value, bool):  # "off" is truthy: a string here would silently mean True
+        raise ValueError(f"{type(config).__name__}.{name} must be True or False; got {value!r}")
+
+
 def check_int(config, name: str, minimum: int, *, optional: bool = False) -> None:
     value = getattr(config, name)
     if optional and value is None:
@@ -52,15 +59,16 @@ def check_int(config, name: str, minimum: int, *, optional: bool = False) -> Non
 
 
 def _value(cls: type, name: str, hint, text: str):
-    """`text` as the field's type: ints take a KiB/MiB/GiB/TiB suffix, optional fields take 'none'."""
+    """`text` as the field's type: ints take a KiB/MiB/GiB/TiB suffix, bools on/off too, optional
+    fields take 'none'."""
     options = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
     if type(None) in options and text.lower() == "none":
         return None
     base = next(t for t in options if t is not type(None))
     if base is bool:
-        if text.lower() not in ("true", "false", "1", "0"):
-            raise ValueError(f"{cls.__name__}.{name} takes true or false, got {text!r}")
-        return text.lower() in ("true", "1")
+        if text.lower() not in _TRUE + _FALSE:
+            raise ValueError(f"{cls.__name__}.{name} takes true or false (or on/off), got {text!r}")
+        return text.lower() in _TRUE
     if base is int:
         m = _SIZE.fullmatch(text.strip())
         if not m:

@@ -155,10 +155,16 @@ def record(slot: str, choice=None) -> dict:
     return options.record(config) if config is not None else {"impl": impl.name}
 
 
-def build(slot: str, name: str | None = None, *args, **kwargs) -> Any:
+def is_module(obj) -> bool:
+    """Whether a resolved implementation builds a module (an nn.Module class, bound to its config or
+    not) rather than being a function."""
+    return isinstance(obj.func if isinstance(obj, options.Bound) else obj, type)
+
+
+def build(slot: str, name=None, *args, **kwargs) -> Any:
     """Instantiate a module slot's implementation (or return a functional slot's function)."""
     obj = resolve(slot, name)
-    return obj(*args, **kwargs) if isinstance(obj, type) else obj
+    return obj(*args, **kwargs) if is_module(obj) else obj
 
 
 class SlotChoices(dict):

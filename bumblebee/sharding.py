@@ -293,6 +293,9 @@ class TrainState:
         buffers = persistent_buffers(self.model)
         if buffers:
             meta["buffers"] = {name: list(b.shape) for name, b in buffers.items()}
+        configs = _impl_configs(self.model)
+        if configs is not None:  # a record of what ran; any implementation loads the checkpoint
+            meta["impl_configs"] = configs
         return meta
 
     @torch.no_grad()
@@ -326,5 +329,12 @@ class TrainState:
         def write():
             out = self.model.ours_to_hf_state(state) if hasattr(self.model, "ours_to_hf_state") else state
             config, generation_config = hf_io.export_configs(self.model)
-            hf_io.save_weights(out, config, path, generation_config=generation_config, max_shard_bytes=max_shard_bytes)
+            hf_io.save_weights(out, config, path, generation_config=generation_config,
+                               impl_configs=_impl_configs(self.model), max_shard_bytes=max_shard_bytes)
         on_rank0(write, self.group)
+
+
+def _impl_configs(model) -> dict | None:
+    """The model's resolved slot configs (`CausalLM.impl_configs()`), or None for a model without slots."""
+    configs = getattr(model, "impl_configs", None)
+    return configs() if callable(configs) else None

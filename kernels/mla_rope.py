@@ -2,7 +2,7 @@
 
 `assemble_qk(q, k_nope, k_rope, cos, sin, interleave) -> (q_out, k_out)`, both new contiguous
 [B, T, H, nope + R] tensors in q's dtype, the same values as `primitives/mla.py:FlashMLA._core`'s
-torch assembly (which calls this instead when `primitives/mla.py:FUSED_ROPE` is "on"):
+torch assembly (which calls this instead under its option `fused_rope`, `primitives/mla.py`):
 
   q_out = cat(q[..., :nope], rope(q[..., nope:]))        q [B, T, H, nope + R], last dim contiguous
   k_out = cat(k_nope, rope(k_rope) broadcast over H)     k_nope [B, T, H, nope], k_rope [B, T, R]

@@ -8,7 +8,8 @@ multi-token prediction of depth `num_nextn_predict_layers` added to the loss tim
 `mtp_loss_scale` (reported apart in `out.mtp_loss`, per depth in `out.mtp_losses`); packed
 sequences through `cu_seqlens`; full recompute (`set_recompute`).
 
-Slots: `mla` (flash | naive), `mtp` (lean | materialized), `cross_entropy`, `router` (aux_free),
+Slots: `mla` (flash | naive; flash's lean backward and kernels are its options, e.g.
+`impl={"mla": "flash:lean_backward=off"}`), `mtp` (lean | materialized), `cross_entropy`, `router` (aux_free),
 `moe_dispatch`. Module names equal transformers' DeepseekV3ForCausalLM except the experts (stored
 fused, see bumblebee.models.moe) and the MTP depths: ours live at `mtp.layers.{k}` (the decoder block
 as `.block`), checkpoints hold them at `model.layers.{num_hidden_layers + k}.*` as DeepSeek publishes
@@ -180,13 +181,6 @@ class DeepseekV3ForCausalLM(CausalLM):
         if D:
             self.mtp = resolve("mtp", self.impl.get("mtp"))([MTPLayer(config, L + k, self.impl) for k in range(D)],
                                                            loss_scale=config.mtp_loss_scale)
-
-    def set_mla_lean_backward(self, enabled: bool = True):
-        """Switch every MLA layer's memory-lean backward (the `flash` implementation honours it)."""
-        for m in self.modules():
-            if hasattr(m, "lean_backward"):
-                m.lean_backward = enabled
-        return self
 
     def forward(self, input_ids, labels=None, position_ids=None, cu_seqlens=None, return_logits=None,
                 output_router_logits=None):

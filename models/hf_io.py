@@ -25,6 +25,9 @@ SINGLE = "model.safetensors"
 OWN_WEIGHTS = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors|\.model(-\d{5}-of-\d{5})?\.safetensors\.tmp-[0-9a-f]+")
 
 
+# beside config.json: the implementation configs the saved model ran with ({slot: {"impl": name, **options}},
+# `model.impl_configs()`); a record only (loading takes the `impl` it is given); transformers ignores it
+IMPL_RECORD = "bumblebee_impl.json"
 TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id")
 # the export holds plain weights, whatever the source held, and no code files for auto_map to name
 NOT_CARRIED = ("quantization_config", "auto_map")
@@ -163,9 +166,9 @@ def _copy(dst: torch.Tensor, t: torch.Tensor, name: str, file: str) -> None:
 
 
 def save_weights(state: dict[str, torch.Tensor], config: dict, path, *, generation_config: dict | None = None,
-                 max_shard_bytes: int = 5 * 2**30) -> None:
-    """Write config.json, generation_config.json (when given) and safetensors shards (with an index
-    when more than one) into the folder `path`, leaving every other file there alone.
+                 impl_configs: dict | None = None, max_shard_bytes: int = 5 * 2**30) -> None:
+    """Write config.json, generation_config.json and IMPL_RECORD (when given) and safetensors shards
+    (with an index when more than one) into the folder `path`, leaving every other file there alone.
 
     Every file is written under a hidden temporary name first (fsync'd): a failure while writing
     leaves the previous checkpoint untouched. The renames then switch the weights in one step (see
@@ -191,8 +194,10 @@ def save_weights(state: dict[str, torch.Tensor], config: dict, path, *, generati
         if generation_config is not None:
             aside["generation_config.json"] = fs.write_json_aside(folder, "generation_config.json",
                                                                      generation_config)
+        if impl_configs is not None:
+            aside[IMPL_RECORD] = fs.write_json_aside(folder, IMPL_RECORD, {"impl_configs": impl_configs})
         _commit_weights(folder, aside, index)
-        for name in ("config.json", "generation_config.json"):
+        for name in ("config.json", "generation_config.json", IMPL_RECORD):
             if name in aside:
                 os.replace(aside.pop(name), folder / name)
         fs.fsync_dir(folder)
@@ -280,4 +285,5 @@ class HFCheckpointMixin:
         if hasattr(self, "ours_to_hf_state"):  # e.g. fused experts -> per-expert keys
             state = self.ours_to_hf_state(state)
         config, generation_config = export_configs(self)
-        save_weights(state, config, path, generation_config=generation_config, max_shard_bytes=max_shard_bytes)
+        save_weights(state, config, path, generation_config=generation_config, impl_configs=self.impl_configs(),
+                     max_shard_bytes=max_shard_bytes)

@@ -7,38 +7,58 @@ FA4 (`kernels/flash_attention4.py`, package flash-attn-4) ran head dim 128 (32 q
 key/value heads) 1.10-1.13x faster than cuDNN forward + backward at 8K-64K tokens on an H200, but head
 dim 256 (Qwen3.5's full attention) 0.91-1.04x (`benchmarks/results/probe_fa4_gqa.jsonl`): so dense
 batches take FA4 for head dims up to `FA4_MAX_HEAD_DIM`, packed batches (one varlen launch instead of
-one SDPA call per sequence) for every head dim it runs (`benchmarks/bench_attention.py`). Switch `FA4`,
-environment BUMBLEBEE_ATTENTION_FA4=off for SDPA.
+one SDPA call per sequence) for every head dim it runs (`benchmarks/bench_attention.py`). Option
+`SDPA.fa4` ("auto"; "on" for every shape FA4 runs, "off" for SDPA).
 Packed batches without FA4 run PyTorch's FlashAttention 2 varlen kernel in one launch while sequences
 are short on average (`kernels/varlen_attention.py`; 11x one SDPA call per sequence at 64 x 512 tokens),
-else one SDPA call per sequence. Switch `VARLEN`, environment BUMBLEBEE_ATTENTION_VARLEN=off for the
-per-sequence calls.
+else one SDPA call per sequence. Option `SDPA.varlen` (False for the per-sequence calls).
 """
 from __future__ import annotations
 
-import torch.nn.functional as F
+from dataclasses import dataclass
 
-from bumblebee import packing, switches
+from bumblebee import packing
 from bumblebee.checks import check_attention_inputs
 from bumblebee.kernels import flash_attention4 as _fa4
 from bumblebee.kernels import sdpa_cudnn_first as _sdpa_cudnn
 from bumblebee.kernels import varlen_attention as _varlen
+from bumblebee.options import Bound, check_bool, check_choice, option
 from bumblebee.registry import register
 
-FA4 = switches.from_env("BUMBLEBEE_ATTENTION_FA4")  # "on" (default) or "off", read at import
-FA4_MAX_HEAD_DIM = 128
-VARLEN = switches.from_env("BUMBLEBEE_ATTENTION_VARLEN")  # packed batches without FA4: one varlen launch
+FA4_MAX_HEAD_DIM = 128  # dense batches: FA4 up to this head dim under fa4="auto"
+FA4_CHOICES = ("auto", "on", "off")
 
 
-def _use_fa4(q, v, packed: bool) -> bool:
-    """Dense: head dims up to FA4_MAX_HEAD_DIM. Packed: every head dim FA4 runs (one varlen launch
-    against one SDPA call per sequence: 12x at 64 sequences of 512 tokens, bench_attention.py)."""
-    return (switches.is_on("FA4", FA4) and (packed or max(q.shape[-1], v.shape[-1]) <= FA4_MAX_HEAD_DIM)
-            and _fa4.available(q, v))
+@dataclass(frozen=True)
+class SDPA:
+    """Options of sdpa: `impl={"attention": SDPA(fa4="off")}`, or the string "sdpa:fa4=off,varlen=off"
+    (CLI: `--a sdpa:fa4=off`)."""
+
+    impl_name = "sdpa"  # not a field: the implementation these options configure
+    fa4: str = option("auto", "FlashAttention 4 (flash-attn-4) where installed and it runs the shapes. auto: "
+                      "dense batches up to head dim FA4_MAX_HEAD_DIM (128; FA4 1.10-1.13x cuDNN there, "
+                      "0.91-1.04x at 256), packed batches at every head dim (one launch); on: every shape "
+                      "FA4 runs; off: SDPA, cuDNN first")
+    varlen: bool = option(True, "packed batches without FA4: one launch of PyTorch's FlashAttention 2 varlen "
+                          "kernel while sequences are short on average (CUDA, 16-bit); False: one SDPA call "
+                          "per sequence")
+
+    def __post_init__(self):
+        check_choice(self, "fa4", FA4_CHOICES)
+        check_bool(self, "varlen")
 
 
-@register("attention", "sdpa", kind="primitive", twin="eager", default=True)
-def sdpa_attention(q, k, v, *, scale=None, cu_seqlens=None):
+def _use_fa4(config: SDPA, q, v, packed: bool) -> bool:
+    """Dense: head dims up to FA4_MAX_HEAD_DIM (fa4="auto"). Packed: every head dim FA4 runs (one varlen
+    launch against one SDPA call per sequence: 12x at 64 sequences of 512 tokens, bench_attention.py)."""
+    if config.fa4 == "off":
+        return False
+    fits = packed or config.fa4 == "on" or max(q.shape[-1], v.shape[-1]) <= FA4_MAX_HEAD_DIM
+    return fits and _fa4.available(q, v)
+
+
+@register("attention", "sdpa", kind="primitive", twin="eager", default=True, config=SDPA)
+def sdpa_attention_with(config: SDPA, q, k, v, *, scale=None, cu_seqlens=None):
     """Causal attention with native GQA: FA4 where installed (dense: head dim <= 128; packed: any it runs),
     else SDPA, cuDNN first.
     cu_seqlens: the B*T tokens are one packed stream of sequences; attention stays inside each
@@ -47,15 +67,21 @@ def sdpa_attention(q, k, v, *, scale=None, cu_seqlens=None):
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     B, T = q.shape[0], q.shape[2]
     spans = None if cu_seqlens is None else packing.segments(cu_seqlens, B * T)
-    if _use_fa4(q, v, spans is not None):  # FA4 takes [B, T, H, D]: the callers' [B, H, T, D] are transposed views of it
+    # FA4 takes [B, T, H, D]: the callers' [B, H, T, D] are transposed views of it
+    if _use_fa4(config, q, v, spans is not None):
         if spans is None:
             return _fa4.causal_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale).transpose(1, 2)
         return _packed_call(_fa4.causal_attention, q, k, v, scale, cu_seqlens, spans)
     if spans is None:
         return _sdpa(q, k, v, scale)
-    if switches.is_on("VARLEN", VARLEN) and _varlen.serves(q, k, v, spans):
+    if config.varlen and _varlen.serves(q, k, v, spans):
         return _packed_call(_varlen.causal_attention, q, k, v, scale, cu_seqlens, spans)
     return packing.per_sequence(lambda *qkv: _sdpa(*qkv, scale), q, k, v, spans)
+
+
+# The public function: sdpa with its default options (the twin's signature); a model's impl choice
+# gets it bound to the chosen ones by `registry.resolve`.
+sdpa_attention = Bound(sdpa_attention_with, SDPA())
 
 
 def _packed_call(kernel, q, k, v, scale, cu_seqlens, spans):

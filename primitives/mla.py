@@ -1,30 +1,30 @@
 """Multi-head latent attention (DeepSeek-V2/V3) on PyTorch SDPA, with a memory-lean backward.
 
-Same parameters, names and math as the twin `bumblebee.baselines.mla.NaiveMLA`; what differs:
+Same parameters, names and math as the twin `bumblebee.baselines.mla.NaiveMLA`; what differs, each
+an option of `FlashMLAConfig` (the constructor's first argument; `impl={"mla": "flash:fa4=off"}`):
 
-- the attention core is FlashAttention 4 (`kernels/flash_attention4.py`) where flash-attn-4 is
-  installed and runs the shapes (Hopper/Blackwell, 16-bit; switch `FA4`, environment
-  BUMBLEBEE_MLA_FA4=off for SDPA); otherwise `F.scaled_dot_product_attention` with the backend picked
-  explicitly: on CUDA cuDNN first (it runs q/k head dim 192 with v head dim 128; the flash backend
-  refuses those dims), then flash, memory-efficient, math. The CPU uses SDPA's own choice;
-- lean backward (`lean_backward=True`, switchable per module at any time): the up-projections
-  (`q_b_proj` or `q_proj`, `kv_b_proj`), the RoPE and the per-head K/V assembly run under a selective
-  activation checkpoint that saves only the latents and the attention op's own outputs (output and
-  log-sum-exp). The backward recomputes per-head Q/K/V from the latents (matmuls) but never reruns
-  the attention itself. Saved per layer: latents + output instead of Q, K, V, output; inside the
-  models' full recompute only the layer's input (`FlashMLA._lean_context`);
+- `fa4`: the attention core is FlashAttention 4 (`kernels/flash_attention4.py`) where flash-attn-4 is
+  installed and runs the shapes (Hopper/Blackwell, 16-bit); otherwise (or "off")
+  `F.scaled_dot_product_attention` with the backend picked explicitly: on CUDA cuDNN first (it runs
+  q/k head dim 192 with v head dim 128; the flash backend refuses those dims), then flash,
+  memory-efficient, math. The CPU uses SDPA's own choice;
+- `lean_backward` (default on): the up-projections (`q_b_proj` or `q_proj`, `kv_b_proj`), the RoPE
+  and the per-head K/V assembly run under a selective activation checkpoint that saves only the
+  latents and the attention op's own outputs (output and log-sum-exp). The backward recomputes
+  per-head Q/K/V from the latents (matmuls) but never reruns the attention itself. Saved per layer:
+  latents + output instead of Q, K, V, output; inside the models' full recompute only the layer's
+  input (`FlashMLA._lean_context`);
 - `cu_seqlens` (packed sequences): one FA4 varlen call for the whole stream; without FA4, while
   sequences are short on average, one call of PyTorch's FlashAttention 2 varlen kernel with v
-  zero-padded to 192 (`kernels/varlen_attention.py`; switch `VARLEN`, environment
-  BUMBLEBEE_MLA_VARLEN=off); else one SDPA call per sequence, so every call stays on a fast backend
-  (a block-diagonal mask would push SDPA off cuDNN/flash).
-- `pad_v` (per module, default off): v zero-padded to the q/k head dim inside SDPA, the extra output
-  columns dropped; same result, for a backend whose equal-head-dim kernel outruns its 192/128 one
-  (measured in benchmarks/bench_mla.py, benchmarks/NOTES_mla.md). SDPA path only.
-- `FUSED_ROPE` (default "on"; environment BUMBLEBEE_MLA_FUSED_ROPE=off for the torch path): the Q/K
-  assembly (split, RoPE, concatenations, rope-key broadcast) as one Triton kernel each way
-  (`kernels/mla_rope.py`), on CUDA (or under TRITON_INTERPRET=1) when cos/sin need no gradient;
-  q and k keep the projections' dtype.
+  zero-padded to 192 (`kernels/varlen_attention.py`; option `varlen`); else one SDPA call per
+  sequence, so every call stays on a fast backend (a block-diagonal mask would push SDPA off
+  cuDNN/flash).
+- `pad_v` (default off): v zero-padded to the q/k head dim inside SDPA, the extra output columns
+  dropped; same result, for a backend whose equal-head-dim kernel outruns its 192/128 one (measured
+  in benchmarks/bench_mla.py, benchmarks/NOTES_mla.md). SDPA path only.
+- `fused_rope` (default on): the Q/K assembly (split, RoPE, concatenations, rope-key broadcast) as one
+  Triton kernel each way (`kernels/mla_rope.py`), on CUDA (or under TRITON_INTERPRET=1) when cos/sin
+  need no gradient; q and k keep the projections' dtype.
 
 Shape legend: B batch, T tokens, D model width, H heads, R rope dim, N = B*T.
 """
@@ -32,52 +32,63 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from bumblebee import packing, recompute, switches
+from bumblebee import packing, recompute
 from bumblebee.checks import check_mla_inputs
 from bumblebee.kernels import mla_rope as _fused_rope
 from bumblebee.mla_projections import MLAProjections
+from bumblebee.options import check_bool, check_choice, option
 from bumblebee.registry import register
 from bumblebee.kernels import flash_attention4 as _fa4
 from bumblebee.kernels import sdpa_cudnn_first as _sdpa_cudnn
 from bumblebee.kernels import varlen_attention as _varlen
 
+FA4_CHOICES = ("auto", "off")
 
 
-VARLEN = switches.from_env("BUMBLEBEE_MLA_VARLEN")  # packed batches without FA4: one varlen launch
+@dataclass(frozen=True)
+class FlashMLAConfig:
+    """Options of flash: `impl={"mla": FlashMLAConfig(lean_backward=False)}`, or the string
+    "flash:lean_backward=off,fa4=off" (CLI: `--a flash:fa4=off`)."""
+
+    impl_name = "flash"  # not a field: the implementation these options configure
+    lean_backward: bool = option(True, "recompute per-head Q/K/V from the latents in the backward, keeping "
+                                 "only the latents and the attention outputs (0.24x the activations for "
+                                 "2-9% more time); never reruns the attention")
+    fa4: str = option("auto", "the attention core on FlashAttention 4 (flash-attn-4) where installed and it "
+                      "runs the shapes (forward 1.19-1.24x, forward + backward 1.05x cuDNN at 16K-32K on "
+                      "an H100); off: SDPA, cuDNN first")
+    varlen: bool = option(True, "packed batches without FA4: one launch of PyTorch's FlashAttention 2 varlen "
+                          "kernel (v padded to 192) while sequences are short on average; False: one SDPA "
+                          "call per sequence")
+    fused_rope: bool = option(True, "the Q/K assembly (RoPE, concatenations) as one Triton kernel each way, "
+                              "on CUDA when cos/sin need no gradient (the core step 18% faster at 4K, 5% at "
+                              "16K on an H200); False: the torch path")
+    pad_v: bool = option(False, "SDPA path: v zero-padded to the q/k head dim, the extra output columns "
+                         "dropped (same result; measured 1.39x slower with cuDNN at 16K, NOTES_mla.md)")
+
+    def __post_init__(self):
+        check_choice(self, "fa4", FA4_CHOICES)
+        for name in ("lean_backward", "varlen", "fused_rope", "pad_v"):
+            check_bool(self, name)
 
 
-def _fused_rope_from_env() -> str:
-    return switches.from_env("BUMBLEBEE_MLA_FUSED_ROPE")
-
-
-# The Q/K assembly through `kernels/mla_rope.py` (one pass each way): "on" or "off". "on" by default
-# (measured on an H200: the core step 18% faster at 4K, 5% at 16K, NOTES_mla.md);
-# BUMBLEBEE_MLA_FUSED_ROPE=off (read at import) selects the torch path.
-FUSED_ROPE = _fused_rope_from_env()
-
-
-# The attention core on FlashAttention 4 where it is installed and runs the shapes: "on" or "off".
-# "on" by default (measured on an H100: forward 1.19-1.24x, forward + backward 1.05x SDPA's cuDNN at
-# 16K-32K, NOTES_mla.md); BUMBLEBEE_MLA_FA4=off (read at import) keeps SDPA.
-FA4 = switches.from_env("BUMBLEBEE_MLA_FA4")
-
-
-def _use_fa4(x: torch.Tensor, qk_dim: int, v_dim: int) -> bool:
-    """True when FA4 is "on" and runs this layer's core for input x: its device, head dims, and the
-    dtype the projections will produce (autocast's where it is on)."""
+def _use_fa4(config: FlashMLAConfig, x: torch.Tensor, qk_dim: int, v_dim: int) -> bool:
+    """True when fa4 is "auto" and FA4 runs this layer's core for input x: its device, head dims, and
+    the dtype the projections will produce (autocast's where it is on)."""
     dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
-    return switches.is_on("FA4", FA4) and _fa4.supports(x.device, dtype, qk_dim, v_dim)
+    return config.fa4 == "auto" and _fa4.supports(x.device, dtype, qk_dim, v_dim)
 
 
-def _use_fused_rope(t: torch.Tensor, cos=None, sin=None) -> bool:
-    """True when FUSED_ROPE is "on", Triton runs on t (CUDA, or TRITON_INTERPRET=1) and cos/sin need
+def _use_fused_rope(config: FlashMLAConfig, t: torch.Tensor, cos=None, sin=None) -> bool:
+    """True when fused_rope is on, Triton runs on t (CUDA, or TRITON_INTERPRET=1) and cos/sin need
     no gradient (the kernels give them none; the torch path does)."""
-    if not switches.is_on("FUSED_ROPE", FUSED_ROPE) or any(c is not None and c.requires_grad for c in (cos, sin)):
+    if not config.fused_rope or any(c is not None and c.requires_grad for c in (cos, sin)):
         return False
     return _fused_rope.use_triton(t)
 
@@ -133,12 +144,22 @@ class _HandedOver:
         return self.ctx.__exit__(*exc)
 
 
-@register("mla", "flash", kind="primitive", twin="naive", default=True)
+@register("mla", "flash", kind="primitive", twin="naive", default=True, config=FlashMLAConfig)
 class FlashMLA(MLAProjections):
     """SDPA (cuDNN first) MLA; lean backward recomputes per-head Q/K/V from the latents."""
 
-    pad_v = False  # per instance: v zero-padded to the q/k head dim inside SDPA (see sdpa_causal)
     _handover = None  # per instance, set and cleared by _lean_context
+
+    def __init__(self, config: FlashMLAConfig, dim, n_heads, *, q_lora_rank, kv_lora_rank, qk_nope_head_dim,
+                 qk_rope_head_dim, v_head_dim, softmax_scale=None, rope_interleave=True, bias=False):
+        """`config` first (what `registry.resolve("mla", choice)` binds), then the twin's arguments."""
+        if not isinstance(config, FlashMLAConfig):
+            raise TypeError(f"FlashMLA's first argument must be a FlashMLAConfig, got {config!r}")
+        super().__init__(dim, n_heads, q_lora_rank=q_lora_rank, kv_lora_rank=kv_lora_rank,
+                         qk_nope_head_dim=qk_nope_head_dim, qk_rope_head_dim=qk_rope_head_dim,
+                         v_head_dim=v_head_dim, softmax_scale=softmax_scale, rope_interleave=rope_interleave,
+                         bias=bias)
+        self.options = config
 
     def forward(self, x_BTD, cos, sin, cu_seqlens=None):
         """x [B, T, D], cos/sin [B, T, R] (per-token positions) -> [B, T, D]."""
@@ -150,8 +171,9 @@ class FlashMLA(MLAProjections):
         c_kv, k_rope = self.kv_a_proj_with_mqa(x_BTD).split([self.kv_lora_rank, self.rope_dim], dim=-1)
         c_kv = self.kv_a_layernorm(c_kv)
         # decided once: the lean backward's recompute takes the same paths
-        fused, fa4 = _use_fused_rope(x_BTD, cos, sin), _use_fa4(x_BTD, self.qk_dim, self.v_dim)
-        if self.lean_backward and torch.is_grad_enabled():
+        fused = _use_fused_rope(self.options, x_BTD, cos, sin)
+        fa4 = _use_fa4(self.options, x_BTD, self.qk_dim, self.v_dim)
+        if self.options.lean_backward and torch.is_grad_enabled():
             o = checkpoint(self._core, q_src, c_kv, k_rope, cos, sin, segments, fused, fa4, cu_seqlens,
                            use_reentrant=False, context_fn=self._lean_context())
         else:
@@ -189,16 +211,16 @@ class FlashMLA(MLAProjections):
             k = torch.cat((k_nope, k_rope.expand(B, T, H, self.rope_dim)), dim=-1)
         if fa4 and q.dtype == k.dtype == v.dtype and _fa4.available(q, v):  # e.g. autocast with the torch RoPE: SDPA
             return self._core_fa4(q, k, v, segments, cu_seqlens).reshape(B, T, H * self.v_dim)
-        varlen = segments is not None and switches.is_on("VARLEN", VARLEN)
-        if varlen and _varlen.serves(q, k, v, segments):
+        if segments is not None and self.options.varlen and _varlen.serves(q, k, v, segments):
             flat = (t.reshape(B * T, H, t.shape[-1]) for t in (q, k, v))
             o = _varlen.causal_attention(*flat, self.softmax_scale, cu_seqlens, max(b - a for a, b in segments))
             return o.reshape(B, T, H * self.v_dim)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, T, d]
         if segments is None:
-            o = sdpa_causal(q, k, v, self.softmax_scale, self.pad_v)
+            o = sdpa_causal(q, k, v, self.softmax_scale, self.options.pad_v)
         else:  # packed: one causal call per sequence
-            o = packing.per_sequence(lambda *qkv: sdpa_causal(*qkv, self.softmax_scale, self.pad_v), q, k, v, segments)
+            o = packing.per_sequence(lambda *qkv: sdpa_causal(*qkv, self.softmax_scale, self.options.pad_v),
+                                     q, k, v, segments)
         return o.transpose(1, 2).reshape(B, T, H * self.v_dim)
 
     def _core_fa4(self, q, k, v, segments, cu_seqlens):

@@ -118,3 +118,35 @@ def test_incomplete_folders_are_refused(tmp_path):
         _loaded(tmp_path / "bad")
     with pytest.raises(FileNotFoundError, match="no checkpoint"):
         _loaded(tmp_path / "none")
+
+
+def test_the_json_and_the_hf_export_record_the_models_impl_configs(tmp_path):
+    """A training state's checkpoint json and its HF export hold the model's resolved slot configs
+    (defaults included); the configs are a record: a state of other options loads the checkpoint."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from bumblebee import models, registry
+    from bumblebee.models import hf_io
+
+    impl = {"attention": "sdpa:fa4=off,varlen=off", "cross_entropy": "linear_ce:path=lean"}
+    model = models.build("qwen3-tiny", impl, seed=0)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))
+        make = registry.resolve("state_sharding", "zero1")
+        make(model, mesh, lr=1e-3, weight_decay=0.0, grad_clip=1.0, mixed_precision="fp32").save(tmp_path / "ckpt")
+        make(model, mesh, lr=1e-3, weight_decay=0.0, grad_clip=1.0, mixed_precision="fp32").save_pretrained(
+            tmp_path / "hf")
+        other = make(models.build("qwen3-tiny", seed=1), mesh, lr=1e-3, weight_decay=0.0, grad_clip=1.0,
+                     mixed_precision="fp32")
+        other.load(tmp_path / "ckpt")
+    finally:
+        dist.destroy_process_group()
+    meta = json.loads((tmp_path / "ckpt" / checkpoint.MARKER).read_text())
+    assert meta["impl_configs"] == model.impl_configs()
+    assert meta["impl_configs"]["attention"] == {"impl": "sdpa", "fa4": "off", "varlen": False}
+    assert meta["impl_configs"]["cross_entropy"]["path"] == "lean"
+    record = json.loads((tmp_path / "hf" / hf_io.IMPL_RECORD).read_text())
+    assert record == {"impl_configs": model.impl_configs()}
+    assert torch.equal(other.model.lm_head.weight, model.lm_head.weight)

@@ -6,7 +6,9 @@ import pytest
 
 from bumblebee import models, registry
 from bumblebee.options import Bound
+from bumblebee.primitives.attention import SDPA, sdpa_attention
 from bumblebee.primitives.cross_entropy import LinearCE, linear_cross_entropy
+from bumblebee.primitives.mla import FlashMLA, FlashMLAConfig
 
 
 def test_a_name_a_string_and_an_instance_choose_the_same_way():
@@ -21,19 +23,31 @@ def test_a_name_a_string_and_an_instance_choose_the_same_way():
     assert registry.choose("cross_entropy", "materialized_ce") == (twin, None)
 
 
-@pytest.mark.parametrize("choice,err,msg", [
-    ("linear_ce:path=fast", ValueError, r"LinearCE.path must be one of 'auto', 'grad_in_forward', 'lean'; got 'fast'"),
-    ("linear_ce:budget_gib=2", ValueError, r"linear_ce has no option 'budget_gib'; accepted: path, budget_bytes"),
-    ("linear_ce:budget_bytes=2GB", ValueError, r"LinearCE.budget_bytes takes an integer \(optionally with KiB"),
-    ("linear_ce:chunk_columns=0", ValueError, r"LinearCE.chunk_columns must be None or an int >= 1; got 0"),
-    ("linear_ce:lean", ValueError, r"linear_ce options are field=value, got 'lean'"),
-    ("materialized_ce:path=lean", ValueError, r"'materialized_ce' of slot 'cross_entropy' takes no options"),
-    ("fused_ce:path=lean", ValueError, r"unknown implementation 'fused_ce' .* accepted: \['linear_ce'"),
-    (3, TypeError, r"slot 'cross_entropy' takes an implementation name or a config instance"),
+@pytest.mark.parametrize("slot,choice,err,msg", [
+    ("cross_entropy", "linear_ce:path=fast", ValueError,
+     r"LinearCE.path must be one of 'auto', 'grad_in_forward', 'lean'; got 'fast'"),
+    ("cross_entropy", "linear_ce:budget_gib=2", ValueError,
+     r"linear_ce has no option 'budget_gib'; accepted: path, budget_bytes"),
+    ("cross_entropy", "linear_ce:budget_bytes=2GB", ValueError,
+     r"LinearCE.budget_bytes takes an integer \(optionally with KiB"),
+    ("cross_entropy", "linear_ce:chunk_columns=0", ValueError,
+     r"LinearCE.chunk_columns must be None or an int >= 1; got 0"),
+    ("cross_entropy", "linear_ce:lean", ValueError, r"linear_ce options are field=value, got 'lean'"),
+    ("cross_entropy", "materialized_ce:path=lean", ValueError,
+     r"'materialized_ce' of slot 'cross_entropy' takes no options"),
+    ("cross_entropy", "fused_ce:path=lean", ValueError,
+     r"unknown implementation 'fused_ce' .* accepted: \['linear_ce'"),
+    ("cross_entropy", 3, TypeError, r"slot 'cross_entropy' takes an implementation name or a config instance"),
+    ("attention", "sdpa:fa4=fast", ValueError, r"SDPA.fa4 must be one of 'auto', 'on', 'off'; got 'fast'"),
+    ("attention", "sdpa:varlen=maybe", ValueError, r"SDPA.varlen takes true or false \(or on/off\), got 'maybe'"),
+    ("attention", "sdpa:lean_backward=off", ValueError, r"sdpa has no option 'lean_backward'; accepted: fa4, varlen"),
+    ("mla", "flash:fused_rope=2", ValueError, r"FlashMLAConfig.fused_rope takes true or false"),
+    ("mla", "flash:fa4=on", ValueError, r"FlashMLAConfig.fa4 must be one of 'auto', 'off'; got 'on'"),
+    ("attention", FlashMLAConfig(), ValueError, r"unknown implementation 'flash' for slot 'attention'"),
 ])
-def test_bad_choices_say_what_is_accepted(choice, err, msg):
+def test_bad_choices_say_what_is_accepted(slot, choice, err, msg):
     with pytest.raises(err, match=msg):
-        registry.choose("cross_entropy", choice)
+        registry.choose(slot, choice)
 
 
 def test_a_config_of_another_slot_is_refused():
@@ -67,8 +81,35 @@ def test_the_model_resolves_once_and_records_its_configs():
     assert m.impl_configs() == {"attention": {"impl": "eager"},
                                 "cross_entropy": {"impl": "linear_ce", **dataclasses.asdict(LinearCE(path="lean"))}}
     assert models.build("qwen3-tiny", {"cross_entropy": LinearCE(path="lean")}).impl_configs() == m.impl_configs() | {
-        "attention": {"impl": "sdpa"}}
+        "attention": {"impl": "sdpa", **dataclasses.asdict(SDPA())}}
     assert models.build("qwen3-tiny").impl_configs()["cross_entropy"]["path"] == "auto"  # defaults too
+
+
+@pytest.mark.parametrize("choice", ["sdpa:fa4=off", "sdpa: fa4 = off", SDPA(fa4="off")])
+def test_attention_options_from_a_string_or_an_instance(choice):
+    impl, config = registry.choose("attention", choice)
+    assert impl.name == "sdpa" and config == SDPA(fa4="off", varlen=True)
+    assert registry.spec("attention", choice) == "sdpa:fa4=off"
+    assert registry.choose("attention", "sdpa")[1] == SDPA()
+    assert registry.choose("attention", "sdpa:fa4=on,varlen=false")[1] == SDPA(fa4="on", varlen=False)
+
+
+def test_the_models_pass_the_attention_and_mla_configs_to_their_layers():
+    m = models.build("qwen3-tiny", {"attention": "sdpa:fa4=off,varlen=off"})
+    assert {layer.self_attn.attend.config for layer in m.model.layers} == {SDPA(fa4="off", varlen=False)}
+    assert m.impl_configs()["attention"] == {"impl": "sdpa", "fa4": "off", "varlen": False}
+    d = models.build("deepseek-v3-tiny", {"mla": FlashMLAConfig(lean_backward=False, pad_v=True)})
+    layers = [mod for mod in d.modules() if isinstance(mod, FlashMLA)]
+    assert layers and {mod.options for mod in layers} == {FlashMLAConfig(lean_backward=False, pad_v=True)}
+    assert d.impl_configs()["mla"] == {"impl": "flash", **dataclasses.asdict(FlashMLAConfig(lean_backward=False,
+                                                                                           pad_v=True))}
+
+
+def test_a_bound_module_class_keeps_the_twins_constructor():
+    flash, naive = registry.resolve("mla", "flash:pad_v=on"), registry.resolve("mla", "naive")
+    assert isinstance(flash, Bound) and registry.is_module(flash) and registry.is_module(naive)
+    assert inspect.signature(flash) == inspect.signature(naive)
+    assert not registry.is_module(sdpa_attention) and sdpa_attention.config == SDPA()
 
 
 def test_every_config_class_is_frozen_documented_and_listed():

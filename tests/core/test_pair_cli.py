@@ -49,9 +49,12 @@ def test_pair_of_two_configs_records_both_sides_resolved_configs(tmp_path, capsy
     r = json.loads(out.read_text())
     assert (r["a"], r["b"], r["status"]) == ("linear_ce", "materialized_ce", "compared")
     assert r["options"] == {"a": "linear_ce:path=lean,chunk_columns=64", "b": "materialized_ce"}
+    from bumblebee.primitives.attention import SDPA
+
     lean = dataclasses.asdict(LinearCE(path="lean", chunk_columns=64))
-    assert r["configs"] == {"a": {"attention": {"impl": "sdpa"}, "cross_entropy": {"impl": "linear_ce", **lean}},
-                            "b": {"attention": {"impl": "sdpa"}, "cross_entropy": {"impl": "materialized_ce"}}}
+    sdpa = {"impl": "sdpa", **dataclasses.asdict(SDPA())}
+    assert r["configs"] == {"a": {"attention": sdpa, "cross_entropy": {"impl": "linear_ce", **lean}},
+                            "b": {"attention": sdpa, "cross_entropy": {"impl": "materialized_ce"}}}
     assert all(s["loss_abs_diff"] < 1e-4 for s in r["steps"])
     # two paths of one implementation run different code: compared, not "same code"
     from bumblebee.pairing import pair
@@ -60,6 +63,25 @@ def test_pair_of_two_configs_records_both_sides_resolved_configs(tmp_path, capsy
     assert pair("qwen3-tiny", "cross_entropy", "linear_ce", "linear_ce", steps=1, seq_len=8)["status"] == "same_code"
     assert main(["pair", "--slot", "cross_entropy", "--a", "linear_ce:path=fast"]) == 2
     assert "LinearCE.path must be one of 'auto', 'grad_in_forward', 'lean'; got 'fast'" in capsys.readouterr().err
+
+
+def test_pair_parses_attention_and_mla_options(tmp_path, capsys):
+    out = tmp_path / "r.json"
+    assert main(["pair", "--slot", "attention", "--a", "sdpa:fa4=off", "--b", "eager", "--steps", "2",
+                 "--seq-len", "8", "--json", str(out)]) == 0
+    assert "a=sdpa:fa4=off ran its own code" in capsys.readouterr().out
+    r = json.loads(out.read_text())
+    assert r["options"] == {"a": "sdpa:fa4=off", "b": "eager"} and r["status"] == "compared"
+    assert r["configs"]["a"]["attention"] == {"impl": "sdpa", "fa4": "off", "varlen": True}
+    assert r["configs"]["b"]["attention"] == {"impl": "eager"}
+    assert all(s["loss_abs_diff"] < 1e-4 for s in r["steps"])
+    assert main(["pair", "--model", "deepseek-v3-tiny", "--slot", "mla", "--a", "flash:lean_backward=off,fa4=off",
+                 "--b", "naive", "--steps", "1", "--seq-len", "8", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["configs"]["a"]["mla"]["lean_backward"] is False and r["configs"]["a"]["mla"]["fa4"] == "off"
+    assert r["configs"]["b"]["mla"] == {"impl": "naive"}
+    assert main(["pair", "--slot", "attention", "--a", "sdpa:fa4=never"]) == 2
+    assert "SDPA.fa4 must be one of 'auto', 'on', 'off'; got 'never'" in capsys.readouterr().err
 
 
 def test_pair_detects_a_different_function(monkeypatch):
@@ -188,3 +210,5 @@ def test_list_and_console_entry_point():
         for impl in impls.values():  # whole sentences, never cut at the docstring's first line break
             assert impl.summary.endswith((".", "!", "?")) and f": {impl.summary}" in res.stdout, impl.summary
     assert "FA4 where installed (dense: head dim <= 128; packed: any it runs), else SDPA, cuDNN first." in res.stdout
+    for option in ("fa4='auto': ", "varlen=True: ", "lean_backward=True: ", "fused_rope=True: ", "pad_v=False: "):
+        assert option in res.stdout, option  # the attention and mla options, with defaults and docs

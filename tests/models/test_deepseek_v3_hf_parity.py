@@ -9,6 +9,7 @@ import torch.nn.functional as F
 import bumblebee as bb
 from bumblebee import registry
 from bumblebee.models import hf_io
+from bumblebee.primitives.mla import FlashMLA, FlashMLAConfig
 
 transformers = pytest.importorskip("transformers")
 
@@ -241,9 +242,8 @@ def test_all_primitives_vs_all_twins_same_loss_and_gradients():
 @pytest.mark.parametrize("lean", [True, False])
 def test_full_recompute_same_loss_and_gradients(lean):
     cfg = {**bb.models.NAMED["deepseek-v3-tiny"], "num_nextn_predict_layers": 1}
-    a, b = bb.models.build(cfg, seed=8), bb.models.build(cfg, seed=8).set_recompute(True)
-    a.set_mla_lean_backward(lean)
-    b.set_mla_lean_backward(lean)
+    impl = {"mla": FlashMLAConfig(lean_backward=lean)}
+    a, b = bb.models.build(cfg, impl, seed=8), bb.models.build(cfg, impl, seed=8).set_recompute(True)
     ids = torch.randint(0, 1024, (2, 15))
     cu = torch.tensor([0, 7, 30])
     la, lb = a(ids, labels=ids, cu_seqlens=cu), b(ids, labels=ids, cu_seqlens=cu)
@@ -253,6 +253,32 @@ def test_full_recompute_same_loss_and_gradients(lean):
     gb = dict(b.named_parameters())
     for name, p in a.named_parameters():
         assert rel_err(p.grad, gb[name].grad) < 1e-5, name
+
+
+def test_mla_options_reach_every_layer_and_the_lean_backward_keeps_less():
+    """`impl={"mla": "flash:lean_backward=..."}` configures every MLA layer, the MTP depth's too, and the
+    model honours it: the lean layers keep fewer bytes for the backward, same loss."""
+    cfg = {**bb.models.NAMED["deepseek-v3-tiny"], "num_nextn_predict_layers": 1}
+    ids = torch.randint(0, 1024, (2, 33))
+    kept, losses = {}, {}
+    for lean in (True, False):
+        model = bb.models.build(cfg, impl={"mla": f"flash:lean_backward={lean}"}, seed=3)
+        layers = [m for m in model.modules() if isinstance(m, FlashMLA)]
+        assert len(layers) == cfg["num_hidden_layers"] + 1
+        assert all(m.options == FlashMLAConfig(lean_backward=lean) for m in layers)
+        assert model.impl_configs()["mla"]["lean_backward"] is lean
+        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        seen = {}
+
+        def pack(t):
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            losses[lean] = model(ids, labels=ids).loss
+        kept[lean] = sum(n for ptr, n in seen.items() if ptr not in params)
+    assert kept[True] < kept[False], kept
+    assert abs(losses[True].item() - losses[False].item()) < 1e-5 * losses[False].item()
 
 
 @pytest.mark.gpu

@@ -181,6 +181,25 @@ def test_from_pretrained_returns_eval_mode_as_transformers(tmp_path):
     assert not transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt").training
 
 
+@pytest.mark.parametrize("name,impl", [
+    ("qwen3-tiny", {"attention": "sdpa:fa4=off", "cross_entropy": "linear_ce:path=lean"}),
+    ("deepseek-v3-tiny", {"mla": "flash:lean_backward=off,fused_rope=off"})])
+def test_the_export_records_the_impl_configs_beside_what_transformers_reads(tmp_path, name, impl):
+    model = bb.models.build(name, impl, seed=1)
+    model.save_pretrained(tmp_path / "ckpt")
+    record = json.loads((tmp_path / "ckpt" / hf_io.IMPL_RECORD).read_text())
+    assert record == {"impl_configs": model.impl_configs()}
+    slot = next(iter(impl))
+    assert record["impl_configs"][slot]["impl"] == impl[slot].split(":")[0]
+    assert "impl_configs" not in json.loads((tmp_path / "ckpt" / "config.json").read_text())
+    # a record, not a choice: loading takes the impl it is given (the defaults here)
+    assert bb.models.from_pretrained(tmp_path / "ckpt").impl_configs() == bb.models.build(name).impl_configs()
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt")
+    assert torch.equal(hf.lm_head.weight, model.lm_head.weight)
+    assert not hasattr(hf.config, "impl_configs")
+
+
 def test_progress_bars_on_stderr_only_past_the_delay(tmp_path, capsys, monkeypatch):
     from bumblebee import files
     model = _model(1)

@@ -11,8 +11,10 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from bumblebee.kernels import flash_attention4 as fa4
 from bumblebee.primitives import mla
+from bumblebee.primitives.attention import SDPA
+from bumblebee.primitives.mla import FlashMLAConfig
 
-from .test_mla import _Ops, backward_ops, make_pair, rel_err, rope_inputs
+from .test_mla import _Ops, backward_ops, make_pair, rel_err, rope_inputs, with_options
 
 
 def test_lean_policy_keeps_fa4_outputs():
@@ -87,11 +89,12 @@ def test_fa4_custom_ops_opcheck():
 @pytest.mark.gpu
 @needs_fa4
 @pytest.mark.parametrize("packed", [False, True])
-def test_flash_mla_on_fa4_matches_sdpa_and_never_reruns_attention(monkeypatch, packed):
+def test_flash_mla_on_fa4_matches_sdpa_and_never_reruns_attention(packed):
     kw = dict(dim=512, n_heads=16, q_lora_rank=192, kv_lora_rank=128, qk_nope_head_dim=128,
               qk_rope_head_dim=64, v_head_dim=128)
-    _, prim = make_pair(torch.bfloat16, "cuda", seed=3, **kw)
-    monkeypatch.setattr(mla, "VARLEN", "off")  # FA4 against SDPA's per-sequence calls
+    # FA4 against SDPA's per-sequence calls
+    _, on_fa4 = make_pair(torch.bfloat16, "cuda", seed=3, config=FlashMLAConfig(varlen=False), **kw)
+    layers = {"on": on_fa4, "off": with_options(on_fa4, fa4="off")}
     B, T = (1, 700) if packed else (2, 333)
     cu = torch.tensor([0, 300, 301, 700], device="cuda", dtype=torch.int32) if packed else None
     pos = torch.cat([torch.arange(n) for n in (300, 1, 399)])[None] if packed else None
@@ -100,9 +103,8 @@ def test_flash_mla_on_fa4_matches_sdpa_and_never_reruns_attention(monkeypatch, p
     g = torch.randn_like(x)
     out = {}
     for backend in ("off", "on"):
-        monkeypatch.setattr(mla, "FA4", backend)
         for mode in ("lean", "recompute"):
-            out[backend, mode], ops = backward_ops(prim, x, cos, sin, cu, g, mode)
+            out[backend, mode], ops = backward_ops(layers[backend], x, cos, sin, cu, g, mode)
             if backend == "on":
                 fwd = [op for op in ops if "fa4_causal_fwd" in op]
                 bwd = [op for op in ops if "fa4_causal_bwd" in op]
@@ -116,24 +118,22 @@ def test_flash_mla_on_fa4_matches_sdpa_and_never_reruns_attention(monkeypatch, p
 @needs_fa4
 @pytest.mark.parametrize("head_dim", [128, 256])
 @pytest.mark.parametrize("packed", [False, True])
-def test_attention_slot_on_fa4_within_torch_bf16_error(monkeypatch, head_dim, packed):
+def test_attention_slot_on_fa4_within_torch_bf16_error(head_dim, packed):
     """The `attention` slot's primitive takes FA4 for head dims up to 128 (GQA 8:2, [B, H, T, D]
     inputs) and for packed batches at any head dim (one varlen launch), SDPA otherwise; either way
     within 3x the error of SDPA's bf16 against float64."""
     from bumblebee.primitives import attention
     from bumblebee.registry import resolve
-    monkeypatch.setattr(attention, "VARLEN", "off")  # the bf16 reference: one SDPA call per sequence
     g = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(2, 8, 700, head_dim, device="cuda", generator=g)
     k, v = (torch.randn(2, 2, 700, head_dim, device="cuda", generator=g) for _ in "kv")
     do = torch.randn(2, 8, 700, head_dim, device="cuda", generator=g)
     cu = torch.tensor([0, 300, 301, 1400], device="cuda", dtype=torch.int32) if packed else None
 
-    def run(dtype, fa4_switch="on"):
-        monkeypatch.setattr(attention, "FA4", fa4_switch)
+    def run(dtype, fa4_option="auto"):  # the bf16 reference without FA4: one SDPA call per sequence
         leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
         with _Ops() as seen:
-            o = resolve("attention", "sdpa")(*leaves, cu_seqlens=cu)
+            o = resolve("attention", SDPA(fa4=fa4_option, varlen=False))(*leaves, cu_seqlens=cu)
             o.backward(do.to(dtype))
         return [o.detach()] + [t.grad for t in leaves], [op for op in seen.ops if "fa4_causal" in op]
 
@@ -147,22 +147,21 @@ def test_attention_slot_on_fa4_within_torch_bf16_error(monkeypatch, head_dim, pa
 
 @pytest.mark.gpu
 @needs_fa4
-@pytest.mark.parametrize("fused_rope", ["on", "off"])
-def test_flash_mla_under_autocast(monkeypatch, fused_rope):
+@pytest.mark.parametrize("fused_rope", [True, False])
+def test_flash_mla_under_autocast(fused_rope):
     """fp32 parameters under bf16 autocast: with the fused Q/K assembly q/k/v arrive in bf16 and FA4
     runs; with the torch RoPE (fp32 cos/sin promote q/k) the layer falls back to SDPA instead of
     handing FA4 mixed dtypes. Either way the output is within 3x the twin's own autocast error."""
-    monkeypatch.setattr(mla, "FUSED_ROPE", fused_rope)
     kw = dict(dim=512, n_heads=16, q_lora_rank=192, kv_lora_rank=128, qk_nope_head_dim=128,
               qk_rope_head_dim=64, v_head_dim=128)
-    base, prim = make_pair(torch.float32, "cuda", seed=5, **kw)
+    base, prim = make_pair(torch.float32, "cuda", seed=5, config=FlashMLAConfig(fused_rope=fused_rope), **kw)
     cos, sin = rope_inputs(1, 300, 64, torch.float32, "cuda")
     x = torch.randn(1, 300, 512, device="cuda", requires_grad=True)
     with torch.autocast("cuda", dtype=torch.bfloat16), _Ops() as seen:
         y = prim(x, cos, sin)
         y.float().sum().backward()
     fa4_fwd = [op for op in seen.ops if "fa4_causal_fwd" in op]
-    assert len(fa4_fwd) == (1 if fused_rope == "on" else 0), fa4_fwd
+    assert len(fa4_fwd) == (1 if fused_rope else 0), fa4_fwd
     exact = base(x, cos, sin).detach()
     with torch.autocast("cuda", dtype=torch.bfloat16):
         torch_bf16 = base(x, cos, sin).detach()  # the twin under the same autocast: torch's own error

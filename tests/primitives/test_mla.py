@@ -1,6 +1,7 @@
 """MLA: the SDPA primitive (lean backward on and off) against the naive twin, forward and gradients,
 padded and packed batches, saved-activation size of the lean backward (alone and inside the models'
 full recompute), bad input; bf16 on the GPU."""
+import dataclasses
 import weakref
 
 import pytest
@@ -11,11 +12,12 @@ from torch.utils.checkpoint import checkpoint
 from bumblebee import recompute
 
 from bumblebee.baselines.mla import NaiveMLA
-from bumblebee.primitives import mla
-from bumblebee.primitives.mla import FlashMLA
+from bumblebee import registry
+from bumblebee.primitives.mla import FlashMLA, FlashMLAConfig
 
 
-def make_pair(dtype=torch.float64, device="cpu", seed=0, **kw):
+def make_pair(dtype=torch.float64, device="cpu", seed=0, config=FlashMLAConfig(), **kw):
+    """(twin, primitive with `config`), the same random weights."""
     args = dict(dim=40, n_heads=5, q_lora_rank=24, kv_lora_rank=20, qk_nope_head_dim=12, qk_rope_head_dim=6,
                 v_head_dim=10, softmax_scale=0.23)
     args.update(kw)
@@ -24,9 +26,21 @@ def make_pair(dtype=torch.float64, device="cpu", seed=0, **kw):
     with torch.no_grad():
         for name, p in base.named_parameters():
             p.normal_(1.0 if "norm" in name else 0.0, 0.2 if "norm" in name or "bias" in name else 0.15)
-    prim = FlashMLA(**args)
+    prim = FlashMLA(config, **args)
     prim.load_state_dict(base.state_dict())
     return base.to(device, dtype), prim.to(device, dtype)
+
+
+def with_options(prim, **options):
+    """A FlashMLA with prim's weights, dtype and device, its options changed (fixed at construction)."""
+    args = dict(q_lora_rank=prim.q_lora_rank, kv_lora_rank=prim.kv_lora_rank, qk_nope_head_dim=prim.nope,
+                qk_rope_head_dim=prim.rope_dim, v_head_dim=prim.v_dim, softmax_scale=prim.softmax_scale,
+                rope_interleave=prim.rope_interleave, bias=prim.o_proj.bias is not None)
+    w = prim.o_proj.weight
+    with torch.device(w.device):
+        other = FlashMLA(dataclasses.replace(prim.options, **options), prim.dim, prim.n_heads, **args)
+    other.load_state_dict(prim.state_dict())
+    return other.to(w.dtype)
 
 
 def rope_inputs(B, T, R, dtype=torch.float64, device="cpu", positions=None):
@@ -60,8 +74,7 @@ def compare(base, prim, x, cos, sin, cu=None, tol=1e-5):
 @pytest.mark.parametrize("lean", [True, False])
 @pytest.mark.parametrize("variant", [{}, {"q_lora_rank": None}, {"rope_interleave": False, "bias": True}])
 def test_primitive_matches_twin_fp32(lean, variant):
-    base, prim = make_pair(torch.float32, **variant)
-    prim.lean_backward = lean
+    base, prim = make_pair(torch.float32, config=FlashMLAConfig(lean_backward=lean), **variant)
     B, T = 3, 17  # a padded batch: several rows, odd length
     x = torch.randn(B, T, 40)
     cos, sin = rope_inputs(B, T, 6, torch.float32)
@@ -70,8 +83,8 @@ def test_primitive_matches_twin_fp32(lean, variant):
 
 @pytest.mark.parametrize("lean", [True, False])
 def test_pad_v_matches_twin(lean):
-    base, prim = make_pair(torch.float32, seed=5)
-    prim.lean_backward, prim.pad_v = lean, True  # v zero-padded to the q/k head dim inside SDPA
+    # v zero-padded to the q/k head dim inside SDPA
+    base, prim = make_pair(torch.float32, seed=5, config=FlashMLAConfig(lean_backward=lean, pad_v=True))
     x = torch.randn(2, 11, 40)
     cos, sin = rope_inputs(2, 11, 6, torch.float32)
     compare(base, prim, x, cos, sin)
@@ -93,8 +106,7 @@ def test_fp32_error_within_torch_error_of_float64_reference():
 
 @pytest.mark.parametrize("lean", [True, False])
 def test_packed_sequences(lean):
-    base, prim = make_pair(torch.float32, seed=2)
-    prim.lean_backward = lean
+    base, prim = make_pair(torch.float32, seed=2, config=FlashMLAConfig(lean_backward=lean))
     lengths = [4, 11, 1, 7]
     cu = torch.tensor([0, 4, 15, 16, 23], dtype=torch.int32)
     pos = torch.cat([torch.arange(n) for n in lengths])[None]
@@ -113,6 +125,45 @@ def test_packed_over_several_rows():
     cu = torch.tensor([0, 5, 12, 18])  # sequences cross the row boundary of the [2, 9] batch
     cos, sin = rope_inputs(2, 9, 6, torch.float32)
     compare(base, prim, x, cos, sin, cu)
+
+
+@pytest.mark.parametrize("options,packed,want", [
+    ({}, False, "fa4"), ({}, True, "fa4"), ({"fa4": "off"}, True, "varlen"), ({"fa4": "off"}, False, None),
+    ({"fa4": "off", "varlen": False}, True, None), ({"lean_backward": False}, True, "fa4")])
+def test_options_pick_the_core(monkeypatch, options, packed, want):
+    """On the CPU, with recording stand-ins for the GPU kernels (computing with the eager attention):
+    each option choice runs its core, within the twin's float64 agreement; the lean backward reruns
+    the stand-in (a plain torch function, not an op the lean region keeps)."""
+    from bumblebee.primitives import mla
+    from tests.primitives.test_attention_packed import fake_kernel
+    calls = []
+    monkeypatch.setattr(mla._fa4, "supports", lambda *a: True)
+    monkeypatch.setattr(mla._fa4, "available", lambda q, v: True)
+    monkeypatch.setattr(mla._fa4, "causal_attention", fake_kernel("fa4", calls))
+    monkeypatch.setattr(mla._varlen, "serves", lambda *a: True)
+    monkeypatch.setattr(mla._varlen, "causal_attention", fake_kernel("varlen", calls))
+    base, prim = make_pair(torch.float64, seed=6, config=FlashMLAConfig(**options))
+    x = torch.randn(1, 23, 40, dtype=torch.float64)
+    cos, sin = rope_inputs(1, 23, 6)
+    cu = torch.tensor([0, 4, 15, 16, 23]) if packed else None
+    compare(base, prim, x, cos, sin, cu, tol=1e-6)  # the twin and the stand-ins softmax in fp32
+    runs = 2 if prim.options.lean_backward else 1  # forward, and the lean backward's recompute
+    assert calls == [want] * runs if want else not calls, calls
+
+
+def test_bad_options_name_the_field():
+    with pytest.raises(ValueError, match=r"FlashMLAConfig.fa4 must be one of 'auto', 'off'; got 'on'"):
+        FlashMLAConfig(fa4="on")
+    with pytest.raises(ValueError, match=r"FlashMLAConfig.lean_backward must be True or False; got 'off'"):
+        FlashMLAConfig(lean_backward="off")
+    with pytest.raises(TypeError, match="FlashMLA's first argument must be a FlashMLAConfig"):
+        FlashMLA({"lean_backward": False}, 40, 5, q_lora_rank=None, kv_lora_rank=8, qk_nope_head_dim=4,
+                 qk_rope_head_dim=4, v_head_dim=4)
+    assert registry.choose("mla", "flash:lean_backward=off,pad_v=on")[1] == FlashMLAConfig(lean_backward=False,
+                                                                                           pad_v=True)
+    layer = registry.build("mla", "flash:fused_rope=false", 40, 5, q_lora_rank=None, kv_lora_rank=8,
+                           qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=4)
+    assert isinstance(layer, FlashMLA) and layer.options == FlashMLAConfig(fused_rope=False)
 
 
 def _saved_bytes(m, x, cos, sin):
@@ -157,9 +208,7 @@ def test_lean_backward_saves_a_third_or_less_and_never_reruns_attention():
     _, prim = make_pair(torch.float32, **kw)
     x = torch.randn(1, 64, 64, requires_grad=True)
     cos, sin = rope_inputs(1, 64, 4, torch.float32)
-    prim.lean_backward = False
-    plain = _saved_bytes(prim, x, cos, sin)
-    prim.lean_backward = True
+    plain = _saved_bytes(with_options(prim, lean_backward=False), x, cos, sin)
     lean = _saved_bytes(prim, x, cos, sin)
     assert lean <= plain / 3, (lean, plain)
     y = prim(x, cos, sin)
@@ -196,8 +245,7 @@ def test_lean_backward_inside_model_recompute(lean):
     equal the call without recompute. The same module twice in a row covers the hand-over order."""
     kw = dict(dim=64, n_heads=32, q_lora_rank=24, kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=4,
               v_head_dim=8, softmax_scale=None)
-    _, prim = make_pair(torch.float64, **kw)
-    prim.lean_backward = lean
+    _, prim = make_pair(torch.float64, config=FlashMLAConfig(lean_backward=lean), **kw)
     x = torch.randn(1, 64, 64, dtype=torch.float64)
     cos, sin = rope_inputs(1, 64, 4)
     g = torch.randn(1, 64, 64, dtype=torch.float64)
@@ -223,7 +271,7 @@ def test_lean_backward_inside_model_recompute(lean):
     assert prim._handover is None
 
 
-@pytest.mark.parametrize("cls", [NaiveMLA, FlashMLA])
+@pytest.mark.parametrize("cls", [NaiveMLA, registry.resolve("mla", "flash")])
 def test_bad_input(cls):
     kw = dict(q_lora_rank=8, kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=4)
     with pytest.raises(ValueError, match="qk_rope_head_dim"):
@@ -252,14 +300,13 @@ def test_bad_input(cls):
 @pytest.mark.gpu
 @pytest.mark.parametrize("lean", [True, False])
 @pytest.mark.parametrize("packed", [False, True])
-@pytest.mark.parametrize("fa4", ["on", "off"])  # FA4 where installed (else SDPA either way), SDPA
-def test_bf16_within_torch_error(monkeypatch, lean, packed, fa4):
-    monkeypatch.setattr(mla, "FA4", fa4)
+@pytest.mark.parametrize("fa4", ["auto", "off"])  # FA4 where installed (else SDPA either way), SDPA
+def test_bf16_within_torch_error(lean, packed, fa4):
     kw = dict(dim=256, n_heads=8, q_lora_rank=96, kv_lora_rank=64, qk_nope_head_dim=128, qk_rope_head_dim=64,
               v_head_dim=128)
     base64, _ = make_pair(torch.float64, "cuda", seed=4, **kw)
-    base16, prim16 = make_pair(torch.bfloat16, "cuda", seed=4, **kw)
-    prim16.lean_backward = lean
+    base16, prim16 = make_pair(torch.bfloat16, "cuda", seed=4, config=FlashMLAConfig(lean_backward=lean, fa4=fa4),
+                               **kw)
     B, T = (1, 301) if packed else (2, 157)
     cu = torch.tensor([0, 100, 101, 301], device="cuda", dtype=torch.int32) if packed else None
     pos = torch.cat([torch.arange(n) for n in (100, 1, 200)])[None] if packed else None
@@ -269,23 +316,20 @@ def test_bf16_within_torch_error(monkeypatch, lean, packed, fa4):
     lo = [t.bfloat16() for t in (x, cos, sin)]
     torch_out, _ = run(base16, *lo, cu, g=g.bfloat16())
     ours, _ = run(prim16, *lo, cu, g=g.bfloat16())
-    prim16.pad_v = True
-    padded, _ = run(prim16, *lo, cu, g=g.bfloat16())
+    padded, _ = run(with_options(prim16, pad_v=True), *lo, cu, g=g.bfloat16())
     for r, t, o, p in zip(ref, torch_out, ours, padded):
         assert rel_err(o, r) <= 3 * rel_err(t, r) + 2e-3
         assert rel_err(p, r) <= 3 * rel_err(t, r) + 2e-3
 
 
 @pytest.mark.gpu
-def test_per_sequence_gradients_across_packings(monkeypatch):
+def test_per_sequence_gradients_across_packings():
     """SDPA per sequence (FA4 and varlen off) on two packings sharing sequence lengths: finite and
     within 3x the twin's bf16 error (cuDNN's backward graph cache; see packing.per_sequence)."""
-    monkeypatch.setattr(mla, "FA4", "off")
-    monkeypatch.setattr(mla, "VARLEN", "off")
     kw = dict(dim=256, n_heads=8, q_lora_rank=96, kv_lora_rank=64, qk_nope_head_dim=128, qk_rope_head_dim=64,
               v_head_dim=128)
     base64, _ = make_pair(torch.float64, "cuda", seed=4, **kw)
-    base16, prim16 = make_pair(torch.bfloat16, "cuda", seed=4, **kw)
+    base16, prim16 = make_pair(torch.bfloat16, "cuda", seed=4, config=FlashMLAConfig(fa4="off", varlen=False), **kw)
     for lengths in ((37, 300, 1, 1024, 686), (300, 1, 399)):
         T = sum(lengths)
         cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device="cuda", dtype=torch.int32)
@@ -316,12 +360,12 @@ def test_cudnn_backend_runs_mla_head_dims():
 def test_lean_backward_peak_memory_gpu():
     kw = dict(dim=1024, n_heads=32, q_lora_rank=384, kv_lora_rank=128, qk_nope_head_dim=128,
               qk_rope_head_dim=64, v_head_dim=128)
-    _, prim = make_pair(torch.bfloat16, "cuda", **kw)
+    _, lean_layer = make_pair(torch.bfloat16, "cuda", **kw)
     x = torch.randn(1, 4096, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     cos, sin = rope_inputs(1, 4096, 64, torch.bfloat16, "cuda")
     held = {}
     for lean in (False, True):
-        prim.lean_backward = lean
+        prim = lean_layer if lean else with_options(lean_layer, lean_backward=False)
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
         y = prim(x, cos, sin)

@@ -1,12 +1,12 @@
 """kernels/mla_rope.py (MLA's fused Q/K assembly) against a float64 reference built from the
-primitive's torch assembly (`rope_pairs` + cat), and FlashMLA with FUSED_ROPE = "on" against "off".
+primitive's torch assembly (`rope_pairs` + cat), and FlashMLA with option fused_rope on against off.
 
 The Triton kernels run under TRITON_INTERPRET=1 in fp32 (this file run as a script in a subprocess,
 `--interpret`): odd B, T, H, nope and R (R / 2 odd too), interleaved and half-split pairs, q, k_nope
 and k_rope as strided views of bigger buffers (as the projections give them), a transposed upstream
 gradient (as SDPA's backward gives it), [1, T, R] and [B, T, R] cos/sin, one and several head blocks
 per token, outputs poisoned with NaN before the kernels write them. The same subprocess runs FlashMLA
-with the switch on and off (lean backward on and off, packed sequences), counting the fused calls.
+with the option on and off (lean backward on and off, packed sequences), counting the fused calls.
 Tolerances: the fused error vs float64 at most 2x the torch path's own error plus a small floor.
 bf16/fp16 run on the GPU only (the interpreter computes bf16 wrongly).
 """
@@ -21,7 +21,7 @@ import torch
 
 from bumblebee.kernels import mla_rope as fused
 from bumblebee.primitives import mla as mla_mod
-from bumblebee.primitives.mla import rope_pairs
+from bumblebee.primitives.mla import FlashMLAConfig, rope_pairs
 from tests.interpreter import interpreted_fixture
 
 FLOOR = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}
@@ -54,7 +54,7 @@ def make(B, T, H, nope, R, interleave, shared, seed, device="cpu"):
 
 
 def torch_assembly(q, k_nope, k_rope, cos, sin, interleave):
-    """The primitive's torch code (`FlashMLA._core` with FUSED_ROPE off)."""
+    """The primitive's torch code (`FlashMLA._core` with fused_rope off)."""
     B, T, H, _ = q.shape
     nope, R = k_nope.shape[-1], k_rope.shape[-1]
     q_out = torch.cat((q[..., :nope], rope_pairs(q[..., nope:], cos, sin, interleave)), dim=-1)
@@ -100,11 +100,11 @@ def kernel_cases(fails, dtypes=(torch.float32,), device="cpu", cases=CASES):
     return errs
 
 
-# ---- FlashMLA with FUSED_ROPE = "on" against "off" ---------------------------------------------------
+# ---- FlashMLA with fused_rope on against off ---------------------------------------------------------
 
 def module_cases():
-    """Output and every gradient of FlashMLA, switch on vs off, with the fused calls counted."""
-    from tests.primitives.test_mla import make_pair, rope_inputs, run
+    """Output and every gradient of FlashMLA, option on vs off, with the fused calls counted."""
+    from tests.primitives.test_mla import make_pair, rope_inputs, run, with_options
 
     calls = {"forward": 0, "backward": 0}
 
@@ -115,26 +115,22 @@ def module_cases():
         return f
 
     fused._assemble, fused._grads = counted("forward", fused._assemble), counted("backward", fused._grads)
-    errs, counts, prev = {}, {}, mla_mod.FUSED_ROPE
+    errs, counts = {}, {}
     for lean in (True, False):
         for v, variant in enumerate(({}, {"rope_interleave": False, "q_lora_rank": None})):
             for packed in (False, True):
                 tag = f"lean={lean}/variant={v}/packed={packed}"
-                _, prim = make_pair(torch.float32, seed=v, **variant)
-                prim.lean_backward = lean
+                _, prim = make_pair(torch.float32, seed=v, config=FlashMLAConfig(lean_backward=lean), **variant)
                 B, T = (1, 23) if packed else (2, 9)
                 cu = torch.tensor([0, 4, 15, 16, 23], dtype=torch.int32) if packed else None
                 pos = torch.cat([torch.arange(n) for n in (4, 11, 1, 7)])[None] if packed else None
                 cos, sin = rope_inputs(B, T, 6, torch.float32, positions=pos)
                 x = torch.randn(B, T, 40)
-                mla_mod.FUSED_ROPE = "off"
-                want, g = run(prim, x, cos, sin, cu)
-                mla_mod.FUSED_ROPE = "on"
+                want, g = run(with_options(prim, fused_rope=False), x, cos, sin, cu)
                 before = dict(calls)
                 got, _ = run(prim, x, cos, sin, cu, g)
                 errs[tag] = max(rel(a, b) for a, b in zip(got, want))
                 counts[tag] = {k: calls[k] - before[k] for k in calls}
-    mla_mod.FUSED_ROPE = prev
     return errs, counts
 
 
@@ -177,22 +173,17 @@ def test_torch_fallback_is_the_same_algorithm():
     assert not fails, fails
 
 
-def test_switch(monkeypatch):
+def test_option():
     x = torch.zeros(1)
-    monkeypatch.setattr(mla_mod, "FUSED_ROPE", "off")
-    assert not mla_mod._use_fused_rope(x)
-    monkeypatch.setattr(mla_mod, "FUSED_ROPE", "on")  # CPU tensors: only under the interpreter
-    assert mla_mod._use_fused_rope(x) == fused.INTERPRET
+    on, off = FlashMLAConfig(), FlashMLAConfig(fused_rope=False)
+    assert on.fused_rope  # the default
+    assert not mla_mod._use_fused_rope(off, x)
+    assert mla_mod._use_fused_rope(on, x) == fused.INTERPRET  # CPU tensors: only under the interpreter
     cs = torch.zeros(1, 2, 4)
-    assert mla_mod._use_fused_rope(x, cs, cs) == fused.INTERPRET
-    assert not mla_mod._use_fused_rope(x, cs.requires_grad_(), cs)  # the torch path gives cos its gradient
-    monkeypatch.setattr(mla_mod, "FUSED_ROPE", "yes")
-    with pytest.raises(ValueError, match="FUSED_ROPE"):
-        mla_mod._use_fused_rope(x)
-    monkeypatch.setenv("BUMBLEBEE_MLA_FUSED_ROPE", " On")
-    assert mla_mod._fused_rope_from_env() == "on"
-    monkeypatch.delenv("BUMBLEBEE_MLA_FUSED_ROPE")
-    assert mla_mod._fused_rope_from_env() == "on"  # the default
+    assert mla_mod._use_fused_rope(on, x, cs, cs) == fused.INTERPRET
+    assert not mla_mod._use_fused_rope(on, x, cs.requires_grad_(), cs)  # the torch path gives cos its gradient
+    with pytest.raises(ValueError, match="FlashMLAConfig.fused_rope must be True or False; got 'yes'"):
+        FlashMLAConfig(fused_rope="yes")
 
 
 def test_bad_input():
@@ -223,24 +214,21 @@ def test_cuda_kernels(dtype):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("lean", [True, False])
-def test_cuda_flash_mla_fused_bf16(monkeypatch, lean):
-    """FlashMLA in bf16 with the switch on: within 2x the torch path's error of a float64 run."""
+def test_cuda_flash_mla_fused_bf16(lean):
+    """FlashMLA in bf16 with the option on: within 2x the torch path's error of a float64 run."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    from tests.primitives.test_mla import make_pair, rope_inputs, run
+    from tests.primitives.test_mla import make_pair, rope_inputs, run, with_options
 
     kw = dict(dim=256, n_heads=8, q_lora_rank=96, kv_lora_rank=64, qk_nope_head_dim=128, qk_rope_head_dim=64,
               v_head_dim=128)
     _, prim64 = make_pair(torch.float64, "cuda", seed=4, **kw)
-    _, prim16 = make_pair(torch.bfloat16, "cuda", seed=4, **kw)
-    prim16.lean_backward = lean
+    _, prim16 = make_pair(torch.bfloat16, "cuda", seed=4, config=FlashMLAConfig(lean_backward=lean), **kw)
     cos, sin = rope_inputs(2, 157, 64, torch.float64, "cuda")
     x = torch.randn(2, 157, 256, device="cuda", dtype=torch.float64)
     ref, g = run(prim64, x, cos, sin)
     lo = [t.bfloat16() for t in (x, cos, sin)]
-    monkeypatch.setattr(mla_mod, "FUSED_ROPE", "off")
-    unfused, _ = run(prim16, *lo, g=g.bfloat16())
-    monkeypatch.setattr(mla_mod, "FUSED_ROPE", "on")
+    unfused, _ = run(with_options(prim16, fused_rope=False), *lo, g=g.bfloat16())
     ours, _ = run(prim16, *lo, g=g.bfloat16())
     for r, t, o in zip(ref, unfused, ours):
         assert rel(o, r) <= 2 * rel(t, r) + 2e-3

@@ -12,9 +12,11 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from bumblebee.kernels import varlen_attention as varlen
 from bumblebee.primitives import attention, mla
+from bumblebee.primitives.attention import SDPA
+from bumblebee.primitives.mla import FlashMLAConfig
 from bumblebee.registry import resolve
 
-from .test_mla import _Ops, backward_ops, make_pair, rel_err, rope_inputs
+from .test_mla import _Ops, backward_ops, make_pair, rel_err, rope_inputs, with_options
 
 LENGTHS = (37, 300, 1, 1024, 686)  # mean 410 tokens: the varlen kernel is worth it
 
@@ -56,8 +58,7 @@ def test_varlen_custom_ops_opcheck():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("head_dim", [128, 256])
-def test_attention_slot_varlen_within_torch_bf16_error(monkeypatch, head_dim):
-    monkeypatch.setattr(attention, "FA4", "off")
+def test_attention_slot_varlen_within_torch_bf16_error(head_dim):
     N = sum(LENGTHS)
     g = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(1, 8, N, head_dim, device="cuda", generator=g)
@@ -65,38 +66,37 @@ def test_attention_slot_varlen_within_torch_bf16_error(monkeypatch, head_dim):
     do = torch.randn(1, 8, N, head_dim, device="cuda", generator=g)
     cu = torch.tensor([0, *torch.tensor(LENGTHS).cumsum(0).tolist()], device="cuda", dtype=torch.int32)
 
-    def run(dtype, switch):
-        monkeypatch.setattr(attention, "VARLEN", switch)
+    def run(dtype, varlen_on):
         leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
         with _Ops() as seen:
-            o = resolve("attention", "sdpa")(*leaves, cu_seqlens=cu)
+            o = resolve("attention", SDPA(fa4="off", varlen=varlen_on))(*leaves, cu_seqlens=cu)
             o.backward(do.to(dtype))
         return [o.detach()] + [t.grad for t in leaves], _varlen_ops(seen.ops)
 
-    exact, _ = run(torch.float64, "off")
-    ours, ops = run(torch.bfloat16, "on")
-    per_sequence, none = run(torch.bfloat16, "off")
+    exact, _ = run(torch.float64, False)
+    ours, ops = run(torch.bfloat16, True)
+    per_sequence, none = run(torch.bfloat16, False)
     assert len(ops) == 2 and not none, (ops, none)  # one forward, one backward launch
     for a, t, r in zip(ours, per_sequence, exact):
         assert rel_err(a, r) <= 3 * rel_err(t, r) + 1e-3, (rel_err(a, r), rel_err(t, r))
 
 
 @pytest.mark.gpu
-def test_attention_slot_long_sequences_stay_per_sequence(monkeypatch):
-    monkeypatch.setattr(attention, "FA4", "off")
+def test_attention_slot_long_sequences_stay_per_sequence():
     n = varlen.MAX_MEAN_LENGTH
     q = torch.randn(1, 4, 2 * n, 64, device="cuda", dtype=torch.bfloat16)
     with _Ops() as seen:
-        attention.sdpa_attention(q, q[:, :2], q[:, :2], cu_seqlens=torch.tensor([0, n, 2 * n], device="cuda"))
+        attention.sdpa_attention_with(SDPA(fa4="off"), q, q[:, :2], q[:, :2],
+                                      cu_seqlens=torch.tensor([0, n, 2 * n], device="cuda"))
     assert not _varlen_ops(seen.ops)
 
 
 @pytest.mark.gpu
-def test_flash_mla_varlen_matches_per_sequence_and_never_reruns_attention(monkeypatch):
-    monkeypatch.setattr(mla, "FA4", "off")
+def test_flash_mla_varlen_matches_per_sequence_and_never_reruns_attention():
     kw = dict(dim=512, n_heads=16, q_lora_rank=192, kv_lora_rank=128, qk_nope_head_dim=128,
               qk_rope_head_dim=64, v_head_dim=128)
-    _, prim = make_pair(torch.bfloat16, "cuda", seed=3, **kw)
+    _, varlen_layer = make_pair(torch.bfloat16, "cuda", seed=3, config=FlashMLAConfig(fa4="off"), **kw)
+    layers = {"on": varlen_layer, "off": with_options(varlen_layer, varlen=False)}
     T = sum(LENGTHS)
     cu = torch.tensor([0, *torch.tensor(LENGTHS).cumsum(0).tolist()], device="cuda", dtype=torch.int32)
     pos = torch.cat([torch.arange(n) for n in LENGTHS])[None]
@@ -105,9 +105,8 @@ def test_flash_mla_varlen_matches_per_sequence_and_never_reruns_attention(monkey
     g = torch.randn_like(x)
     out = {}
     for switch in ("off", "on"):
-        monkeypatch.setattr(mla, "VARLEN", switch)
         for mode in ("lean", "recompute"):
-            out[switch, mode], seen = backward_ops(prim, x, cos, sin, cu, g, mode)
+            out[switch, mode], seen = backward_ops(layers[switch], x, cos, sin, cu, g, mode)
             ops = _varlen_ops(seen)
             fwd = [op for op in ops if "fwd" in op]
             if switch == "on":  # the backward reruns the forward only inside the models' full recompute
