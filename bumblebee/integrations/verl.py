@@ -319,6 +319,9 @@ class BumblebeeEngine(BaseEngine):
         sched = os.path.join(local_path, SCHEDULE_FILE)
         if self.lr_scheduler is not None and os.path.isfile(sched):
             self.lr_scheduler.load_state_dict(torch.load(sched, weights_only=False)["lr_scheduler"])
+            # the schedule's state holds its position, not the optimizer's LR: set that from it
+            for group, lr in zip(self.lr_scheduler.optimizer.param_groups, self.lr_scheduler.get_last_lr()):
+                group["lr"] = lr
         dist.barrier()
         if fetched and del_local_after_load and dist.get_rank() == 0:
             shutil.rmtree(local_path, ignore_errors=True)

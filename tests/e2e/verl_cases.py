@@ -94,14 +94,16 @@ def response_values(engine, td: TensorDict) -> torch.Tensor:
     return no_padding_2_padding(out["model_output"]["log_probs"], td)
 
 
-def prepare(engine, batch: dict, *, shift_seed: int) -> TensorDict:
-    """The trainer's steps before an update: old log-probs from the actor itself (here moved by a
-    seeded offset, as an off-policy sampler would, so ratios leave the clip range), reference log-probs."""
-    old = response_values(engine, to_verl(batch))
+def prepare(engine, batch: dict, *, shift_seed: int, rows: slice = slice(None)) -> TensorDict:
+    """The trainer's steps before an update, on this rank's `rows` of the global `batch`: old
+    log-probs from the actor itself (moved by a seeded offset drawn for the whole batch, as an
+    off-policy sampler would move them, so ratios leave the clip range), reference log-probs."""
+    local = {k: v[rows] for k, v in batch.items()}
+    old = response_values(engine, to_verl(local))
     g = torch.Generator().manual_seed(shift_seed)
-    batch = dict(batch, old_log_probs=old + 0.3 * torch.randn(old.shape, generator=g),
-                 ref_log_prob=old + 0.1 * torch.randn(old.shape, generator=g))
-    return to_verl(batch, calculate_entropy=True)
+    shape = batch["responses"].shape
+    shift, ref_shift = 0.3 * torch.randn(shape, generator=g)[rows], 0.1 * torch.randn(shape, generator=g)[rows]
+    return to_verl(dict(local, old_log_probs=old + shift, ref_log_prob=old + ref_shift), calculate_entropy=True)
 
 
 def update(engine, actor, td: TensorDict) -> dict:
@@ -112,3 +114,39 @@ def update(engine, actor, td: TensorDict) -> dict:
         out = engine.train_batch(td, loss_function=partial(ppo_loss, config=actor))
     lr = engine.lr_scheduler_step()
     return {"metrics": out["metrics"], "loss": out["loss"], "lr": lr}
+
+
+STEPS, SAVE_AFTER = 3, 2
+
+
+def train_resume(out: Path, name: str, *, ep_size: int = 1) -> dict:
+    """STEPS updates on this rank's rows of each global batch, a checkpoint after SAVE_AFTER; then a
+    second engine, built from other initial weights, loads it and repeats the last step. Returns the
+    per-step (summed micro-batch loss, grad norm, lr), both last steps and both engines' weights."""
+    import torch.distributed as dist
+    rank, world = dist.get_rank(), dist.get_world_size()
+    rows = slice(rank * B // world, (rank + 1) * B // world)
+    vocab = models.NAMED[name]["vocab_size"]
+
+    def step(engine, actor, i):
+        td = prepare(engine, rollout(vocab, seed=100 + i), shift_seed=200 + i, rows=rows)
+        got = update(engine, actor, td)
+        return {"loss": sum(got["loss"]), "grad_norm": got["metrics"]["grad_norm"], "lr": got["lr"]}
+
+    def weights(engine):
+        return {k: v.detach().clone() for k, v in engine.get_per_tensor_param()[0]}
+
+    kw = dict(ep_size=ep_size, steps=STEPS + 2, warmup=1)
+    engine, actor = make_engine(tiny_checkpoint(out, name, seed=0), **kw)
+    res = {"steps": [step(engine, actor, i) for i in range(SAVE_AFTER)]}
+    ckpt = out / f"ckpt-{name}-{world}"
+    engine.save_checkpoint(str(ckpt), global_step=SAVE_AFTER)
+    res["steps"] += [step(engine, actor, i) for i in range(SAVE_AFTER, STEPS)]
+    res["weights"] = weights(engine)
+    other, actor = make_engine(tiny_checkpoint(out, name, seed=1), **kw)
+    res["fresh"] = weights(other)  # differs from the checkpoint: the load must replace it all
+    other.load_checkpoint(str(ckpt), del_local_after_load=True)
+    res["resumed"] = [step(other, actor, i) for i in range(SAVE_AFTER, STEPS)]
+    res["resumed_weights"] = weights(other)
+    res["ckpt_kept"] = (ckpt / "lr_scheduler.pt").is_file()
+    return res
