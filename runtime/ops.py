@@ -4,50 +4,19 @@ sequence's first token, which has none), as inference engines report sampled tok
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from bumblebee.checks import check_batch_shape
 from bumblebee.models import moe
-from bumblebee.runtime.losses import LOSSES, policy_loss
-
-
-@dataclass
-class Batch:
-    """[B, T] token-aligned inputs. `loss_mask` (bool): the tokens trained on (default: all that
-    have a prefix); `weights`: per-token loss weights (default: 1 on trained tokens), where the
-    caller's normalization goes; `advantages` and `sampler_logprobs` (the log-probs of the policy
-    that sampled the tokens, PPO's old policy) for the policy-gradient losses; `cu_seqlens` [S + 1]:
-    the B*T tokens are one packed stream of sequences."""
-    input_ids: torch.Tensor
-    loss_mask: torch.Tensor | None = None
-    weights: torch.Tensor | None = None
-    advantages: torch.Tensor | None = None
-    sampler_logprobs: torch.Tensor | None = None
-    cu_seqlens: torch.Tensor | None = None
-    position_ids: torch.Tensor | None = None
-
-    def check(self):
-        ids = self.input_ids
-        if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"batch.input_ids must be an int [B, T] tensor, got "
-                             f"{getattr(ids, 'dtype', type(ids))} of shape {tuple(getattr(ids, 'shape', ()))}")
-        check_batch_shape(ids, "batch.input_ids")
-        for name in ("loss_mask", "weights", "advantages", "sampler_logprobs", "position_ids"):
-            t = getattr(self, name)
-            if t is not None and (not isinstance(t, torch.Tensor) or t.shape != ids.shape):
-                raise ValueError(f"batch.{name} must be a [B, T] = {tuple(ids.shape)} tensor like input_ids, got "
-                                 f"shape {tuple(getattr(t, 'shape', ()))}")
-        if self.loss_mask is not None and self.loss_mask.dtype != torch.bool:
-            raise ValueError(f"batch.loss_mask must be bool, got {self.loss_mask.dtype}")
-        for name in ("weights", "advantages", "sampler_logprobs"):
-            t = getattr(self, name)
-            if t is not None and not t.is_floating_point():
-                raise ValueError(f"batch.{name} must be a floating-point tensor, got {t.dtype}")
-        return self
+from bumblebee.runtime import export, losses, optim
+from bumblebee.runtime.batching import Batch, all_reduce_ints, plan
+from bumblebee.runtime.offload import Placement
+from bumblebee.runtime.results import ForwardResult, LossInputs
+from bumblebee.runtime.routes import routing
 
 
 @dataclass
@@ -92,65 +61,127 @@ def token_logprobs(model, batch: Batch, *, temperature: float = 1.0, entropy: bo
 class Runtime:
     """Training operations on `model` (a bumblebee causal LM) and `state` (the TrainState that
     `state_sharding` returns for it, or None: forward-only, or the caller steps). Every rank calls
-    every operation (the sharded state holds collectives)."""
+    every operation (the sharded state holds collectives). `lr_schedule` scales the state's
+    learning rate by `lr_scheduler_step` (default: constant)."""
 
-    def __init__(self, model, state=None, *, router_bias_rate: float = 1e-3):
+    def __init__(self, model, state=None, *, router_bias_rate: float = 1e-3,
+                 lr_schedule: optim.LRSchedule | None = None):
         self.model, self.state, self.router_bias_rate = model, state, router_bias_rate
+        self.placement = Placement(model, state)
+        self.lr_schedule = lr_schedule or optim.LRSchedule()
+        self.lr_steps = 0
+        if state is not None:
+            self.base_lr = state.optimizer.param_groups[0]["lr"]
+            optim.set_hyperparameters(state.optimizer, lr=self.base_lr * self.lr_schedule.factor(0))
 
+    # ---- forward and backward ------------------------------------------------------------------
     @torch.no_grad()
-    def forward(self, batch: Batch, *, temperature: float = 1.0, entropy: bool = False) -> TokenOutput:
+    def forward(self, batch: Batch, *, temperature: float = 1.0, entropy: bool = False,
+                micro_batch_tokens: int | None = None, return_routed_experts: bool = False) -> ForwardResult:
         """Log-probs (and entropy) without a graph, e.g. the reference or old policy's. Router load
         counts are left as they were: only training forwards move the biases."""
-        counts = {n: r.tokens_per_expert for n, r in moe.routers(self.model).items()}
-        try:
-            return token_logprobs(self.model, batch, temperature=temperature, entropy=entropy)
-        finally:
-            for n, r in moe.routers(self.model).items():
-                r.tokens_per_expert = counts[n]
+        with _counts_kept(self.model):
+            return self._run(batch, None, temperature=temperature, entropy=entropy,
+                             micro_batch_tokens=micro_batch_tokens, return_routed_experts=return_routed_experts)
 
-    def forward_backward(self, batch: Batch, loss: str = "cross_entropy", *, temperature: float = 1.0,
-                         clip=(0.2, 0.2), entropy_coef: float = 0.0) -> dict:
-        """One micro-batch: the loss's forward and backward; gradients add to those already there
-        (call `optim_step` after the last micro-batch). The gradient is that of the sum of the losses
-        of every micro-batch on every rank. Returns {"loss" (this rank's), "logprobs" [B, T]
-        (detached), "entropy" (when entropy_coef), metrics...}."""
-        if loss not in LOSSES:
-            raise ValueError(f"loss must be one of {LOSSES}, got {loss!r}")
+    def forward_backward(self, batch: Batch, loss_fn="cross_entropy", *, micro_batch_tokens: int | None = None,
+                         loss_agg_mode: str = "sum", temperature: float = 1.0, clip=(0.2, 0.2),
+                         entropy_coef: float = 0.0, kl_coef: float = 0.0, kl_penalty: str = "low_var_kl",
+                         entropy: bool = False, return_routed_experts: bool = False,
+                         reduce_each_micro_batch: bool = False) -> ForwardResult:
+        """Forward and backward of `batch`, cut into micro-batches of at most `micro_batch_tokens`
+        (whole sequences; None: one); gradients add to those already there (call `optim_step`
+        after). `loss_fn`: a named loss (LOSSES) with `clip`, `entropy_coef`, `kl_coef` /
+        `kl_penalty` (on batch.ref_logprobs) and `loss_agg_mode` (AGG_MODES: "sum" leaves the
+        normalization to `weights`; the means divide by counts over the whole batch on every rank),
+        or a callable `loss_fn(model_output, data, dp_group) -> (loss, metrics)` (see LossInputs).
+        The gradient is that of the sum of every micro-batch's loss on every rank. FSDP2 reduce-scatters
+        once, after the last micro-batch, keeping unsharded fp32 gradients in between (4 bytes per
+        parameter per rank); `reduce_each_micro_batch` reduce-scatters after every one instead."""
+        named = isinstance(loss_fn, str)
+        if named and loss_fn not in losses.LOSSES:
+            raise ValueError(f"loss must be one of {losses.LOSSES} or a callable, got {loss_fn!r}")
+        if not named and not callable(loss_fn):
+            raise ValueError(f"loss_fn must be a loss name {losses.LOSSES} or a callable, got {loss_fn!r}")
         if not (len(clip) == 2 and all(0 <= c for c in clip) and clip[0] < 1):
             raise ValueError(f"clip must be (low, high) with 0 <= low < 1 and high >= 0, got {clip}")
+        losses.check_agg_mode(loss_agg_mode)
+        losses.check_kl_penalty(kl_penalty)
+        if named:
+            opts = dict(clip=clip, entropy_coef=entropy_coef, kl_coef=kl_coef, kl_penalty_name=kl_penalty,
+                        loss_agg_mode=loss_agg_mode)
+            loss_fn = _named_loss(loss_fn, opts)
+        return self._run(batch, loss_fn, temperature=temperature, entropy=entropy or bool(entropy_coef and named),
+                         micro_batch_tokens=micro_batch_tokens, return_routed_experts=return_routed_experts,
+                         named=named, no_sync=not reduce_each_micro_batch)
+
+    def _run(self, batch, loss_fn, *, temperature, entropy, micro_batch_tokens, return_routed_experts, named=True,
+             no_sync=False):
         batch.check()
-
+        self.placement.check("forward_backward" if loss_fn else "forward")
+        group = self.state.group if self.state is not None else None
+        micro = plan(batch, micro_batch_tokens, group if micro_batch_tokens is not None else None)
+        norm = _global_counts(batch, group) if loss_fn else None
+        dp = self.state.mesh.size() if self.state is not None else 1
+        B, T = batch.input_ids.shape
+        log_probs, ent, routes = None, None, None
+        total, parts = 0.0, []
+        no_sync = no_sync and loss_fn is not None and len(micro) > 1 and hasattr(self.model, "set_requires_gradient_sync")
+        try:
+            for i, mb in enumerate(micro):
+                if no_sync:  # FSDP2 reduce-scatters the accumulated gradient once, after the last
+                    self.model.set_requires_gradient_sync(i == len(micro) - 1)
+                sub = mb.take(batch)
+                head = None
+                if loss_fn is not None:
+                    data = LossInputs(sub, sub.trained(), losses.Norm(norm.tokens, norm.seqs, sub.sequence_ids()),
+                                      i, len(micro))
+                    head = _head(loss_fn, data, group, mb.dummy, parts)
+                with contextlib.ExitStack() as stack:
+                    if mb.dummy:
+                        stack.enter_context(_counts_kept(self.model))
+                    recorded = stack.enter_context(routing(self.model, sub.routed_experts, return_routed_experts))
+                    out = token_logprobs(self.model, sub, temperature=temperature, entropy=entropy, loss_fn=head)
+                    got_routes = recorded(*sub.input_ids.shape) if return_routed_experts else None
+                if loss_fn is not None:
+                    (out.loss * dp).backward()  # the state averages over its ranks: this makes it their sum
+                    if not mb.dummy:
+                        total += float(out.loss.detach())
+                if log_probs is None:
+                    log_probs = out.logprobs.new_zeros(B, T)
+                    ent = out.entropy.new_zeros(B, T) if out.entropy is not None else None
+                    routes = got_routes.new_zeros(B, T, *got_routes.shape[2:]) if got_routes is not None else None
+                mb.put(log_probs, out.logprobs.detach())
+                if ent is not None:
+                    mb.put(ent, out.entropy.detach())
+                if routes is not None:
+                    mb.put(routes, got_routes)
+        finally:
+            if no_sync:
+                self.model.set_requires_gradient_sync(True)
         metrics = {}
+        if parts:
+            metrics = losses.combine_metrics(parts) if named else _lists(parts)
+        return ForwardResult(log_probs=log_probs, trained=batch.trained(), entropy=ent,
+                             loss=total if loss_fn is not None else None, metrics=metrics, routed_experts=routes)
 
-        def loss_fn(out):
-            w = out.trained.to(out.logprobs.dtype)
-            if batch.weights is not None:
-                w = w * batch.weights.to(w.dtype)
-            value, m = policy_loss(loss, out.logprobs, w, advantages=batch.advantages,
-                                   sampler_logprobs=batch.sampler_logprobs, clip=clip,
-                                   entropy=out.entropy, entropy_coef=entropy_coef)
-            metrics.update(m)
-            return value
-
-        out = token_logprobs(self.model, batch, temperature=temperature, entropy=bool(entropy_coef), loss_fn=loss_fn)
-        # the state averages gradients over its ranks: scaled by their number, the gradient is that
-        # of the sum of every rank's loss, so weights = 1 / (global token count) give the global mean
-        (out.loss * (self.state.mesh.size() if self.state is not None else 1)).backward()
-        result = {"loss": float(out.loss.detach()), "logprobs": out.logprobs.detach(), **metrics}
-        if out.entropy is not None:
-            result["entropy"] = out.entropy.detach()
-        return result
-
-    def optim_step(self) -> dict:
+    # ---- optimizer -----------------------------------------------------------------------------
+    def optim_step(self, *, lr: float | None = None, betas=None, eps: float | None = None,
+                   weight_decay: float | None = None) -> dict:
         """Apply the accumulated gradients (global-norm clipping and the non-finite skip of the
-        state), zero them, and move auxiliary-loss-free router biases by their token counts.
-        Without any gradient on any rank (no forward_backward since the last step) nothing changes:
-        {"applied": False, "skipped": "no gradient"}, weights, optimizer state, step count and router
-        biases as they were."""
+        state), zero them, and move auxiliary-loss-free router biases by their token counts. AdamW
+        hyperparameters given here (Tinker's AdamParams) hold from this step on (an `lr` until the
+        next `lr_scheduler_step`). Without any gradient on any rank (no forward_backward since the
+        last step) nothing changes: {"applied": False, "skipped": "no gradient"}, weights, optimizer
+        state, step count and router biases as they were."""
         state = self._need_state("optim_step")
+        hp = optim.check_adam(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        self.placement.check("optim_step")
+        optim.set_hyperparameters(state.optimizer, **hp)
         applied, norm, zeros = state.step()
         state.zero_grad()
-        out = {"applied": applied, "grad_norm": norm, "zero_grads": zeros, "step": state.steps}
+        out = {"applied": applied, "grad_norm": norm, "zero_grads": zeros, "step": state.steps,
+               "lr": state.optimizer.param_groups[0]["lr"]}
         if not applied:
             out["skipped"] = state.skip_reason
         if state.skip_reason == "no gradient":  # no tokens were trained on: the biases stay too
@@ -160,12 +191,63 @@ class Runtime:
             out["router_max_over_mean"] = max(s["max_over_mean"] for s in moe.router_load_stats(self.model).values())
         return out
 
+    def optimizer_zero_grad(self) -> None:
+        """Drop the accumulated gradients (and the routers' token counts of those forwards)."""
+        self._need_state("optimizer_zero_grad").zero_grad()
+        self.placement.aside.clear()
+        for r in moe.routers(self.model).values():
+            r.tokens_per_expert = None
+
+    def lr_scheduler_step(self) -> float:
+        """Advance the schedule one step; the learning rate the next `optim_step` uses."""
+        state = self._need_state("lr_scheduler_step")
+        self.lr_steps += 1
+        lr = self.base_lr * self.lr_schedule.factor(self.lr_steps)
+        optim.set_hyperparameters(state.optimizer, lr=lr)
+        return lr
+
+    def hyperparameters(self) -> dict:
+        return optim.hyperparameters(self._need_state("hyperparameters").optimizer)
+
+    # ---- modes, devices, weights -----------------------------------------------------------------
+    @contextlib.contextmanager
+    def train_mode(self):
+        """Within: the model in training mode (`model.training`); the modes found are restored."""
+        with _mode(self.model, True):
+            yield self
+
+    @contextlib.contextmanager
+    def eval_mode(self):
+        with _mode(self.model, False):
+            yield self
+
+    def to(self, device, *, model: bool = True, optimizer: bool = True, grad: bool = True, copy: bool = False):
+        """Move the parts asked for (model: parameters and buffers; optimizer: Adam state and ZeRO-1's
+        fp32 masters; grad: gradients) to `device`, each on its own, e.g. offload to "cpu" while an
+        inference engine uses the GPU. `copy`: new storage even on the same device. Returns self."""
+        self.placement.to(device, model=model, optimizer=optimizer, grad=grad, copy=copy)
+        return self
+
+    def export_weights(self, *, bucket_bytes: int = 2**30, dtype: torch.dtype | None = None):
+        """Iterator of (HF name, full tensor), equal to what `save_weights` writes, gathered `bucket_bytes`
+        at a time on every rank (all ranks iterate to the end)."""
+        self.placement.check("export_weights")
+        return export.export_weights(self.model, self.state, bucket_bytes=bucket_bytes, dtype=dtype)
+
+    def export_weight_shards(self, *, dtype: torch.dtype | None = None):
+        """Iterator of WeightShard: this rank's slices of the HF tensors and their place, no collective."""
+        return export.export_weight_shards(self.model, self.state, dtype=dtype)
+
     def save_state(self, path) -> None:
         """Model, optimizer and buffers (router biases) as a reshardable checkpoint, atomically."""
         self._need_state("save_state").save(path)
 
     def load_state(self, path) -> None:
-        self._need_state("load_state").load(path)
+        """Load a `save_state` checkpoint; the learning-rate schedule resumes at its optimizer step count."""
+        state = self._need_state("load_state")
+        state.load(path)
+        self.lr_steps = state.steps
+        optim.set_hyperparameters(state.optimizer, lr=self.base_lr * self.lr_schedule.factor(self.lr_steps))
 
     def save_weights(self, path) -> None:
         """Full HF weights (config.json + safetensors) that transformers or an inference engine loads."""
@@ -176,3 +258,63 @@ class Runtime:
             raise ValueError(f"Runtime.{op} needs a state: Runtime(model, state) with the TrainState that "
                              f"bumblebee's state_sharding (fsdp2 or zero1) returned for the model")
         return self.state
+
+
+def _named_loss(name, opts):
+    def loss_fn(model_output, data, dp_group):
+        lp, b = model_output["log_probs"], data.batch
+        w = data.trained.to(lp.dtype) if b.weights is None else b.weights.to(lp.dtype)
+        return losses.policy_loss(name, lp, w, advantages=b.advantages, sampler_logprobs=b.sampler_logprobs,
+                                  entropy=model_output["entropy"], ref_logprobs=b.ref_logprobs, norm=data.norm,
+                                  trained=data.trained, **opts)
+    return loss_fn
+
+
+def _head(loss_fn, data, group, dummy, parts):
+    """The head's loss of one micro-batch; a dummy one trains nothing but keeps the graph whole."""
+    def head(out: TokenOutput):
+        if dummy:
+            return out.logprobs.sum() * 0
+        value, metrics = loss_fn({"log_probs": out.logprobs, "entropy": out.entropy, "trained": out.trained},
+                                 data, group)
+        parts.append(metrics)
+        return value
+    return head
+
+
+def _global_counts(batch: Batch, group) -> losses.Norm:
+    """Trained tokens and sequences with a trained token, over every rank of `group` (one all-reduce)."""
+    trained = batch.trained()
+    seq = batch.sequence_ids()
+    per_seq = torch.zeros(int(seq.max()) + 1, dtype=torch.int64).index_add(
+        0, seq.reshape(-1).cpu(), trained.reshape(-1).cpu().long())
+    counts = [int(trained.sum()), int((per_seq > 0).sum())]
+    if group is not None:
+        counts = all_reduce_ints(counts, group)
+    return losses.Norm(*counts)
+
+
+def _lists(parts: list[dict]) -> dict:
+    return {k: [p[k] for p in parts if k in p] for k in {k for p in parts for k in p}}
+
+
+@contextlib.contextmanager
+def _counts_kept(model):
+    """Router load counts as they were before (forwards that must not move the biases)."""
+    counts = {n: r.tokens_per_expert for n, r in moe.routers(model).items()}
+    try:
+        yield
+    finally:
+        for n, r in moe.routers(model).items():
+            r.tokens_per_expert = counts[n]
+
+
+@contextlib.contextmanager
+def _mode(model, training: bool):
+    modes = [(m, m.training) for m in model.modules()]
+    model.train(training)
+    try:
+        yield
+    finally:
+        for m, was in modes:
+            m.training = was

@@ -46,7 +46,7 @@ def test_logprobs_and_entropy_match_logits(name, ce):
     trained = mask.clone()
     trained[:, 0] = False
     assert torch.equal(out.trained, trained)
-    torch.testing.assert_close(out.logprobs, torch.where(trained, lp, 0), rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(out.log_probs, torch.where(trained, lp, 0), rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(out.entropy, torch.where(trained, ent, 0), rtol=1e-10, atol=1e-10)
 
 
@@ -55,9 +55,9 @@ def test_packed_batch_equals_its_sequences_alone():
     a, b = _ids(model, 1, 1, 7), _ids(model, 2, 1, 5)
     rt = Runtime(model)
     packed = rt.forward(Batch(torch.cat([a, b], 1), cu_seqlens=torch.tensor([0, 7, 12])))
-    alone = torch.cat([rt.forward(Batch(a)).logprobs, rt.forward(Batch(b)).logprobs], 1)
-    assert packed.logprobs[0, 7] == 0  # the second sequence's first token has no prefix
-    torch.testing.assert_close(packed.logprobs, alone, rtol=1e-10, atol=1e-10)
+    alone = torch.cat([rt.forward(Batch(a)).log_probs, rt.forward(Batch(b)).log_probs], 1)
+    assert packed.log_probs[0, 7] == 0  # the second sequence's first token has no prefix
+    torch.testing.assert_close(packed.log_probs, alone, rtol=1e-10, atol=1e-10)
 
 
 def _grads(model):
@@ -75,7 +75,7 @@ def test_cross_entropy_with_mean_weights_is_the_model_loss():
     n = int(mask[:, 1:].sum())
     out = Runtime(model).forward_backward(Batch(ids, loss_mask=mask, weights=torch.full(ids.shape, 1.0 / n,
                                                                                          dtype=torch.float64)))
-    assert out["tokens"] == n
+    assert out.metrics["tokens"] == n
     for k, g in _grads(model).items():
         torch.testing.assert_close(g, want[k], rtol=1e-9, atol=1e-12, msg=k)
 
@@ -109,9 +109,9 @@ def test_policy_gradient_losses_against_logits(loss):
     model.zero_grad()
     out = Runtime(model).forward_backward(Batch(ids, weights=w, advantages=adv, sampler_logprobs=old), loss,
                                           clip=clip, entropy_coef=0.01)
-    assert out["loss"] == pytest.approx(ref_loss.item(), rel=1e-10)
+    assert out.loss == pytest.approx(ref_loss.item(), rel=1e-10)
     if loss == "ppo":
-        assert 0 < out["clip_fraction"] < 1
+        assert 0 < out.metrics["clip_fraction"] < 1
     for k, gr in _grads(model).items():
         torch.testing.assert_close(gr, want[k], rtol=1e-8, atol=1e-12, msg=k)
 
@@ -120,7 +120,7 @@ def test_forward_keeps_no_graph_and_no_router_counts():
     model = _model("deepseek-v3-tiny")
     rt = Runtime(model)
     out = rt.forward(Batch(_ids(model)))
-    assert not out.logprobs.requires_grad and not _grads(model)
+    assert not out.log_probs.requires_grad and not _grads(model)
     from bumblebee.models import moe
     assert all(r.tokens_per_expert is None for r in moe.routers(model).values())
 
@@ -192,7 +192,7 @@ def runtime_runs(mesh, out: Path):
         ids, adv = _batch(rt.model, i)
         half = slice(r * 4 // n, (r + 1) * 4 // n)
         w = torch.full(ids[half].shape, 1.0 / (ids.shape[0] * (ids.shape[1] - 1)))
-        old = rt.forward(Batch(ids[half])).logprobs
+        old = rt.forward(Batch(ids[half])).log_probs
         rt.forward_backward(Batch(ids[half], weights=w, advantages=adv[half], sampler_logprobs=old),
                             "importance_sampling")
         return rt.optim_step()
@@ -246,7 +246,7 @@ def test_two_ranks_follow_one_process(two):
     for i in range(STEPS):
         ids, adv = _batch(model, i)
         w = torch.full(ids.shape, 1.0 / (ids.shape[0] * (ids.shape[1] - 1)))
-        old = rt.forward(Batch(ids)).logprobs
+        old = rt.forward(Batch(ids)).log_probs
         rt.forward_backward(Batch(ids, weights=w, advantages=adv, sampler_logprobs=old), "importance_sampling")
         norm = torch.sqrt(sum(p.grad.double().pow(2).sum() for p in model.parameters() if p.grad is not None))
         for rank in runs:
