@@ -10,17 +10,20 @@ What runs where:
 - model: `bumblebee.models.from_pretrained(model_config.local_path, impl=...)`, experts split over
   `ep_size` ranks, state sharding (`fsdp2` or `zero1`) over all ranks, wrapped in a `Runtime`;
 - `forward_backward_batch`: verl's micro-batching (`prepare_micro_batches`), each micro-batch packed
-  into one `Batch` with `cu_seqlens`; verl's loss function sees verl-shaped log-probs/entropy and
-  runs inside the model's forward (the loss slot's head), so no [N, V] logits exist with `linear_ce`;
-- `optimizer_step`: the runtime's step (clipping, non-finite skip, router biases), with the LR of
-  verl's schedule; checkpoints: the runtime's reshardable DCP state plus the schedule;
-- `get_per_tensor_param`: full HF-named tensors for the rollout's weight sync.
+  into one `Batch` with `cu_seqlens` through `Runtime.forward_backward` with a caller loss: verl's
+  loss function sees verl-shaped log-probs/entropy and runs inside the model's forward (the loss
+  slot's head), so no [N, V] logits exist with `linear_ce`; FSDP2 reduce-scatters once, after the
+  last micro-batch;
+- `optimizer_step`: `Runtime.optim_step(lr=...)` (clipping, non-finite skip, router biases) at the
+  LR of verl's own schedule; `to`: the runtime's per-part offload; checkpoints: the runtime's
+  reshardable DCP state plus the schedule;
+- `get_per_tensor_param`: `Runtime.export_weights`, full HF-named tensors in buckets, for the
+  rollout's weight sync.
 """
 from __future__ import annotations
 
 import os
 import shutil
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -36,7 +39,7 @@ from verl.workers.engine.utils import detach_tree, postprocess_batch_func, prepa
 from bumblebee import models, registry
 from bumblebee.integrations.verl_data import next_token_aligned, packed_batch, temperature_of
 from bumblebee.models import moe
-from bumblebee.runtime import Runtime, token_logprobs
+from bumblebee.runtime import Runtime
 
 BACKEND = "bumblebee"
 DEVICES = ("cuda", "cpu")
@@ -61,6 +64,7 @@ class BumblebeeEngineConfig(EngineConfig):
     mixed_precision: str = "bf16"
     router_bias_rate: float = 1e-3
     reshard_after_forward: bool = True
+    export_bucket_bytes: int = 2**30
 
     def __post_init__(self):
         super().__post_init__()
@@ -87,15 +91,19 @@ class BumblebeeActorConfig(ActorConfig):
 
 
 class _ModeCtx(BaseEngineCtx):
-    """verl's train/eval context: offload moves (the base class), the model's mode, and on leaving
+    """verl's train/eval context: offload moves (the base class), the runtime's mode, and on leaving
     training the gradients zeroed (as verl's FSDP engine does)."""
 
     def __enter__(self):
         super().__enter__()
-        self.engine.model.train(self.mode == "train")
+        rt = self.engine.runtime
+        self._mode = rt.train_mode() if self.mode == "train" else rt.eval_mode()
+        self._mode.__enter__()
 
     def __exit__(self, exc_type, exc_val, exc_tb):
-        if self.mode == "train" and (self.zero_grad_on_exit or exc_type is not None):
+        self._mode.__exit__(exc_type, exc_val, exc_tb)
+        if self.mode == "train" and self.engine.runtime.state is not None and \
+                (self.zero_grad_on_exit or exc_type is not None):
             self.engine.optimizer_zero_grad()
         super().__exit__(exc_type, exc_val, exc_tb)
 
@@ -108,8 +116,6 @@ class BumblebeeEngine(BaseEngine):
         if not dist.is_initialized():
             raise ValueError("BumblebeeEngine needs torch.distributed initialized (verl's workers do it; "
                              "one process: dist.init_process_group('gloo', rank=0, world_size=1))")
-        if engine_config.param_offload or engine_config.optimizer_offload:
-            raise ValueError("param_offload / optimizer_offload are not supported by the bumblebee engine yet")
         if getattr(model_config, "lora_rank", 0):
             raise ValueError("LoRA (model_config.lora_rank > 0) is not supported by the bumblebee engine")
         self.model_config, self.engine_config = model_config, engine_config
@@ -150,8 +156,12 @@ class BumblebeeEngine(BaseEngine):
                 model, self.mesh, lr=opt.lr, betas=tuple(opt.betas), eps=getattr(opt, "eps", 1e-8),
                 weight_decay=opt.weight_decay, mixed_precision=cfg.mixed_precision,
                 grad_clip=clip, ep_mesh=self.ep_mesh, reshard_after_forward=cfg.reshard_after_forward)
-            self.lr_scheduler = self._build_lr_scheduler(state.optimizer)
+            # verl's own schedule, on a stand-in optimizer: its LR goes to each optim_step(lr=...)
+            self.lr_scheduler = self._build_lr_scheduler(torch.optim.SGD([torch.zeros(1, requires_grad=True)],
+                                                                         lr=opt.lr))
         self.runtime = Runtime(model, state, router_bias_rate=cfg.router_bias_rate)
+        self.to("cpu", model=self.is_param_offload_enabled, optimizer=self.is_optimizer_offload_enabled,
+                grad=self.is_param_offload_enabled)
 
     def _build_lr_scheduler(self, optimizer):
         from verl.utils.torch_functional import get_constant_schedule_with_warmup, get_cosine_schedule_with_warmup
@@ -177,11 +187,11 @@ class BumblebeeEngine(BaseEngine):
     # ---- what verl asks of every engine --------------------------------------------------------------
     @property
     def is_param_offload_enabled(self) -> bool:
-        return False
+        return bool(self.engine_config.param_offload)
 
     @property
     def is_optimizer_offload_enabled(self) -> bool:
-        return False
+        return bool(self.engine_config.optimizer_offload) and not self.engine_config.forward_only
 
     def train_mode(self, **kwargs):
         return _ModeCtx(self, "train", **kwargs)
@@ -202,16 +212,20 @@ class BumblebeeEngine(BaseEngine):
         return self.mesh.get_group()
 
     def to(self, device: str, model: bool = True, optimizer: bool = True, grad: bool = True):
+        """The runtime's per-part move (verl offloads to "cpu" and brings back to its device name;
+        on a machine without CUDA that name is "cuda" for verl, "cpu" here)."""
         super().to(device, model=model, optimizer=optimizer, grad=grad)
-        # no offload is configured (refused in __init__): the state stays where it was built
+        target = "cpu" if device == "cpu" else self.device
+        optimizer = optimizer and self.runtime.state is not None
+        if model or optimizer or grad:
+            self.runtime.to(target, model=model, optimizer=optimizer, grad=grad and self.runtime.state is not None)
 
     def optimizer_zero_grad(self):
-        if self.runtime.state is not None:
-            self.runtime.state.zero_grad()
+        self.runtime.optimizer_zero_grad()
 
     def optimizer_step(self):
-        """The runtime's step; returns the global gradient norm before clipping (verl's contract)."""
-        return float(self.runtime.optim_step()["grad_norm"])
+        """The runtime's step at the schedule's LR; returns the global gradient norm before clipping."""
+        return float(self.runtime.optim_step(lr=self.lr_scheduler.get_last_lr()[0])["grad_norm"])
 
     def lr_scheduler_step(self):
         self.lr_scheduler.step()
@@ -229,57 +243,62 @@ class BumblebeeEngine(BaseEngine):
         micro_batches, indices = prepare_micro_batches(data=data, dp_group=self.get_data_parallel_group(),
                                                        same_micro_num_in_dp=True)
         outputs = []
-        for micro in micro_batches:
-            with torch.no_grad() if forward_only else nullcontext():
-                loss, out = self.forward_step(micro, loss_function, forward_only)
-                if not forward_only:
-                    loss.backward()
-                    if not keep_outputs:
-                        out.pop("model_output", None)
-            outputs.append(out)
+        sync = getattr(self.model, "set_requires_gradient_sync", None) if not forward_only else None
+        try:
+            for i, micro in enumerate(micro_batches):
+                if sync is not None:  # FSDP2: one reduce-scatter, after the last micro-batch
+                    sync(i == len(micro_batches) - 1)
+                out = self.forward_step(micro, loss_function, forward_only)
+                if not forward_only and not keep_outputs:
+                    out.pop("model_output", None)
+                outputs.append(out)
+        finally:
+            if sync is not None:
+                sync(True)
         return postprocess_batch_func(output_lst=outputs, indices=indices, data=data)
 
     def forward_step(self, micro: TensorDict, loss_function, forward_only):
+        """One verl micro-batch through the runtime: {"model_output", "loss", "metrics"}, verl's
+        loss value (its own scale) and metrics."""
         micro = micro.to(self.device)
         batch, offsets = packed_batch(micro)
         entropy = bool(tu.get_non_tensor_data(data=micro, key="calculate_entropy", default=False))
         temperature = temperature_of(micro)
-        found = {}
+        group, dp = self.get_data_parallel_group(), self.get_data_parallel_size()
 
-        def verl_outputs(tok):
-            out = {"log_probs": next_token_aligned(tok.logprobs, offsets)}
-            if tok.entropy is not None:
-                out["entropy"] = next_token_aligned(tok.entropy, offsets)
-            return out
-
-        def loss_in_forward(tok):  # inside the model's forward: FSDP2 holds the head whole here
-            found["model_output"] = verl_outputs(tok)
-            loss, metrics = loss_function(model_output=found["model_output"], data=micro,
-                                          dp_group=self.get_data_parallel_group())
-            found["metrics"] = metrics
-            return loss
+        def verl_outputs(out):
+            got = {"log_probs": next_token_aligned(out["log_probs"], offsets)}
+            if out.get("entropy") is not None:
+                got["entropy"] = next_token_aligned(out["entropy"], offsets)
+            return got
 
         if forward_only:  # no graph; router load counts stay as they were
-            model_output = verl_outputs(self.runtime.forward(batch, temperature=temperature, entropy=entropy))
-            loss, metrics = (loss_function(model_output=model_output, data=micro,
-                                           dp_group=self.get_data_parallel_group())
+            res = self.runtime.forward(batch, temperature=temperature, entropy=entropy)
+            model_output = verl_outputs({"log_probs": res.log_probs, "entropy": res.entropy})
+            loss, metrics = (loss_function(model_output=model_output, data=micro, dp_group=group)
                              if loss_function is not None else (torch.zeros(()), {}))
-        else:
-            # the loss plus any auxiliary term the model's config adds; verl's loss is already scaled
-            # for the ranks' gradient mean (x dp_size), which is what the sharded state averages
-            loss = token_logprobs(self.model, batch, temperature=temperature, entropy=entropy,
-                                  loss_fn=loss_in_forward).loss
-            model_output, metrics = found["model_output"], found["metrics"]
-        return loss, {"model_output": detach_tree(model_output), "loss": float(loss.detach()), "metrics": metrics}
+            return {"model_output": model_output, "loss": float(loss), "metrics": metrics}
+
+        found = {}
+
+        def loss_fn(model_output, data, dp_group):  # inside the model's forward: the head is whole
+            found["model_output"] = verl_outputs(model_output)
+            loss, found["metrics"] = loss_function(model_output=found["model_output"], data=micro, dp_group=group)
+            found["loss"] = float(loss.detach())
+            # verl scales its loss for a gradient mean over ranks (x dp_size); the runtime makes the
+            # gradient the sum of the ranks' losses: undo verl's factor
+            return loss / dp, {}
+
+        self.runtime.forward_backward(batch, loss_fn, temperature=temperature, entropy=entropy)
+        return {"model_output": detach_tree(found["model_output"]), "loss": found["loss"],
+                "metrics": found["metrics"]}
 
     # ---- weights for the rollout -----------------------------------------------------------------------
     def get_per_tensor_param(self, layered_summon=False, base_sync_done=False, **kwargs):
-        """(generator of (HF name, full tensor), None): every rank gathers, each tensor once."""
-        rt = self.runtime
-        full = rt.state.full_state_dict() if rt.state is not None else \
-            {k: v.detach() for k, v in rt.model.state_dict().items()}
-        hf = rt.model.ours_to_hf_state(full) if hasattr(rt.model, "ours_to_hf_state") else full
-        return ((name, t.to(self.device)) for name, t in hf.items()), None
+        """(generator of (HF name, full tensor), None), gathered in buckets: every rank must run it
+        to the end (it holds the gathers)."""
+        export = self.runtime.export_weights(bucket_bytes=self.engine_config.export_bucket_bytes)
+        return ((name, t.to(self.device)) for name, t in export), None
 
     # ---- checkpoints -----------------------------------------------------------------------------------
     def save_checkpoint(self, local_path: str, hdfs_path: Optional[str] = None, global_step: int = 0,
@@ -319,9 +338,6 @@ class BumblebeeEngine(BaseEngine):
         sched = os.path.join(local_path, SCHEDULE_FILE)
         if self.lr_scheduler is not None and os.path.isfile(sched):
             self.lr_scheduler.load_state_dict(torch.load(sched, weights_only=False)["lr_scheduler"])
-            # the schedule's state holds its position, not the optimizer's LR: set that from it
-            for group, lr in zip(self.lr_scheduler.optimizer.param_groups, self.lr_scheduler.get_last_lr()):
-                group["lr"] = lr
         dist.barrier()
         if fetched and del_local_after_load and dist.get_rank() == 0:
             shutil.rmtree(local_path, ignore_errors=True)

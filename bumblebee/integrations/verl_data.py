@@ -34,7 +34,11 @@ def packed_batch(data) -> tuple[Batch, torch.Tensor]:
             raise ValueError("data['position_ids'] is 3-D (multimodal rope): the bumblebee engine serves "
                              "text models only")
         pos = _nested(data, "position_ids").values().unsqueeze(0).long()
-    batch = Batch(ids.values().unsqueeze(0).long(), cu_seqlens=offsets.to(torch.int64), position_ids=pos)
+    routed = data.get("routed_experts", None)  # the rollout's expert choices [bsz, j1, layers, k], replayed
+    if routed is not None:
+        routed = _nested(data, "routed_experts").values().unsqueeze(0).long()
+    batch = Batch(ids.values().unsqueeze(0).long(), cu_seqlens=offsets.to(torch.int64), position_ids=pos,
+                  routed_experts=routed)
     return batch, offsets
 
 
@@ -56,5 +60,8 @@ def temperature_of(data) -> float:
 def next_token_aligned(token_aligned_1N: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """The runtime's [1, N] token-aligned values as verl's jagged [bsz, j1] next-token-aligned ones
     (differentiable): entry t moves to t - 1; each sample's last entry is 0 (it has no next token)."""
+    if token_aligned_1N.shape != (1, int(offsets[-1])):
+        raise ValueError(f"expected the packed [1, {int(offsets[-1])}] values of the micro-batch, got "
+                         f"{tuple(token_aligned_1N.shape)}")
     shifted = F.pad(token_aligned_1N[0, 1:], (0, 1))  # the next sample's first entry is 0: no leak
     return torch.nested.nested_tensor_from_jagged(shifted, offsets.to(shifted.device))
