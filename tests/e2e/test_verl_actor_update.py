@@ -164,3 +164,22 @@ def test_every_shipped_family_trains_through_the_engine(tmp_path):
             torch.testing.assert_close(r["lp"][i, :n], want, rtol=1e-5, atol=1e-5, msg=f"{name} sample {i}")
         assert 0 < r["grad_norm"] < float("inf"), name
         assert r["moved"] > 0.9, name
+
+
+def test_actor_config_builds_from_a_trainer_config():
+    """verl's trainer turns YAML into dataclasses through `_target_`: the actor config with the
+    engine options under `bumblebee` comes out typed, its engine the bumblebee one."""
+    from omegaconf import OmegaConf
+    from verl.utils.config import omega_conf_to_dataclass
+
+    from bumblebee.integrations.verl import BumblebeeActorConfig, BumblebeeEngineConfig
+    cfg = OmegaConf.create({
+        "_target_": "bumblebee.integrations.verl.BumblebeeActorConfig", "rollout_n": 1,
+        "ppo_micro_batch_size_per_gpu": 2, "optim": {"_target_": "verl.workers.config.FSDPOptimizerConfig", "lr": 1e-6},
+        "bumblebee": {"_target_": "bumblebee.integrations.verl.BumblebeeEngineConfig", "ep_size": 2,
+                      "impl": {"cross_entropy": "linear_ce"}}})
+    actor = omega_conf_to_dataclass(cfg)
+    assert isinstance(actor, BumblebeeActorConfig) and isinstance(actor.engine, BumblebeeEngineConfig)
+    assert actor.strategy == actor.engine.strategy == "bumblebee" and actor.engine.ep_size == 2
+    with pytest.raises(ValueError, match="state_sharding must be"):
+        BumblebeeEngineConfig(state_sharding="ddp")
