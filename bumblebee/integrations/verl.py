@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -220,6 +221,21 @@ class BumblebeeEngine(BaseEngine):
         if model or optimizer or grad:
             self.runtime.to(target, model=model, optimizer=optimizer, grad=grad and self.runtime.state is not None)
 
+    @contextmanager
+    def _resident(self):
+        """Within: every part on the engine's device (collectives and exports need them together);
+        offloaded parts go back to the CPU after."""
+        off = self.device.type != "cpu" and (self.is_param_offload_enabled or self.is_optimizer_offload_enabled)
+        if off:
+            self.runtime.to(self.device, optimizer=self.runtime.state is not None,
+                            grad=self.runtime.state is not None)
+        try:
+            yield
+        finally:
+            if off:
+                self.to("cpu", model=self.is_param_offload_enabled, optimizer=self.is_optimizer_offload_enabled,
+                        grad=self.is_param_offload_enabled)
+
     def optimizer_zero_grad(self):
         self.runtime.optimizer_zero_grad()
 
@@ -297,8 +313,11 @@ class BumblebeeEngine(BaseEngine):
     def get_per_tensor_param(self, layered_summon=False, base_sync_done=False, **kwargs):
         """(generator of (HF name, full tensor), None), gathered in buckets: every rank must run it
         to the end (it holds the gathers)."""
-        export = self.runtime.export_weights(bucket_bytes=self.engine_config.export_bucket_bytes)
-        return ((name, t.to(self.device)) for name, t in export), None
+        def tensors():
+            with self._resident():
+                for name, t in self.runtime.export_weights(bucket_bytes=self.engine_config.export_bucket_bytes):
+                    yield name, t.to(self.device)
+        return tensors(), None
 
     # ---- checkpoints -----------------------------------------------------------------------------------
     def save_checkpoint(self, local_path: str, hdfs_path: Optional[str] = None, global_step: int = 0,
@@ -306,13 +325,14 @@ class BumblebeeEngine(BaseEngine):
         """The runtime's DCP state (model, optimizer, router biases) and the LR schedule into
         `local_path`; HF weights under `local_path/huggingface` when save_contents has "hf_model"."""
         rt = self.runtime
-        rt.save_state(local_path)
+        with self._resident():
+            rt.save_state(local_path)
+            if "hf_model" in (getattr(self.checkpoint_config, "save_contents", None) or ()):
+                rt.save_weights(os.path.join(local_path, "huggingface"))
         if dist.get_rank() == 0:
             tmp = os.path.join(local_path, f".{SCHEDULE_FILE}.tmp")
             torch.save({"lr_scheduler": self.lr_scheduler.state_dict(), "global_step": int(global_step)}, tmp)
             os.replace(tmp, os.path.join(local_path, SCHEDULE_FILE))
-        if "hf_model" in (getattr(self.checkpoint_config, "save_contents", None) or ()):
-            rt.save_weights(os.path.join(local_path, "huggingface"))
         dist.barrier()
         if hdfs_path is not None and dist.get_rank() == 0:
             from verl.utils import hdfs_io
@@ -334,7 +354,8 @@ class BumblebeeEngine(BaseEngine):
         if hdfs_path is not None and (local_path is None or not os.path.isdir(local_path)):
             from verl.utils.fs import copy_to_local
             local_path, fetched = copy_to_local(hdfs_path), True
-        self.runtime.load_state(local_path)
+        with self._resident():
+            self.runtime.load_state(local_path)
         sched = os.path.join(local_path, SCHEDULE_FILE)
         if self.lr_scheduler is not None and os.path.isfile(sched):
             self.lr_scheduler.load_state_dict(torch.load(sched, weights_only=False)["lr_scheduler"])

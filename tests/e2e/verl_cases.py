@@ -80,9 +80,9 @@ def to_verl(batch: dict, **extra) -> TensorDict:
     from verl.utils import tensordict_utils as tu
     from verl.workers.utils.padding import left_right_2_no_padding
     td = left_right_2_no_padding(DataProto.from_single_dict(dict(batch)).to_tensordict())
-    tu.assign_non_tensor(td, temperature=1.0, global_batch_size=td.shape[0], use_dynamic_bsz=False,
-                         micro_batch_size_per_gpu=ACTOR["ppo_micro_batch_size_per_gpu"], use_remove_padding=True,
-                         **extra)
+    keys = dict(temperature=1.0, global_batch_size=td.shape[0], use_dynamic_bsz=False,
+                micro_batch_size_per_gpu=ACTOR["ppo_micro_batch_size_per_gpu"], use_remove_padding=True)
+    tu.assign_non_tensor(td, **{**keys, **extra})
     return td
 
 
@@ -91,7 +91,7 @@ def response_values(engine, td: TensorDict) -> torch.Tensor:
     from verl.workers.utils.padding import no_padding_2_padding
     with engine.eval_mode():
         out = engine.infer_batch(td)
-    return no_padding_2_padding(out["model_output"]["log_probs"], td)
+    return no_padding_2_padding(out["model_output"]["log_probs"].cpu(), td)
 
 
 def prepare(engine, batch: dict, *, shift_seed: int, rows: slice = slice(None)) -> TensorDict:
