@@ -141,8 +141,6 @@ class ChunkedGatedDeltaNet(nn.Module):
     """Gated DeltaNet in torch: F.conv1d causal conv, chunked gated delta rule in fp32 (chunk 64)."""
 
     chunk_size = 64
-    causal_conv = staticmethod(causal_conv1d_silu)  # the primitive's CPU path calls these two
-    gated_delta_rule = staticmethod(chunked_gated_delta_rule)
 
     def __init__(self, hidden_size, num_k_heads, num_v_heads, head_k_dim, head_v_dim, *, conv_kernel_size=4,
                  eps=1e-6):

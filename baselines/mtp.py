@@ -21,6 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from bumblebee.checks import check_mtp_inputs
+from bumblebee.norms import to_acc
 from bumblebee.registry import register
 
 
@@ -56,7 +57,7 @@ class MaterializedMTP(nn.Module):
         for k, layer in enumerate(self.layers, start=1):
             emb_k = torch.cat([emb[:, k:], emb[:, -1:].expand(B, k, W)], dim=1)  # the tail is masked below
             h = layer(emb_k, h, run_block)
-            logits = F.linear(layer.head_norm(h), head_weight).float()
+            logits = to_acc(F.linear(layer.head_norm(h), head_weight))  # fp32 (a float64 reference stays float64)
             target = shifted_labels(labels_BT, k + 1, segment_ids_BT, self.ignore_index).reshape(-1)
             total = F.cross_entropy(logits.reshape(B * T, -1), target, ignore_index=self.ignore_index,
                                     reduction="sum")

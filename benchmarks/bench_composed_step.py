@@ -155,9 +155,8 @@ def main() -> None:
     ep_mesh = init_device_mesh(device.type, (world // ep, ep), mesh_dim_names=("efsdp", "ep"))
     rate = matmul_tflops(device=device) if device.type == "cuda" else None
 
-    from bumblebee import registry, switches
+    from bumblebee import registry
     from bumblebee.models import moe
-    from bumblebee.primitives import moe_dispatch
     model, hf = build_on_device(name, args.layers, impl, device)
     n_params = sum(p.numel() for p in model.parameters())
     flops = {s: forward_flops_per_token(model, hf, s) for s in lens}
@@ -171,7 +170,7 @@ def main() -> None:
         "torch": torch.__version__, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "model": name, "layers": args.layers, "layer_types": list(model.config.layer_types), "params": n_params,
         "impl": {**impl, "state_sharding": "fsdp2", "recompute": "full", "mixed_precision": mixed,
-                 "moe_fused_recompute": switches.is_on("FUSED_RECOMPUTE", moe_dispatch.FUSED_RECOMPUTE)},
+                 "moe_fused_recompute": model.impl_configs().get("moe_dispatch", {}).get("fused_recompute", False)},
         "allocator": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"), "matmul_tflops_bf16_8192": rate,
         "iterations": {"warmup": args.warmup, "timed": args.steps, "statistic": "median, slowest rank"},
         "rows": [],

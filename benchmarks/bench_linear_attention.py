@@ -174,7 +174,7 @@ def test_decoder_group_step(benchmark, impl, T):
 
 
 def fla_backward_info():
-    """Which gated backward the primitive runs here (fla's own, ours inside fla's, or the twin's math)."""
+    """Which gated backward the primitive runs here (fla's own, ours inside fla's, or fla's algorithm in torch)."""
     from bumblebee.primitives import linear_attention as la
 
     ops = la.fla_ops()

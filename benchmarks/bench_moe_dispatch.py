@@ -26,7 +26,6 @@ Writes DIR/moe_dispatch.json, DIR/moe_dispatch_trace.png (and the raw chrome tra
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import json
 import os
@@ -39,7 +38,8 @@ import torch.distributed as dist
 
 from bumblebee import registry
 from bumblebee.models.moe import GroupedExperts
-from bumblebee.primitives import moe_dispatch as moe_dispatch_primitive
+from bumblebee import options
+from bumblebee.primitives.moe_dispatch_options import AUTO_CHUNKS, AUTO_MIN_TOKENS, ChunkedDispatch
 
 D, E, K, I = 2048, 256, 8, 512
 TOKENS = [4096, 8192, 16384, 24576, 32768, 65536]
@@ -82,15 +82,9 @@ def chunk_configs():
     return out + [(f"{spec_name(c)}_sm{sm}", c, sm) for sm in CARVEOUTS for c in CARVEOUT_CHUNKS]
 
 
-@contextlib.contextmanager
-def carveout(sm):
-    """The primitive's SM_CARVEOUT set to sm for the block (None: leave the default)."""
-    prev = moe_dispatch_primitive.SM_CARVEOUT
-    moe_dispatch_primitive.SM_CARVEOUT = prev if sm is None else sm
-    try:
-        yield
-    finally:
-        moe_dispatch_primitive.SM_CARVEOUT = prev
+def chunked(sm):
+    """The primitive with `sm_carveout=sm` (None: its default)."""
+    return ChunkedDispatch() if sm is None else ChunkedDispatch(sm_carveout=sm)
 
 
 def timed(step, group):
@@ -104,9 +98,8 @@ def interleaved(steps: dict, group, rounds: int) -> dict:
     times = {name: [] for name in steps}
     per_round = -(-ITERS // rounds)
     for r in range(rounds):
-        for name, (step, sm) in steps.items():
-            with carveout(sm):
-                times[name] += step_times(step, group, WARMUP if r == 0 else 1, per_round)
+        for name, step in steps.items():
+            times[name] += step_times(step, group, WARMUP if r == 0 else 1, per_round)
     return {name: statistics.median(t) for name, t in times.items()}
 
 
@@ -338,15 +331,14 @@ def main():
         x, w, idx = inputs(N, rank, device)
         row = {"tokens_per_rank": N, "ep": EP}
         row["all_to_all_alone_ms"] = timed(a2a_alone(x, idx, group, EP), group)
-        steps = {"twin_ms": (layer_step("all_to_all", x, w, idx, experts), None)}
-        steps.update({f"chunked_{name}_ms": (layer_step("chunked", x, w, idx, experts, chunks=c), sm)
+        steps = {"twin_ms": layer_step("all_to_all", x, w, idx, experts)}
+        steps.update({f"chunked_{name}_ms": layer_step(chunked(sm), x, w, idx, experts, chunks=c)
                       for name, c, sm in chunk_configs()})
         if args.rounds > 1:
             row.update(interleaved(steps, group, args.rounds))
         else:  # one after the other, each WARMUP + ITERS calls
-            for key, (step, sm) in steps.items():
-                with carveout(sm):
-                    row[key] = timed(step, group)
+            for key, step in steps.items():
+                row[key] = timed(step, group)
         names = [name for name, _, _ in chunk_configs()]
         row["best_chunks"] = min(names, key=lambda n: row[f"chunked_{n}_ms"])
         row["speedup_pct"] = {n: 100 * (row["twin_ms"] / row[f"chunked_{n}_ms"] - 1) for n in names}
@@ -389,11 +381,8 @@ def main():
             "cuda_device_max_connections": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"),
             "nccl_high_priority_stream": not args.nccl_normal_priority,
             "nccl_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("NCCL_")},
-            "chunked_fused_permute": moe_dispatch_primitive.FUSED_PERMUTE,
-            "chunked_sm_carveout_default": moe_dispatch_primitive.SM_CARVEOUT,
-            "chunked_default": {"chunks": moe_dispatch_primitive.DEFAULT_CHUNKS,
-                                "auto_chunks": moe_dispatch_primitive.AUTO_CHUNKS,
-                                "auto_min_tokens": moe_dispatch_primitive.AUTO_MIN_TOKENS},
+            "chunked_config": options.record(ChunkedDispatch()),
+            "auto_chunks": AUTO_CHUNKS, "auto_min_tokens_by_ep": AUTO_MIN_TOKENS,
             "shape": {"hidden": D, "experts": E, "experts_per_rank": E // EP, "top_k": K, "expert_width": I,
                       "dtype": "bfloat16", "routing": "uniform random top-8"},
             "iterations": {"warmup": WARMUP, "timed": ITERS, "statistic": "median", "rounds": args.rounds},
@@ -429,11 +418,10 @@ def smoke():
                "twin": timed(layer_step("all_to_all", x, w, idx, experts), group),
                "c2_recompute": timed(layer_step("chunked", x, w, idx, experts, chunks=2, recompute=True), group)}
         for name, c, sm in chunk_configs():
-            with carveout(sm):
-                row[name] = timed(layer_step("chunked", x, w, idx, experts, chunks=c), group)
+            row[name] = timed(layer_step(chunked(sm), x, w, idx, experts, chunks=c), group)
         row.update({f"interleaved_{k}": v for k, v in interleaved(  # the --rounds path
-            {"twin": (layer_step("all_to_all", x, w, idx, experts), None),
-             "c1": (layer_step("chunked", x, w, idx, experts, chunks=1), None)}, group, 2).items()})
+            {"twin": layer_step("all_to_all", x, w, idx, experts),
+             "c1": layer_step("chunked", x, w, idx, experts, chunks=1)}, group, 2).items()})
         step, why = megatron_step(x, w, idx, experts, group, rank, EP)
         row["megatron"] = timed(step, group) if step is not None else why
         if rank == 0:

@@ -1,9 +1,9 @@
 """Probe: one MoE layer (bench_moe_dispatch.py's) forward+backward under full recompute, the chunked
 primitive's fused recompute (`bumblebee.recompute` contexts: the recompute skips fc2, the combine
 and the un-permute) against the plain torch checkpoint, the layer without recompute, and the twin
-under checkpoint; default chunking, rows timed alternately. `fused_recompute_torch_weighting`: the
-fused recompute with the expert-side weighting (w du, rowsum(du a), w a) as torch ops instead of
-inside the fused SwiGLU backward kernel. Also the bf16 relative difference of the fused recompute's
+under checkpoint; default chunking, rows timed alternately. `fused_recompute_torch_swiglu`: the
+fused recompute with the SwiGLU and the expert-side weighting (w du, rowsum(du a), w a) as torch ops
+(`fused_swiglu=false`) instead of the fused SwiGLU kernels. Also the bf16 relative difference of the fused recompute's
 output and gradients against the plain checkpoint's. One JSON line per size.
 
     torchrun --nproc_per_node 2 benchmarks/probe_fused_recompute.py
@@ -19,18 +19,12 @@ from bench_moe_dispatch import E, inputs, step_times
 from probe_auto_chunks import setup
 from torch.utils.checkpoint import checkpoint
 
-from bumblebee import recompute, registry
-from bumblebee.primitives import moe_dispatch as chunked_mod
+from bumblebee import options, recompute, registry
 
 ROWS = {"no_recompute": ("chunked", None), "checkpoint": ("chunked", {}),
         "fused_recompute": ("chunked", {"context_fn": recompute.contexts}),
-        "fused_recompute_torch_weighting": ("chunked", {"context_fn": recompute.contexts}),
+        "fused_recompute_torch_swiglu": ("chunked:fused_swiglu=false", {"context_fn": recompute.contexts}),
         "twin_checkpoint": ("all_to_all", {})}
-_SWIGLU_FNS = chunked_mod._swiglu_fns
-
-
-def _torch_weighting(t):
-    return _SWIGLU_FNS(t)[:2] + (None,)
 
 
 def step(name, x, w, idx, experts, g_out):
@@ -38,7 +32,6 @@ def step(name, x, w, idx, experts, g_out):
     fn = registry.resolve("moe_dispatch", impl)
 
     def run():
-        chunked_mod._swiglu_fns = _torch_weighting if name.endswith("torch_weighting") else _SWIGLU_FNS
         xs, ws = x.detach().requires_grad_(), w.detach().requires_grad_()
         f = lambda a, b: fn(a, b, idx, experts, E)  # noqa: E731
         y = f(xs, ws) if ckpt is None else checkpoint(f, xs, ws, use_reentrant=False, **ckpt)
@@ -65,7 +58,7 @@ def main():
             print(json.dumps({"tokens_per_rank": N, "ep": dist.get_world_size(),
                               "median_ms": {k: round(statistics.median(v), 3) for k, v in ms.items()},
                               "fused_vs_checkpoint_rel_err_bf16": err,
-                              "weighting_in_swiglu_kernel": _SWIGLU_FNS(x)[2] is not None}), flush=True)
+                              "config": options.record(registry.choose("moe_dispatch", "chunked")[1])}), flush=True)
     dist.destroy_process_group()
 
 

@@ -60,8 +60,9 @@ PAIR_EPILOG = """example:
 exit status:
   0  the two sides were compared (read the differences: pair does not judge them)
   2  refused before running: an unknown name, a slot the model does not use, a bad argument
-  3  both sides ran the same code (a primitive whose kernels cannot run on this device runs its
-     twin's), so nothing was compared; the report is still printed (and written)
+  3  both sides ran the same code (one implementation twice, or two options of a primitive whose
+     kernels cannot run on this device, both on its torch path), so nothing was compared; the
+     report is still printed (and written)
 
 skills/pairing/SKILL.md says how to read the report."""
 

@@ -87,7 +87,10 @@ class Parallel:
     device: str = "cuda"          # "cuda": AdamW fused (or foreach, see adamw); "cpu": its per-tensor path
     adamw: str = "fused"          # on CUDA: "fused" (the state-sharding twins' optimizer: no temporaries)
                                   # or "foreach" (torch's default; results measured before fused AdamW)
-    moe_fused_recompute: bool = True  # the chunked dispatch's FUSED_RECOMPUTE under the models' recompute
+    moe_fused_recompute: bool = True  # ChunkedDispatch.fused_recompute under the models' recompute
+    moe_dispatch: str = "chunked"  # at EP = 1: "chunked" (its grouped path under the fused recompute) or
+                                   # "local" (the twin's rows; also runs measured before that path)
+    moe_group_rows: int = 65536    # ChunkedDispatch.group_rows
 
 
 @dataclass
@@ -258,11 +261,21 @@ def _hybrid_layer(cfg, layer_type: str, b: int, dispatch: tuple[int, int], recom
 
 def _chunk_spec(n_tok: int, ep: int) -> tuple:
     """Relative chunk sizes the chunked dispatch uses at n_tok tokens per rank (its default)."""
-    from bumblebee.primitives import moe_dispatch as md  # lazy, like the models
-    chunks = md.DEFAULT_CHUNKS
-    if chunks == "auto":
-        return md.AUTO_CHUNKS if n_tok >= md.by_ep(md.AUTO_MIN_TOKENS, ep) else (1,)
-    return (1,) * chunks if isinstance(chunks, int) else tuple(chunks)
+    from bumblebee.primitives import moe_dispatch_options as mo  # lazy, like the models
+    config = mo.ChunkedDispatch()
+    spec, auto = mo.chunk_spec(config.chunks)
+    return spec if not auto or n_tok >= mo.min_tokens(config, ep) else (1,)
+
+
+def _grouped_dispatch(cfg, n_tok: int, b: int, group_rows: int) -> tuple[int, int]:
+    """(saved, backward) bytes per token of primitives/moe_dispatch_local.py (one rank under the fused
+    recompute). Saved: the int64 order and inverse and the [E] counts, nothing per routed row. Backward:
+    the [M, D] dx buffer, fp32 sorted weights and gw, the int64 token ids, the [N, D] input gradient,
+    and one expert group's rows at once: x, fc1's h [2I], g, the fc2 dgrad [I], w a [I], dh [2I], dx."""
+    d, i, k = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok
+    rows = min(k * n_tok, group_rows + k * n_tok // max(1, _num_experts(cfg)))  # an expert is never split
+    group = rows * b * (3 * d + 6 * i) // max(1, n_tok)
+    return 16 * k, k * (b * d + 16) + 8 * k + b * d + group
 
 
 def _chunked_dispatch(cfg, n_tok: int, b: int, ep: int, fused: bool = False) -> tuple[int, int, bool]:
@@ -512,7 +525,9 @@ def _activation_terms(est: Estimate, cfg, g: dict, par: Parallel, b: int, mtp: b
     n_tok, d, ep = par.micro_batch * par.seq_len, cfg.hidden_size, par.ep
     family = _family(cfg)
     dispatch, wgrad_extra = (0, 0), 0
-    if _num_experts(cfg) and ep > 1:  # the chunked expert-parallel primitive
+    if _num_experts(cfg) and ep == 1 and par.moe_dispatch == "chunked" and par.recompute and par.moe_fused_recompute:
+        dispatch = _grouped_dispatch(cfg, n_tok, b, par.moe_group_rows)
+    elif _num_experts(cfg) and ep > 1:  # the chunked expert-parallel primitive
         saved_d, bwd_d, chunked = _chunked_dispatch(cfg, n_tok, b, ep, par.recompute and par.moe_fused_recompute)
         dispatch = (saved_d, bwd_d)
         # several chunks: one more expert-weight-sized bf16 wgrad before its add

@@ -1,9 +1,9 @@
 """The pairing harness: one model, one slot, two implementations, identical weights and batches.
 
 Each side runs alone (the other is not resident), so peak memory and step time are its own. The
-report says which code each side ran: a primitive whose kernels cannot run on the device runs its
-twin's code there, and a pair whose two sides ran the same code has status "same_code" (nothing was
-compared; the CLI exits with SAME_CODE_EXIT).
+report says which code each side ran and, for a primitive whose kernels cannot run on the device,
+that its torch path of their algorithm ran (never its twin's code); a pair whose two sides ran the
+same code has status "same_code" (nothing was compared; the CLI exits with SAME_CODE_EXIT).
 """
 from __future__ import annotations
 
@@ -70,8 +70,8 @@ def pair(model: str = "qwen3-tiny", slot: str = "attention", a: str = "sdpa", b:
     torch.manual_seed(seed)
     rec_b = _run(model_b.to(device), batches, device, lr, f"{slot}={b}")
     configs["b"] = model_b.impl_configs()
-    # two configs of one implementation run different code (e.g. linear_ce's two paths), unless a
-    # side ran its twin's code instead
+    # two configs of one implementation run different code (e.g. linear_ce's two paths), unless its
+    # kernels did not run (both then ran its torch path)
     same = ran["a"]["code"] == ran["b"]["code"] and (
         ran["a"]["note"] or ran["b"]["note"] or configs["a"][slot] == configs["b"][slot])
     skipped = min(warmup, steps - 1)  # a single step is timed although it is the warm-up: the report says so
@@ -105,7 +105,8 @@ def format_report(r: dict) -> str:
     lines = [f"pair {r['model']}  slot={r['slot']}  a={opts['a']}  b={opts['b']}  device={r['device']}"]
     for side in "ab":
         code, note = r["ran"][side]["code"], r["ran"][side]["note"]
-        lines.append(f"  {side}={opts[side]} ran " + ("its own code" if code == r[side] else f"{code}'s code: {note}"))
+        lines.append(f"  {side}={opts[side]} ran " + ("its own code" if code == r[side] else f"{code}'s code")
+                     + (f" ({note})" if note else ""))
     if r["status"] == "same_code":
         lines.append(f"SAME CODE: both sides ran {r['ran']['a']['code']}'s code on {r['device']}; the agreement "
                      f"below tests nothing (exit status {SAME_CODE_EXIT})")

@@ -30,8 +30,9 @@ class Impl:
     twin: str | None  # the other implementation this one is checked against
     skill: str  # path of the SKILL.md, relative to the repository root
     summary: str = ""
-    # falls_back(device, dtype) -> why a training step there runs the twin's code instead of this
-    # implementation's own, or None; set by the primitives whose kernels need a device
+    # falls_back(device, dtype) -> why a training step there runs the primitive's torch path of its
+    # kernels' algorithm instead of the kernels, or None; set by the primitives whose kernels need a
+    # device (a primitive never runs its twin's code: the contract would compare the twin with itself)
     falls_back: Callable | None = None
     config: type | None = None  # its options (a frozen dataclass), or None: it has none
 
@@ -43,9 +44,9 @@ _loaded = False
 
 def register(slot: str, name: str, *, kind: str, twin: str | None = None, default: bool = False,
              falls_back: Callable | None = None, config: type | None = None) -> Callable:
-    """Decorator: `@register("attention", "sdpa", kind="primitive", twin="eager")`. A primitive that
-    runs its twin's code on some devices says so through `falls_back(device, dtype) -> reason | None`
-    (see `code_on`). With `config=Cls`, the decorated function takes a Cls instance as its first
+    """Decorator: `@register("attention", "sdpa", kind="primitive", twin="eager")`. A primitive whose
+    kernels do not run on some devices (its torch path of the same algorithm runs there) says so
+    through `falls_back(device, dtype) -> reason | None` (see `code_on`). With `config=Cls`, the decorated function takes a Cls instance as its first
     argument, and `resolve` returns it bound to the chosen one (`options.Bound`)."""
     if kind not in ("primitive", "baseline"):
         raise ValueError(f"kind must be 'primitive' or 'baseline', got {kind!r}")
@@ -103,11 +104,12 @@ def get(slot: str, name=None) -> Impl:
 
 
 def code_on(slot: str, name: str, device, dtype) -> tuple[str, str | None]:
-    """(the implementation whose code a training step of `name` runs on `device` in `dtype`, why
-    when that is not `name`'s own: a primitive whose kernels cannot run there runs its twin's code)."""
+    """(the implementation whose code a training step of `name` runs on `device` in `dtype`: always
+    its own, why its kernels do not run there or None: a primitive then runs its torch path of the
+    kernels' algorithm, never its twin's code)."""
     impl = get(slot, name)
     why = impl.falls_back(torch.device(device), dtype) if impl.falls_back is not None else None
-    return (impl.twin, why) if why else (impl.name, None)
+    return impl.name, why
 
 
 def choose(slot: str, choice=None) -> tuple[Impl, Any]:

@@ -7,8 +7,8 @@ groups, their weights from the unbiased scores (renormalized with a 1e-20 guard,
 factor), and the per-expert token counts. The grid is persistent: each program walks blocks of
 BLOCK_T tokens and adds its counts to the output with one vector atomic at the end.
 
-`aux_free_topk_torch` is the same algorithm in torch (the CPU path, and replay: given experts,
-weights recomputed with autograd).
+`aux_free_topk_torch` is the same algorithm in torch, block by block (the primitive's path where
+Triton does not run): the same reductions in the same order, not the reference's topk calls.
 
 Shape legend: T tokens, E experts, K experts per token, G groups.
 """
@@ -124,24 +124,59 @@ def aux_free_topk_fwd(logits_TE: torch.Tensor, bias_E: torch.Tensor, top_k: int,
     return weights, indices, counts.long()
 
 
-def aux_free_topk_torch(logits_TE, bias_E, top_k, n_group, topk_group, scaling_factor=1.0, norm_topk_prob=True,
-                        routed_experts=None):
-    """(weights [T, K] fp32 (fp64 for fp64 logits), indices [T, K] int64, counts [E] int64) in torch."""
+def _argmax_lowest(x_TN):
+    """Index of each row's maximum, the lowest one on ties: the kernel's max-then-min-index reduction."""
+    cols = torch.arange(x_TN.shape[1], device=x_TN.device)
+    m = x_TN.max(dim=1, keepdim=True).values
+    return torch.where(x_TN == m, cols, x_TN.shape[1]).min(dim=1).values
+
+
+def _aux_free_topk_block(x_TE, bias_E, top_k, n_group, topk_group):
+    """One block of tokens as `_aux_free_topk_kernel` walks it: (unbiased scores [T, E], indices [T, K])."""
+    T, E = x_TE.shape
+    rows = torch.arange(T, device=x_TE.device)[:, None]
+    s_TE = torch.sigmoid(x_TE)
+    b_TE = s_TE + bias_E
+    if n_group > 1:  # group score: the top biased score plus the top one left once its argmax is dropped
+        b3 = b_TE.reshape(T, n_group, E // n_group)
+        i1 = _argmax_lowest(b3.reshape(T * n_group, -1)).reshape(T, n_group, 1)
+        m1 = b3.gather(2, i1)
+        m2 = b3.scatter(2, i1, float("-inf")).max(dim=2, keepdim=True).values
+        gscore_TG = (m1 + m2)[..., 0]
+        keep_TG = torch.zeros_like(gscore_TG, dtype=torch.bool)
+        for _ in range(topk_group):  # the kept groups one at a time, as the kernel's loop
+            gi = _argmax_lowest(gscore_TG)[:, None]
+            keep_TG[rows, gi] = True
+            gscore_TG[rows, gi] = float("-inf")
+        b_TE = b_TE.masked_fill(~keep_TG.repeat_interleave(E // n_group, dim=1), float("-inf"))
+    indices_TK = torch.empty(T, top_k, dtype=torch.int64, device=x_TE.device)
+    for j in range(top_k):  # the experts one at a time, best biased score first
+        idx = _argmax_lowest(b_TE)[:, None]
+        indices_TK[:, j:j + 1] = idx
+        b_TE[rows, idx] = float("-inf")
+    return s_TE, indices_TK
+
+
+def aux_free_topk_torch(logits_TE: torch.Tensor, bias_E: torch.Tensor, top_k: int, n_group: int,
+                        topk_group: int, scaling_factor: float = 1.0, norm_topk_prob: bool = True,
+                        block_t: int = 16):
+    """The kernel's algorithm in torch, block by block of `block_t` tokens (iterative arg-max selection,
+    lowest index on ties, counts summed per block): the same outputs as `aux_free_topk_fwd`, fp32
+    (fp64 logits stay fp64). No autograd: the caller recomputes the weights' gradient."""
     T, E = logits_TE.shape
-    scores_TE = torch.sigmoid(logits_TE.to(torch.promote_types(logits_TE.dtype, torch.float32)))
-    if routed_experts is None:
-        with torch.no_grad():
-            biased_TE = scores_TE + bias_E.to(scores_TE.dtype)
-            if n_group > 1:
-                group_TG = biased_TE.view(T, n_group, E // n_group).topk(2, dim=-1)[0].sum(dim=-1)
-                drop_TG = torch.ones_like(group_TG, dtype=torch.bool)
-                drop_TG.scatter_(1, group_TG.topk(topk_group, dim=-1)[1], False)
-                biased_TE = biased_TE.masked_fill(drop_TG.repeat_interleave(E // n_group, dim=1), float("-inf"))
-            indices_TK = biased_TE.topk(top_k, dim=-1)[1]
-    else:
-        indices_TK = routed_experts.long()
-    weights_TK = scores_TE.gather(1, indices_TK)
-    if norm_topk_prob:
-        weights_TK = weights_TK / (weights_TK.sum(dim=-1, keepdim=True) + 1e-20)
-    counts_E = torch.bincount(indices_TK.reshape(-1), minlength=E)
-    return weights_TK * scaling_factor, indices_TK, counts_E
+    acc = torch.promote_types(logits_TE.dtype, torch.float32)
+    weights = torch.empty(T, top_k, dtype=acc, device=logits_TE.device)
+    indices = torch.empty(T, top_k, dtype=torch.int64, device=logits_TE.device)
+    counts = torch.zeros(E, dtype=torch.int64, device=logits_TE.device)
+    bias_E = bias_E.detach().to(acc)
+    with torch.no_grad():
+        for a in range(0, T, block_t):
+            s_TE, i_TK = _aux_free_topk_block(logits_TE[a:a + block_t].detach().to(acc), bias_E, top_k, n_group,
+                                              topk_group)
+            w_TK = s_TE.gather(1, i_TK)
+            if norm_topk_prob:
+                w_TK = w_TK / (w_TK.sum(dim=1, keepdim=True) + 1e-20)
+            weights[a:a + block_t] = w_TK * scaling_factor
+            indices[a:a + block_t] = i_TK
+            counts += torch.bincount(i_TK.reshape(-1), minlength=E)
+    return weights, indices, counts

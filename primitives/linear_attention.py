@@ -6,7 +6,9 @@ Triton, SiLU fused, packed sequences through `cu_seqlens`) and its chunked gated
 (`chunk_gated_delta_rule`: WY/UT representation, q/k l2-norm in the kernel, key heads shared by
 value heads without a repeated copy, fp32 state, packed sequences). fla is imported on first use;
 its kernels cannot run on a CPU (they ask for a GPU driver even under the Triton interpreter), so
-off CUDA, or where fla is not installed, the layer runs the twin's torch math.
+off CUDA, or where fla is not installed, the layer runs fla's algorithm written in torch
+(`bumblebee.primitives.linear_attention_torch`: the same chunking, triangular solve by 16 x 16
+blocks, state scan and output pass), never the twin's code.
 
 fla 0.6 refuses its gated backward on Hopper with Triton in [3.4, 3.7.1): one of its kernels
 (`chunk_bwd_dqkwg`) is miscompiled there. On first use the primitive then installs
@@ -28,7 +30,8 @@ import torch.nn.functional as F
 
 from bumblebee.checks import check_cu_seqlens, check_gdn_config
 from bumblebee.norms import GatedRMSNorm, to_acc
-from bumblebee.registry import register, resolve
+from bumblebee.primitives.linear_attention_torch import causal_conv1d_silu_taps, chunk_gated_delta_rule_torch
+from bumblebee.registry import register
 
 
 DQKWG_HOOK = None  # how fla's gated chunk_bwd_dqkwg reaches kernels/gdn_backward.py, once installed
@@ -89,7 +92,7 @@ def fla_ops():
     if fla_refuses_gated_backward() and DQKWG_HOOK is None:
         try:
             DQKWG_HOOK = _install_dqkwg()
-        except Exception as e:  # an fla whose internals moved: train on the twin's math (fla_backward_ok)
+        except Exception as e:  # an fla whose internals moved: train on the torch path (fla_backward_ok)
             warnings.warn(f"could not install the gated DeltaNet dq/dk/dw/dg kernel into fla: {e!r}")
     return causal_conv1d, chunk_gated_delta_rule
 
@@ -110,15 +113,15 @@ def fla_backward_ok() -> bool:
 
 
 _NO_FLA_BACKWARD = ("flash-linear-attention refuses its gated backward with this Triton on Hopper and our "
-                    "replacement kernel could not be installed: training runs the torch twin's math")
+                    "replacement kernel could not be installed: training runs fla's algorithm in torch")
 
 
 def fla_falls_back(device, dtype=None, training=True):
-    """Why the layer runs the twin's torch math on `device`, or None (fla's kernels run)."""
+    """Why the layer runs fla's algorithm in torch on `device`, or None (fla's kernels run)."""
     if device.type != "cuda":
-        return "flash-linear-attention's kernels need CUDA: the twin's torch math runs"
+        return "flash-linear-attention's kernels need CUDA: its algorithm runs in torch"
     if fla_ops() is None:
-        return "flash-linear-attention is not installed (or cannot run here): the twin's torch math runs"
+        return "flash-linear-attention is not installed (or cannot run here): its algorithm runs in torch"
     if training and not fla_backward_ok():
         return _NO_FLA_BACKWARD
     return None
@@ -126,7 +129,7 @@ def fla_falls_back(device, dtype=None, training=True):
 
 @register("linear_attention", "fla", kind="primitive", twin="torch_chunked", default=True, falls_back=fla_falls_back)
 class FLAGatedDeltaNet(nn.Module):
-    """Gated DeltaNet on flash-linear-attention's chunked kernels (CUDA); the twin's math elsewhere."""
+    """Gated DeltaNet on flash-linear-attention's chunked kernels (CUDA); their algorithm in torch elsewhere."""
 
     def __init__(self, hidden_size, num_k_heads, num_v_heads, head_k_dim, head_v_dim, *, conv_kernel_size=4,
                  eps=1e-6):
@@ -164,11 +167,10 @@ class FLAGatedDeltaNet(nn.Module):
         g = -to_acc(self.A_log).exp() * F.softplus(to_acc(self.in_proj_a(x_BTD)) + self.dt_bias)
         if self._fast(x_BTD):
             o = self._fla(qkv, g, beta, cu_seqlens, B, T)
-        else:  # the twin's torch math (fla's kernels need a GPU)
-            twin = resolve("linear_attention", "torch_chunked")
-            qkv = twin.causal_conv(qkv, self.conv1d.weight[:, 0], cu_seqlens)
+        else:  # fla's algorithm in torch (its kernels need a GPU)
+            qkv = causal_conv1d_silu_taps(qkv, self.conv1d.weight[:, 0], cu_seqlens)
             q, k, v = self._heads(qkv, B, T)
-            o = twin.gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu_seqlens, chunk_size=twin.chunk_size)
+            o = chunk_gated_delta_rule_torch(q, k, v, g, beta, scale=self.head_k_dim ** -0.5, cu_seqlens=cu_seqlens)
         z = self.in_proj_z(x_BTD).reshape(B, T, self.num_v_heads, self.head_v_dim)
         return self.out_proj(self.norm(o, z).reshape(B, T, self.value_dim))
 

@@ -4,7 +4,7 @@ Same function as `baselines/moe_dispatch.py:all_to_all_dispatch` (the no-chunk t
 sharded over `experts.ep_group`, dropless. The layer's N local tokens are split into C chunks
 (`chunks=C`, or a sequence of relative sizes for unequal chunks; default "auto": two chunks of
 relative sizes (1, 2), the first one third of the tokens, where the ep group's largest token count
-is >= AUTO_MIN_TOKENS for the ep size, else one chunk, decided alike on every rank from the count
+is >= auto_min_tokens for the ep size, else one chunk, decided alike on every rank from the count
 exchange). One count exchange for all chunks up front (the one host sync; the plan every rank
 derives from it: `primitives/moe_dispatch_plan.py`), then a pipeline, on
 CUDA with communication on its own stream ("comm", one per device) ordered against the compute stream by events:
@@ -24,15 +24,15 @@ dispatch starts right after its own gather. The expert math comes from `kernels/
 un-permute is a gather and a sum over K, no atomics, deterministic. Chunks are contiguous token
 ranges and the copies sort by chunk * E + expert, so chunk c's copies are one range of the sorted
 order and U/S write disjoint rows of the output. On the CPU (gloo) there are no streams: the same
-chunk schedule runs in issue order, sequentially. `FUSED_PERMUTE = "on"` (or the environment
-variable BUMBLEBEE_FUSED_PERMUTE=off for the torch path) runs U, G and S as fused Triton kernels on
+chunk schedule runs in issue order, sequentially. Options: `ChunkedDispatch`
+(`primitives/moe_dispatch_options.py`). `fused_permute` runs U, G and S as fused Triton kernels on
 CUDA (`kernels/moe_permute_fused.py`: gather, weight and sum in one pass) and builds the row indices
-after the count exchange in one launch (`kernels/moe_regroup.py`); `FUSED_SWIGLU = "on"`
-(BUMBLEBEE_FUSED_SWIGLU=off) the experts' SwiGLU elementwise (`kernels/swiglu.py`). Chunk 0's gather P0 is
+after the count exchange in one launch (`kernels/moe_regroup.py`); `fused_swiglu`
+the experts' SwiGLU elementwise (`kernels/swiglu.py`). Chunk 0's gather P0 is
 issued before the count exchange's host sync, so the GPU works while the host waits, and chunk 0's
 dispatch before the row indices are built, so the host builds them while it runs. With one chunk the
-exchanges that nothing can overlap run inline on the compute stream. `SM_CARVEOUT`
-(environment BUMBLEBEE_EP_SM_CARVEOUT) leaves that many SMs to NCCL during the overlapped GEMMs.
+exchanges that nothing can overlap run inline on the compute stream. `sm_carveout`
+leaves that many SMs to NCCL during the overlapped GEMMs.
 
 Delayed wgrad of C > 1 chunks, chosen per call from host-known row counts (`_wgrad_by_gather`):
 either every chunk's wgrad inputs are written into chunk-major buffers (x in the forward, dh, a and
@@ -41,11 +41,13 @@ or one GEMM per chunk plus C - 1 weight-sized adds; whichever moves fewer bytes.
 
 The whole layer is one autograd function whose tensors go through `save_for_backward`, so it runs
 inside `torch.utils.checkpoint` (the recomputed forward repeats the same collectives on every rank).
-Under the models' full recompute (`bumblebee.recompute` phases, `FUSED_RECOMPUTE = "on"`) both
+Under the models' full recompute (`bumblebee.recompute` phases, `fused_recompute`) with an ep group, both
 passes send each row's routing weight with it and save the experts' x, h and weights instead of
 the combined outputs; the recompute then stops after fc1 (no fc2, combine or un-permute; its output
 is zeros and discarded), and the backward weights the rows on the expert side
 (`expert_dgrad_weighted`), returning the weights' gradient by one more small exchange per chunk.
+Without an ep group it runs `primitives/moe_dispatch_local.py` instead: nothing saved per routed row,
+the backward walks the experts in groups (memory, not overlap, decides at one rank).
 
 Chunk count: chunks that hold no token on any rank are dropped (so C > N clamps to the tokens
 available; every rank drops the same chunks, from the token counts in the count exchange).
@@ -59,136 +61,24 @@ L = E/EP local experts, R rows received, I expert width, C chunks.
 from __future__ import annotations
 
 
-import contextlib
-import os
 import weakref
 
 import torch
 import torch.distributed as dist
 
-from bumblebee import recompute, switches
 from bumblebee.distributed import agree_once
-from bumblebee.kernels import moe_permute_fused as _fused
-from bumblebee.kernels import moe_regroup as _regroup_kernel
-from bumblebee.kernels import swiglu as _swiglu
 from bumblebee.kernels.expert_gemm import (TokensPerExpert, WgradJob, expert_dgrad, expert_dgrad_weighted,
                                            expert_forward, expert_wgrad, use_grouped_mm)
-from bumblebee.moe_permute import expert_major_index, inverse_index, regroup_rows, sum_copies, unpermute, unpermute_grads
+from bumblebee.moe_permute import expert_major_index, inverse_index
+from bumblebee.options import Bound
+from bumblebee.primitives.moe_dispatch_local import LocalGroupedExperts
+from bumblebee.primitives.moe_dispatch_options import (ChunkedDispatch, chunk_spec, fused_recompute_phase, min_tokens,
+                                                       permute_fns, sm_carveout, swiglu_fns)
 from bumblebee.primitives.moe_dispatch_plan import exchange_counts, spec_word
 from bumblebee.registry import register
 
 _AGREED = weakref.WeakKeyDictionary()  # experts -> the config its first-call agreement check passed
 _COMM_STREAMS: dict = {}
-DEFAULT_CHUNKS = "auto"  # or an int / relative sizes, as `chunks=`
-# "auto": AUTO_CHUNKS where the ep group's largest token count is >= AUTO_MIN_TOKENS, else one chunk
-# (always one at EP = 1: nothing to overlap). Per ep size: the entry of the largest key <= EP (an
-# int: one threshold for every size). Measured with the fused kernels on H200s over NVLink
-# (NOTES_moe_dispatch.md): at EP = 2 one chunk is faster up to 48K tokens/rank, (1, 2) at 64K; at
-# EP = 4, where 3/4 of the copies leave the rank, (1, 2) wins from 16K. EP >= 8 takes EP = 4's (checked
-# at EP = 8: one chunk ahead at 8K, (1, 2) ahead by 21 points at 16K).
-AUTO_CHUNKS, AUTO_MIN_TOKENS = (1, 2), {2: 65536, 4: 16384}
-WGRAD = "auto"  # delayed wgrad of several chunks: "auto" (by bytes), "gather" (one GEMM) or "add" (per chunk)
-
-
-def _fused_permute_from_env() -> str:
-    return switches.from_env("BUMBLEBEE_FUSED_PERMUTE")
-
-
-# U, G and S through the fused Triton kernels of `kernels/moe_permute_fused.py` (and the row indices
-# through `kernels/moe_regroup.py`): "on" or "off".
-# "on" by default (measured: 3.3 ms less per layer at 16K tokens/rank, NOTES_moe_dispatch.md);
-# the environment variable BUMBLEBEE_FUSED_PERMUTE=off (read at import) selects the torch path.
-FUSED_PERMUTE = _fused_permute_from_env()
-# The experts' SwiGLU elementwise as one Triton pass each way (`kernels/swiglu.py`): "on" or "off";
-# BUMBLEBEE_FUSED_SWIGLU=off (read at import) selects the torch ops the twins run.
-FUSED_SWIGLU = switches.from_env("BUMBLEBEE_FUSED_SWIGLU")
-
-
-# Under the models' full recompute (`bumblebee.recompute`): the recomputed forward skips fc2, the
-# combine and the un-permute (the backward then weights the experts' rows itself and returns the
-# weights' gradient by one more small exchange per chunk; the first forward sends each row's
-# weight with it). "on" or "off"; BUMBLEBEE_FUSED_RECOMPUTE=off (read at import).
-FUSED_RECOMPUTE = switches.from_env("BUMBLEBEE_FUSED_RECOMPUTE")
-
-
-def _fused_recompute_phase():
-    """recompute.phase() ("forward" | "recompute") where FUSED_RECOMPUTE is on, else None."""
-    return recompute.phase() if switches.is_on("FUSED_RECOMPUTE", FUSED_RECOMPUTE) else None
-
-
-def _carveout_from_env():
-    v = os.environ.get("BUMBLEBEE_EP_SM_CARVEOUT", "auto").strip().lower()
-    if v == "auto" or v.isdigit():
-        return v if v == "auto" else int(v)
-    raise ValueError(f"BUMBLEBEE_EP_SM_CARVEOUT must be 'auto' or a number of SMs, got {v!r}")
-
-
-def by_ep(table, EP: int) -> int:
-    """A per-ep-size setting: the entry of the largest key <= EP (the smallest key below it); an int
-    is one value for every size."""
-    if isinstance(table, int):
-        return table
-    return table[max((k for k in table if k <= EP), default=min(table))]
-
-
-# SMs the grouped GEMMs leave free while chunks overlap with NCCL (torch's SM carveout, read by the
-# cutlass grouped GEMM and cuBLAS): a persistent GEMM sized to every SM runs its blocks in two waves
-# when NCCL kernels hold some SMs. 0 = off; "auto" = AUTO_SM_CARVEOUT by ep size (as AUTO_MIN_TOKENS).
-# NCCL's all-to-all runs on 32 blocks at EP = 2 and 4; leaving it 32 SMs moved EP = 2 rows by +-0.6 ms
-# either way and sped the overlapped (1, 2) up by 4-9 points at EP = 4 (at EP = 8: 0.1-1.7 ms at 16K-64K).
-# Environment: BUMBLEBEE_EP_SM_CARVEOUT.
-SM_CARVEOUT = _carveout_from_env()
-AUTO_SM_CARVEOUT = {2: 0, 4: 32}
-
-
-@contextlib.contextmanager
-def _sm_carveout(active: bool, device, EP: int):
-    n = by_ep(AUTO_SM_CARVEOUT, EP) if SM_CARVEOUT == "auto" else SM_CARVEOUT
-    if not active or not n or not hasattr(torch._C, "_set_sm_carveout_experimental"):
-        yield
-        return
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    if not isinstance(n, int) or not 0 <= n < sms:
-        raise ValueError(f"SM_CARVEOUT must be 'auto' or an int in [0, {sms}) for this GPU, got {n!r}")
-    prev = torch._C._get_sm_carveout_experimental()
-    torch._C._set_sm_carveout_experimental(n)
-    try:
-        yield
-    finally:
-        torch._C._set_sm_carveout_experimental(prev)
-
-
-def _swiglu_fns(t: torch.Tensor):
-    """(swiglu, swiglu_grads, swiglu_grads_weighted) of `kernels/swiglu.py` for the expert GEMMs when
-    FUSED_SWIGLU is "on" and Triton runs on t (CUDA, or TRITON_INTERPRET=1), else Nones: the torch ops."""
-    if switches.is_on("FUSED_SWIGLU", FUSED_SWIGLU) and _swiglu.use_triton(t):
-        return _swiglu.swiglu, _swiglu.swiglu_grads, _swiglu.swiglu_grads_weighted
-    return None, None, None
-
-
-def _permute_fns(t: torch.Tensor):
-    """(unpermute, unpermute_grads, sum_copies, regroup) for this call: the fused kernels when
-    FUSED_PERMUTE is "on" and Triton runs on t (CUDA, or TRITON_INTERPRET=1), else the torch ones."""
-    if switches.is_on("FUSED_PERMUTE", FUSED_PERMUTE) and _fused.use_triton(t):
-        return _fused.unpermute, _fused.unpermute_grads, _fused.sum_copies, _regroup_kernel.regroup
-    return unpermute, unpermute_grads, sum_copies, regroup_rows
-
-
-def _chunk_spec(chunks) -> tuple:
-    """(relative chunk sizes the counts are exchanged in, auto: whether one chunk may replace them)."""
-    chunks = DEFAULT_CHUNKS if chunks is None else chunks
-    if isinstance(chunks, str):
-        if chunks != "auto":
-            raise ValueError(f"chunks must be 'auto', an int >= 1 or relative sizes, got {chunks!r}")
-        return AUTO_CHUNKS, True  # the first chunk the short one: its dispatch and combine-backward stay exposed
-    if isinstance(chunks, int):
-        if chunks < 1:
-            raise ValueError(f"chunks must be >= 1, got {chunks}")
-        return (1,) * chunks, False
-    spec = tuple(int(c) for c in chunks)
-    if not spec or min(spec) < 1 or any(int(c) != c for c in chunks):
-        raise ValueError(f"chunks must be an int >= 1 or a sequence of positive integer relative sizes, got {chunks}")
-    return spec, False
 
 
 class _Schedule:
@@ -242,34 +132,35 @@ def _chunk_positions(inv_M, a, b):
     return inv_M[a:b] - a if a else inv_M[a:b]
 
 
-def _wgrad_by_gather(plan, D, I, L) -> bool:
+def _wgrad_by_gather(plan, D, I, L, mode: str) -> bool:
     """Delayed wgrad of several chunks: one GEMM per weight over every chunk's rows gathered into one
     expert-major buffer (moves 2 R (2D + 3I) elements), or one GEMM per chunk and C - 1 weight-sized
     adds (each extra chunk: one more [L, 3I, D] GEMM output plus an add, 4 x 3 L I D elements).
-    Picked by the element count from the host-known row count (WGRAD overrides: "gather" | "add")."""
-    if WGRAD != "auto":
-        return WGRAD == "gather"
+    Picked by the element count from the host-known row count (`ChunkedDispatch.wgrad` "gather" | "add"
+    overrides)."""
+    if mode != "auto":
+        return mode == "gather"
     R = plan[-1]["rows"][1] if plan else 0
     return 2 * R * (2 * D + 3 * I) < 4 * (len(plan) - 1) * 3 * L * I * D
 
 
 class _ChunkedEP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_ND, weights_NK, w1_L2ID, w2_LDI, indices_NK, E, spec, group, mode, auto=False):
-        ctx.permute = _permute_fns(x_ND)  # one function set for the forward and its backward
-        ctx.swiglu = _swiglu_fns(x_ND)  # one set for the forward and its backward
+    def forward(ctx, x_ND, weights_NK, w1_L2ID, w2_LDI, indices_NK, E, spec, group, mode, auto, cfg):
+        ctx.permute = permute_fns(cfg, x_ND)  # one function set for the forward and its backward
+        ctx.swiglu = swiglu_fns(cfg, x_ND)  # one set for the forward and its backward
+        ctx.cfg = cfg
         EP = dist.get_world_size(group) if group is not None else 1
         K = indices_NK.shape[1]
         # inside a recompute region: the weighting's backward on the expert side, so that the
-        # recompute can skip fc2 and the combine (see _fused_recompute_phase)
-        phase = _fused_recompute_phase()
+        # recompute can skip fc2 and the combine (see fused_recompute_phase)
+        phase = fused_recompute_phase(cfg)
         fused, skip = phase is not None, phase == "recompute"
 
         def first_gather(order_M, copy_bounds):  # chunk 0's P, issued before the host sync
             return x_ND.index_select(0, order_M[copy_bounds[0]:copy_bounds[1]] // K)
-        min_tokens = by_ep(AUTO_MIN_TOKENS, EP) if EP > 1 else float("inf")
         order_M, inv_M, plan, recv_CSL, x0 = exchange_counts(
-            x_ND, weights_NK, indices_NK, E, spec, group, EP, min_tokens, early=first_gather, auto=auto)
+            x_ND, weights_NK, indices_NK, E, spec, group, EP, min_tokens(cfg, EP), early=first_gather, auto=auto)
         one = len(plan) == 1  # nothing to overlap: the exchanges run inline on the compute stream
         token_M = None if one and x0 is not None else order_M // K
         sched = _Schedule(x_ND.device, group)
@@ -286,7 +177,7 @@ class _ChunkedEP(torch.autograd.Function):
             return x_RD, w_R, ev
 
         L, I2, D = w1_L2ID.shape
-        gather = len(plan) > 1 and _wgrad_by_gather(plan, D, I2 // 2, L)
+        gather = len(plan) > 1 and _wgrad_by_gather(plan, D, I2 // 2, L, cfg.wgrad)
         R = plan[-1]["rows"][1] if plan else 0
         # gather mode: every chunk's wgrad x lands in one chunk-major buffer, regrouped by expert for the wgrad
         x_cm = x_ND.new_empty(R, D) if gather else torch.empty(0, device=x_ND.device)
@@ -305,7 +196,7 @@ class _ChunkedEP(torch.autograd.Function):
             dest, src = dest_R[r0:r1], src_R[r0:r1]
             tpe = TokensPerExpert(counts_CL[c], p["tpe"], offs_CL[c])
             x_e = torch.index_select(x_RD, 0, src, out=x_cm[r0:r1]) if gather else x_RD.index_select(0, src)
-            with _sm_carveout(overlap, x_ND.device, EP):
+            with sm_carveout(cfg, overlap, x_ND.device, EP):
                 y_e, (x_e, h_e, _, _) = expert_forward(x_e, tpe, w1_L2ID, w2_LDI, mode, swiglu=ctx.swiglu[0],
                                                        fc2=not skip)
             if not skip:
@@ -377,7 +268,7 @@ class _ChunkedEP(torch.autograd.Function):
             g_e = torch.index_select(g_RD, 0, src, out=g_cm[r0:r1]) if gather else g_RD.index_select(0, src)
             saved = (None if gather else xs[c], hs[c], tpe, ctx.grouped)
             outs = dict(dh_out=dh_cm[r0:r1], a_out=a_cm[r0:r1]) if gather else {}
-            with _sm_carveout(overlap, g_ND.device, ctx.EP):
+            with sm_carveout(ctx.cfg, overlap, g_ND.device, ctx.EP):
                 if ctx.fused:
                     dx_e, gw_e, job = expert_dgrad_weighted(g_e, saved, w1, w2, ws[c],
                                                             swiglu_grads_weighted=ctx.swiglu[2], **outs)
@@ -396,7 +287,7 @@ class _ChunkedEP(torch.autograd.Function):
             del g_cm, dh_cm, a_cm
         dw1 = dw2 = None
         for job in jobs:
-            with _sm_carveout(overlap, g_ND.device, ctx.EP):  # next to the tail dispatch-backward
+            with sm_carveout(ctx.cfg, overlap, g_ND.device, ctx.EP):  # next to the tail dispatch-backward
                 a1, a2 = expert_wgrad(job)
             dw1, dw2 = (a1, a2) if dw1 is None else (dw1.add_(a1), dw2.add_(a2))
         if dw1 is None:
@@ -416,19 +307,20 @@ class _ChunkedEP(torch.autograd.Function):
         if need_w:
             gw_M = gws[0] if len(gws) == 1 else torch.cat(gws) if gws else g_ND.new_empty(0, dtype=torch.float32)
             gw_NK = gw_M.index_select(0, inv_M).view_as(weights_NK).to(weights_NK.dtype)
-        return gx_ND, gw_NK, dw1, dw2, None, None, None, None, None, None
+        return gx_ND, gw_NK, dw1, dw2, None, None, None, None, None, None, None
 
 
-@register("moe_dispatch", "chunked", kind="primitive", twin="all_to_all", default=True)
-def chunked_dispatch(x_ND, weights_NK, indices_NK, experts, num_experts, *, chunks=None):
-    """Expert parallel over experts.ep_group in C chunks: all_to_all overlapped with expert GEMMs."""
+@register("moe_dispatch", "chunked", kind="primitive", twin="all_to_all", default=True, config=ChunkedDispatch)
+def chunked_dispatch_with(config: ChunkedDispatch, x_ND, weights_NK, indices_NK, experts, num_experts, *, chunks=None):
+    """Expert parallel over experts.ep_group in C chunks: all_to_all overlapped with expert GEMMs
+    (`chunks` overrides config.chunks)."""
     if not (hasattr(experts, "gate_up_proj") and hasattr(experts, "down_proj")):
         raise TypeError("chunked dispatch computes the SwiGLU experts itself: `experts` must hold "
                         "gate_up_proj [L, 2I, D] and down_proj [L, D, I] (GroupedExperts does)")
     group = getattr(experts, "ep_group", None)
     EP = dist.get_world_size(group) if group is not None else 1
     group = group if EP > 1 else None
-    spec, auto = _chunk_spec(chunks)
+    spec, auto = chunk_spec(config.chunks if chunks is None else chunks)
     K = indices_NK.shape[1] if indices_NK.dim() == 2 else -1
     agree_once(experts, group, x_ND.device, {
         "impl (all_to_all=1, chunked=2)": 2, "num_experts": num_experts, "ep size": EP, "top_k": K,
@@ -443,9 +335,17 @@ def chunked_dispatch(x_ND, weights_NK, indices_NK, experts, num_experts, *, chun
         raise ValueError(f"experts hold {L} experts; expected num_experts / ep size = {num_experts // EP}")
     mode = getattr(experts, "grouped_mm", "auto")
 
+    phase = fused_recompute_phase(config)
+
     def run(w1, w2):  # inside the experts' forward: FSDP2 has unsharded w1, w2 here
         w1, w2 = w1.to(x_ND.dtype), w2.to(x_ND.dtype)
-        return _ChunkedEP.apply(x_ND, weights_NK, w1, w2, indices_NK, num_experts, spec, group, mode, auto)
+        if group is None and phase is not None:  # one rank under recompute: grouped, nothing saved
+            return LocalGroupedExperts.apply(x_ND, weights_NK, w1, w2, indices_NK, num_experts, phase, mode,
+                                             config.group_rows, permute_fns(config, x_ND), swiglu_fns(config, x_ND))
+        return _ChunkedEP.apply(x_ND, weights_NK, w1, w2, indices_NK, num_experts, spec, group, mode, auto, config)
     if getattr(experts, "accepts_with_weights", False):  # GroupedExperts: run inside its forward (FSDP2 hooks)
         return experts(x_ND, with_weights=run)
     return run(experts.gate_up_proj, experts.down_proj)
+
+
+chunked_dispatch = Bound(chunked_dispatch_with, ChunkedDispatch())

@@ -13,6 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from bumblebee.checks import check_mtp_inputs
+from bumblebee.norms import to_acc
 from bumblebee.registry import register
 
 
@@ -21,7 +22,7 @@ def _shift_left(x_BT, shift, fill):
 
 
 def _materialized_ce(hidden, weight, labels, *, ignore_index=-100, reduction="mean"):
-    logits = F.linear(hidden, weight).float()
+    logits = to_acc(F.linear(hidden, weight))  # fp32 (a float64 reference stays float64)
     if reduction != "mean":
         return F.cross_entropy(logits, labels, ignore_index=ignore_index, reduction=reduction)
     # the mean over the valid targets, 0 (with zero gradients) when every one is ignored, as the

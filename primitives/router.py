@@ -2,9 +2,11 @@
 
 On CUDA the forward is `bumblebee.kernels.router.aux_free_topk_fwd` (scores, bias, group selection,
 top-k, weights and per-expert counts in one pass over the logits); the backward recomputes the k
-selected sigmoid scores from the saved logits and indices in torch. Elsewhere (and for replay, which
-selects nothing) the same algorithm runs in torch: `bumblebee.kernels.router.aux_free_topk_torch`.
-Under TRITON_INTERPRET=1 the kernel also runs on CPU tensors (tests).
+selected sigmoid scores from the saved logits and indices in torch. Elsewhere (and in float64) the
+kernel's algorithm runs in torch, block by block, through the same autograd function:
+`bumblebee.kernels.router.aux_free_topk_torch`. Replay selects nothing: the weights of the given
+experts come from the backward's own recomputation, under autograd. Under TRITON_INTERPRET=1 the
+kernel also runs on CPU tensors (tests). Nothing here calls the twin's code.
 """
 from __future__ import annotations
 
@@ -20,11 +22,11 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _falls_back(device, dtype):
-    """Why routing on `device` in `dtype` runs the twin's torch algorithm, or None (the fused kernel)."""
+    """Why routing on `device` in `dtype` runs the kernel's algorithm in torch, or None (the fused kernel)."""
     if not (device.type == "cuda" or _INTERPRET):
-        return "the fused Triton kernel needs CUDA: the twin's torch algorithm runs"
+        return "the fused Triton kernel needs CUDA: its algorithm runs in torch"
     if dtype == torch.float64:
-        return "float64 routes through the twin's torch algorithm (the reference precision)"
+        return "float64 runs the kernel's algorithm in torch (the kernel computes in fp32)"
     return None
 
 
@@ -42,8 +44,9 @@ def _weights_from_logits(logits_TE, indices_TK, scaling_factor, norm_topk_prob):
 class _FusedAuxFreeTopK(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, bias, top_k, n_group, topk_group, scaling_factor, norm_topk_prob):
-        weights, indices, counts = aux_free_topk_fwd(logits.detach(), bias.detach(), top_k, n_group, topk_group,
-                                                     scaling_factor, norm_topk_prob)
+        fwd = aux_free_topk_fwd if _kernel_usable(logits) else aux_free_topk_torch
+        weights, indices, counts = fwd(logits.detach(), bias.detach(), top_k, n_group, topk_group, scaling_factor,
+                                       norm_topk_prob)
         ctx.save_for_backward(logits, indices)
         ctx.scaling_factor, ctx.norm_topk_prob = scaling_factor, norm_topk_prob
         ctx.mark_non_differentiable(indices, counts)
@@ -62,12 +65,14 @@ class _FusedAuxFreeTopK(torch.autograd.Function):
 @register("router", "aux_free", kind="primitive", twin="aux_free_ref", default=False, falls_back=_falls_back)
 def aux_free_topk(logits, bias, *, top_k, n_group, topk_group, scaling_factor=1.0, norm_topk_prob=True,
                   routed_experts=None, return_counts=False):
-    """Auxiliary-loss-free sigmoid top-k with group limits, one fused Triton kernel on CUDA."""
+    """Auxiliary-loss-free sigmoid top-k with group limits, one fused Triton kernel on CUDA (its algorithm
+    in torch elsewhere)."""
     check_router_inputs(logits, top_k, bias=bias, n_group=n_group, topk_group=topk_group,
                         routed_experts=routed_experts)
-    if routed_experts is not None or not _kernel_usable(logits):
-        weights, indices, counts = aux_free_topk_torch(logits, bias, top_k, n_group, topk_group, scaling_factor,
-                                                       norm_topk_prob, routed_experts)
+    if routed_experts is not None:  # replay: the given experts, their weights under autograd
+        indices = routed_experts.long()
+        weights = _weights_from_logits(logits, indices, scaling_factor, norm_topk_prob)
+        counts = torch.bincount(indices.reshape(-1), minlength=logits.shape[1])
     else:
         weights, indices, counts = _FusedAuxFreeTopK.apply(logits, bias, top_k, n_group, topk_group,
                                                            float(scaling_factor), bool(norm_topk_prob))

@@ -1,10 +1,15 @@
 """Inputs for the generic twin-contract test: one case builder per slot.
 
 A case builder takes (generator) and returns (args, kwargs, grad_inputs): floating tensors in
-float32 on the CPU; the test reruns them in float64 as the reference. A registered slot without a
-builder here fails the contract test, so every new slot brings one.
+float32 on the CPU; the test reruns them in float64 as the reference (floating tensors and modules
+among the keyword arguments are cast too). A module slot adds "<slot>.init", its constructor
+arguments; the test loads the twin's state_dict into the primitive. A slot applied to a whole model
+(state_sharding) is a `OneRankSteps`. A registered slot without a case here fails the contract
+test, so every new slot brings one.
 """
 import torch
+
+from bumblebee import registry
 
 
 def attention_case(g):
@@ -87,11 +92,24 @@ class _MTPDepth(torch.nn.Module):
         return self.norm(h)
 
 
+def _run_block(block, x):
+    return block(x)
+
+
 def mtp_case(g):
     B, T, D, V = 2, 9, 8, 31
     hidden = torch.randn(B, T, D, generator=g)
     ids = torch.randint(0, V, (B, T), generator=g)
-    return (hidden, ids, ids), {}, (0,)
+    labels = ids.clone()
+    labels[0, 2] = -100
+    embed = torch.nn.Embedding(V, D)
+    with torch.no_grad():
+        embed.weight.copy_(torch.randn(V, D, generator=g))
+    head_weight = torch.randn(V, D, generator=g) * 0.3
+    # the model's loss slot at its default (linear_ce): the primitive's depth losses go through it
+    loss_fn = registry.resolve("cross_entropy")
+    return (hidden, ids, labels), {"embed": embed, "head_weight": head_weight, "run_block": _run_block,
+                                   "loss_fn": loss_fn}, (0,)
 
 
 def mtp_init(g):
@@ -107,13 +125,20 @@ def linear_attention_init(g):
     return (24, 2, 4, 8, 6), dict(conv_kernel_size=3)
 
 
-class MultiRank:
-    """A slot applied to a whole model on a device mesh (state_sharding): one call on small tensors
-    does not exercise it, so the generic numeric check defers to `tests`, which run the pair on
-    several gloo ranks against a single-process reference."""
+class OneRankSteps:
+    """A slot applied to a whole model on a device mesh (state_sharding): the contract test trains
+    `model` for `steps` optimizer steps with each twin on a one-rank gloo mesh (fp32) and compares
+    the losses and the parameter updates with plain torch AdamW and clipping run in float64, within
+    a few times the same plain run's float32 error. Several ranks, expert parallel and checkpoints:
+    `tests`."""
 
-    def __init__(self, tests: str):
-        self.tests = tests
+    def __init__(self, model: str, tests: str, *, steps=3, batch=2, seq=13, grad_clip=1.0,
+                 hp=(("lr", 3e-3), ("betas", (0.9, 0.95)), ("eps", 1e-8), ("weight_decay", 0.1))):
+        self.model, self.tests, self.steps, self.batch, self.seq = model, tests, steps, batch, seq
+        self.grad_clip, self.hp = grad_clip, dict(hp)
+
+    def batches(self, g, vocab: int):
+        return [torch.randint(0, vocab, (self.batch, self.seq), generator=g) for _ in range(self.steps)]
 
 
 CASES = {
@@ -121,7 +146,7 @@ CASES = {
     "moe_dispatch": moe_dispatch_case,
     "attention": attention_case,
     "cross_entropy": cross_entropy_case,
-    "state_sharding": MultiRank("tests/primitives/test_state_sharding.py"),
+    "state_sharding": OneRankSteps("qwen3-tiny", "tests/primitives/test_state_sharding.py"),
     # module slots: forward inputs, and constructor arguments under "<slot>.init"
     "mla": mla_case,
     "mla.init": mla_init,

@@ -1,8 +1,12 @@
-"""The dependency direction of ARCHITECTURE.md, checked on every import statement."""
+"""The dependency direction of ARCHITECTURE.md, checked on every import statement; and that no
+primitive reaches its twin's code another way (a registry look-up of a baseline, a relative import
+of baselines/, a module named by string)."""
 import ast
 from pathlib import Path
 
 import pytest
+
+from bumblebee import registry
 
 ROOT = Path(__file__).resolve().parents[2]
 FOLDERS = {"bumblebee": "bumblebee", "kernels": "bumblebee.kernels", "primitives": "bumblebee.primitives",
@@ -19,13 +23,22 @@ FORBIDDEN = {
 
 
 def _imports(path: Path):
-    tree = ast.parse(path.read_text())
-    for node in ast.walk(tree):
+    yield from _imports_of(path.read_text(), path)
+
+
+def _imports_of(source: str, path: Path):
+    """Every module (and module.name) an import statement of `source` (the text of `path`) names,
+    relative imports resolved against the file's package."""
+    folder, *sub = path.relative_to(ROOT).parts[:-1]
+    package = FOLDERS.get(folder, "bumblebee").split(".") + list(sub)
+    for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
             yield from (a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            yield node.module
-            yield from (f"{node.module}.{a.name}" for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and (node.module or node.level):
+            base = package[:len(package) - node.level + 1] if node.level else []
+            module = ".".join(base + ([node.module] if node.module else []))
+            yield module
+            yield from (f"{module}.{a.name}" for a in node.names)
 
 
 def _files():
@@ -45,6 +58,73 @@ def test_import_direction(folder, path):
         parts = name.split(".")
         if len(parts) > 1 and parts[1] in FORBIDDEN[folder]:
             pytest.fail(f"{path}: {folder}/ must not import bumblebee.{parts[1]} ({name})")
+
+
+LOOKUPS = {"get", "resolve", "build", "choose", "code_on", "record", "spec"}  # bumblebee.registry's
+
+
+def _baselines() -> dict[str, set[str]]:
+    return {slot: {n for n, impl in impls.items() if impl.kind == "baseline"} for slot, impls in registry.slots().items()}
+
+
+def twin_reaches(source: str, baselines: dict[str, set[str]]) -> list[str]:
+    """What in a primitive's source reaches baseline code without an import statement: a registry
+    look-up (`registry.resolve(slot, name)`, `resolve(...)` imported from it, ...) naming a baseline
+    of that slot (of any slot when the slot is not a literal), and any string naming a module of
+    bumblebee.baselines (importlib)."""
+    found = []
+    any_baseline = set().union(*baselines.values())
+    tree = ast.parse(source)
+    imported = {a.asname or a.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                and node.module == "bumblebee.registry" for a in node.names if a.name in LOOKUPS}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) \
+                and node.value.startswith("bumblebee.baselines"):
+            found.append(f"line {node.lineno}: names the module {node.value}")
+        if not isinstance(node, ast.Call):
+            continue
+        fn = node.func
+        if isinstance(fn, ast.Attribute):  # registry.resolve(...), bumblebee.registry.resolve(...)
+            owner = fn.value.id if isinstance(fn.value, ast.Name) else getattr(fn.value, "attr", None)
+            name = fn.attr if owner == "registry" and fn.attr in LOOKUPS else None
+        else:  # resolve(...) imported from bumblebee.registry
+            name = fn.id if isinstance(fn, ast.Name) and fn.id in imported else None
+        if name is None:
+            continue
+        strings = [a.value for a in list(node.args) + [k.value for k in node.keywords]
+                   if isinstance(a, ast.Constant) and isinstance(a.value, str)]
+        slot = node.args[0].value if node.args and isinstance(node.args[0], ast.Constant) else None
+        names = baselines.get(slot, set()) if slot in baselines else any_baseline
+        hits = [s for s in strings[1 if slot in baselines else 0:] if s.split(":")[0] in names]
+        if hits:
+            found.append(f"line {node.lineno}: looks up the baseline {hits[0]!r} through {name}()")
+    return found
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "primitives").rglob("*.py")), ids=lambda p: p.name)
+def test_no_primitive_reaches_baseline_code(path):
+    assert not twin_reaches(path.read_text(), _baselines()), f"{path}: runs baseline code"
+
+
+def test_twin_reach_check_catches_what_it_should():
+    baselines = _baselines()
+    caught = [
+        'from bumblebee.registry import resolve\ntwin = resolve("linear_attention", "torch_chunked")',
+        'from bumblebee import registry\nf = registry.get("router", name="aux_free_ref").obj',
+        'from bumblebee.registry import build as b\nm = b("mla", "naive", 24, 3)',
+        'import bumblebee\nbumblebee.registry.build("mla", "naive", 24, 3)',
+        'fn = registry.resolve(slot, "eager")',  # slot not a literal: any slot's baseline
+        'importlib.import_module("bumblebee.baselines.mtp")',
+    ]
+    for src in caught:
+        assert twin_reaches(src, baselines), src
+    for src in ('from bumblebee.registry import resolve\nf = resolve("cross_entropy", "linear_ce")',
+                'registry.get("linear_attention", "fla")', 'x.get("eager")', 'resolve("linear_attention", "torch_chunked")',
+                'loss_fn = registry.resolve("cross_entropy")'):
+        assert not twin_reaches(src, baselines), src
+    relative = ROOT / "primitives" / "x.py"
+    tree_imports = list(_imports_of("from ..baselines.router import aux_free_topk\n", relative))
+    assert "bumblebee.baselines.router" in tree_imports, tree_imports
 
 
 def test_plotting_benchmarks_have_an_extra_that_installs_matplotlib():

@@ -124,7 +124,9 @@ def test_deepseek_terms():
     rows = memory._local_rows(cfg, 2, n, loop=False)
     dense, moe = (memory._mla_layer(cfg, m, 2, rows, True, True) for m in (False, True))
     assert moe[0] > dense[0] and moe[1] > dense[1]
-    local = memory.estimate(config, memory.Parallel(dp=8, seq_len=n))
+    local = memory.estimate(config, memory.Parallel(dp=8, seq_len=n, moe_dispatch="local"))
+    grouped = memory.estimate(config, memory.Parallel(dp=8, seq_len=n))  # the default: chunked's one-rank path
+    assert grouped.moe_dispatch == n * sum(memory._grouped_dispatch(cfg, n, 2, 65536)) < local.moe_dispatch
     d = cfg.hidden_size  # bf16: 5 layer inputs; the final norm (fp32 input, rsqrt, output), the loss input, ~25
     assert local.activations == n * (5 * 2 * d + (4 * d + 4 + 2 * d) + 2 * d + 25)
     assert local.moe_dispatch == n * sum(rows)
@@ -213,5 +215,9 @@ def test_training_step_peak(run, row):
     """benchmarks/bench_training_step.py, our stack: the defaults on one rank (linear_ce, chunked dispatch
     with its fused recompute, FSDP2 with fused AdamW, full recompute, bf16)."""
     assert row["config"]["impl"]["cross_entropy"] == "linear_ce" and row["gpus"] == 1
-    est = memory.estimate(run["hf_config"], memory.Parallel(dp=1, seq_len=row["seq_len"]))
+    # runs before the one-rank grouped path record no group_rows: they kept every routed row
+    dispatch = row["config"].get("impl_configs", {}).get("moe_dispatch", {})
+    est = memory.estimate(run["hf_config"], memory.Parallel(
+        dp=1, seq_len=row["seq_len"], moe_dispatch="chunked" if "group_rows" in dispatch else "local",
+        moe_group_rows=dispatch.get("group_rows", 65536)))
     assert abs(est.peak - row["peak_bytes"]) <= 0.06 * row["peak_bytes"], (est.peak, row["peak_bytes"], est.phases)

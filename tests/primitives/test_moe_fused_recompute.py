@@ -1,7 +1,9 @@
 """The chunked dispatch under the models' full recompute (`bumblebee.recompute`): the recomputed
-forward skips fc2, the combine and the un-permute, the backward weights the experts' rows itself.
-Against the same call without recompute and against the twin, fp32 on 1, 2 and 4 gloo ranks, within
-1e-6 relative (outputs of the first forward and every gradient); and the exchanges of each pass.
+forward skips fc2, the combine and the un-permute, the backward weights the experts' rows itself (at
+one rank: `primitives/moe_dispatch_local.py`, the recompute computes nothing and the backward walks
+expert groups). Against the same call without recompute and against the twin, fp32 on 1, 2 and 4 gloo
+ranks, within 1e-6 relative (outputs of the first forward and every gradient); and the exchanges of
+each pass.
 """
 from __future__ import annotations
 
@@ -15,6 +17,8 @@ from torch.utils.checkpoint import checkpoint
 
 from bumblebee import recompute, registry
 from bumblebee.primitives import moe_dispatch as chunked_mod
+from bumblebee.primitives.moe_dispatch_local import expert_groups
+from bumblebee.primitives.moe_dispatch_options import ChunkedDispatch, fused_recompute_phase
 from tests.primitives.test_moe_dispatch import (TOL_TWIN, D, I, _free_port, full_experts, local_shard, process_group,
                                                rel, routes)
 
@@ -22,12 +26,12 @@ CHUNKS = [1, 2, (1, 2)]
 CASES = [("random", 0), ("rank_gets_nothing", 0), ("zero_experts", 0), ("random", "empty odd ranks")]
 
 
-def run(mode, x, w, idx, shard, E, chunks, g_out):
+def run(mode, x, w, idx, shard, E, chunks, g_out, config=ChunkedDispatch()):
     """[y, dx, dw, d gate_up, d down] of `chunked` with mode "plain" (no recompute), "fused" (the
     models' checkpoint with recompute.contexts), "checkpoint" (plain torch checkpoint), or the twin."""
     x, w = x.clone().requires_grad_(), w.clone().requires_grad_()
     shard.zero_grad(set_to_none=True)
-    name = "all_to_all" if mode == "twin" else "chunked"
+    name = "all_to_all" if mode == "twin" else config
     kw = {} if mode == "twin" else {"chunks": chunks}
     f = lambda a, b: registry.resolve("moe_dispatch", name)(a, b, idx, shard, E, **kw)  # noqa: E731
     if mode == "fused":
@@ -63,23 +67,23 @@ def scenarios(group, device="cpu", dtype=torch.float32):
             shard = local_shard(full_experts(E, s, "never", D, I).to(device, dtype), group)
             twin = run("twin", x, w, idx, shard, E, None, g_out)
             for chunks in CHUNKS:
-                for wgrad in ("gather", "add"):
-                    chunked_mod.WGRAD = wgrad
-                    plain = run("plain", x, w, idx, shard, E, chunks, g_out)
+                for wgrad, rows in (("gather", 65536), ("add", 7)):  # rows: one expert group / several at one rank
+                    cfg = ChunkedDispatch(wgrad=wgrad, group_rows=rows)
+                    plain = run("plain", x, w, idx, shard, E, chunks, g_out, cfg)
                     calls.clear()
-                    fused = run("fused", x, w, idx, shard, E, chunks, g_out)
+                    fused = run("fused", x, w, idx, shard, E, chunks, g_out, cfg)
                     if s == 0 and wgrad == "add":
                         passes[str(chunks)] = dict(calls)
                     label = f"{pattern}{'/' + empty if empty else ''}/chunks={chunks}/{wgrad}"
                     errs[label] = max(max(rel(a, b) for a, b in zip(fused, plain)),
                                       max(rel(a, b) for a, b in zip(fused, twin)))
-        chunked_mod.FUSED_RECOMPUTE, calls_off = "off", None
         calls.clear()
-        off = run("fused", x, w, idx, shard, E, 2, g_out)
+        off_cfg = ChunkedDispatch(fused_recompute=False)
+        off = run("fused", x, w, idx, shard, E, 2, g_out, off_cfg)
         calls_off = dict(calls)
-        errs["switch off"] = max(rel(a, b) for a, b in zip(off, run("plain", x, w, idx, shard, E, 2, g_out)))
+        errs["switch off"] = max(rel(a, b) for a, b in zip(off, run("plain", x, w, idx, shard, E, 2, g_out, off_cfg)))
     finally:
-        chunked_mod._Schedule.all_to_all, chunked_mod.WGRAD, chunked_mod.FUSED_RECOMPUTE = orig, "auto", "on"
+        chunked_mod._Schedule.all_to_all = orig
     return errs, passes, calls_off
 
 
@@ -114,29 +118,47 @@ def test_fused_recompute_matches_no_recompute_and_twin(runs, world):
 def test_recompute_skips_the_combine(runs, world):
     """Per chunk: first forward x, weights and combine (3); recompute x and weights only (2);
     backward combine-backward, dispatch-backward and the weights' gradient (3, outside any phase).
-    With the switch off: 2 / 2 / 2."""
+    With the switch off: 2 / 2 / 2. One rank: the grouped path exchanges nothing."""
     for r, (_, passes, off) in enumerate(runs[world]):
         for chunks, calls in passes.items():
             C = 1 if chunks == "1" else 2
-            assert calls == {"forward": 3 * C, "recompute": 2 * C, None: 3 * C}, (r, chunks, calls)
+            want = {} if world == 1 else {"forward": 3 * C, "recompute": 2 * C, None: 3 * C}
+            assert calls == want, (r, chunks, calls)
         assert off == {"forward": 4, "recompute": 4, None: 4}, (r, off)
 
 
-def test_switches_read_from_the_environment(monkeypatch):
-    monkeypatch.setattr(chunked_mod, "FUSED_RECOMPUTE", "maybe")
-    with recompute._running("forward"), pytest.raises(ValueError, match="FUSED_RECOMPUTE"):
-        chunked_mod._fused_recompute_phase()
-    monkeypatch.setattr(chunked_mod, "FUSED_RECOMPUTE", "on")
-    assert chunked_mod._fused_recompute_phase() is None  # outside any recompute region
+def test_config_fields_validate_and_select_the_phase():
+    with pytest.raises(ValueError, match="fused_recompute"):
+        ChunkedDispatch(fused_recompute="maybe")
+    with pytest.raises(ValueError, match="sm_carveout"):
+        ChunkedDispatch(sm_carveout=-1)
+    with pytest.raises(ValueError, match="chunks"):
+        ChunkedDispatch(chunks="1/x")
+    with pytest.raises(ValueError, match="group_rows"):
+        ChunkedDispatch(group_rows=0)
+    assert fused_recompute_phase(ChunkedDispatch()) is None  # outside any recompute region
     with recompute._running("recompute"):
-        assert chunked_mod._fused_recompute_phase() == "recompute"
-    monkeypatch.setenv("BUMBLEBEE_EP_SM_CARVEOUT", " 32 ")
-    assert chunked_mod._carveout_from_env() == 32
-    monkeypatch.setenv("BUMBLEBEE_EP_SM_CARVEOUT", "Auto")
-    assert chunked_mod._carveout_from_env() == "auto"
-    monkeypatch.setenv("BUMBLEBEE_EP_SM_CARVEOUT", "lots")
-    with pytest.raises(ValueError, match="BUMBLEBEE_EP_SM_CARVEOUT"):
-        chunked_mod._carveout_from_env()
+        assert fused_recompute_phase(ChunkedDispatch()) == "recompute"
+        assert fused_recompute_phase(ChunkedDispatch(fused_recompute=False)) is None
+
+
+def test_expert_groups_cover_every_row_once():
+    """Contiguous expert ranges, each row in exactly one, about group_rows rows each, no expert split."""
+    g = torch.Generator().manual_seed(0)
+    for case in range(30):
+        tpe = torch.randint(0, 9, (int(torch.randint(1, 20, (1,), generator=g)),), generator=g)
+        tpe[torch.rand(tpe.shape, generator=g) < 0.3] = 0
+        tpe = tpe.tolist()
+        rows = int(torch.randint(1, 30, (1,), generator=g))
+        groups = expert_groups(tpe, rows)
+        starts = [0] + [sum(tpe[:e]) for e in range(1, len(tpe) + 1)]
+        covered = [r for _, _, r0, r1 in groups for r in range(r0, r1)]
+        assert covered == list(range(sum(tpe))), (case, tpe, rows, groups)
+        for e0, e1, r0, r1 in groups:
+            assert (starts[e0], starts[e1]) == (r0, r1) and r1 > r0, (case, groups)
+            assert r1 - r0 <= rows + max(tpe), (case, groups)
+        if sum(tpe):
+            assert len(groups) >= min(-(-sum(tpe) // rows), sum(1 for n in tpe if n)) // 2, (case, groups)
 
 
 @pytest.mark.gpu
@@ -149,3 +171,24 @@ def test_bf16_two_gpus_fused_recompute(tmp_path):
         bad = {k: v for k, v in errs.items() if not v < 2e-2}
         assert not bad, (r, bad)
         assert passes["2"] == {"forward": 6, "recompute": 4, None: 6}, (r, passes)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("group_rows", [65536, 300])
+def test_bf16_one_gpu_grouped_path(group_rows):
+    """One GPU, bf16, grouped_mm and the fused kernels: the one-rank grouped path (one expert group, and
+    several) under the fused recompute against no recompute and against the twin."""
+    torch.manual_seed(0)
+    E, K, N, d, i = 16, 4, 999, 128, 64  # widths that take torch._grouped_mm
+    x, w = torch.randn(N, d, device="cuda", dtype=torch.bfloat16), torch.rand(N, K, device="cuda")
+    idx = torch.stack([torch.randperm(E - 1)[:K] for _ in range(N)]).cuda()  # the last expert gets nothing
+    g_out = torch.randn(N, d, device="cuda", dtype=torch.bfloat16)
+    full = full_experts(E, 0, "auto", d, i).cuda().bfloat16()
+    cfg = ChunkedDispatch(group_rows=group_rows)
+    twin = run("twin", x, w, idx, full, E, None, g_out)
+    plain = run("plain", x, w, idx, full, E, None, g_out, cfg)
+    fused = run("fused", x, w, idx, full, E, None, g_out, cfg)
+    for a, b, c in zip(fused, plain, twin):
+        assert rel(a, b) < 2e-2 and rel(a, c) < 2e-2
+    assert fused[3][-1].abs().max() == 0 and fused[4][-1].abs().max() == 0  # no rows: zero weight gradient

@@ -26,7 +26,7 @@ import torch.multiprocessing as mp
 
 from bumblebee import moe_permute as ref_mod
 from bumblebee.kernels import moe_permute_fused as fused
-from bumblebee.primitives import moe_dispatch as chunked_mod
+from bumblebee.primitives.moe_dispatch_options import ChunkedDispatch, permute_fns
 from tests.interpreter import interpreted_fixture
 
 FLOOR = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}
@@ -143,7 +143,6 @@ def _ep_worker(rank, world, port, out_dir):
     for name in calls:
         mod = swiglu if name.startswith("swiglu") else moe_regroup if name == "regroup" else fused
         setattr(mod, name, counted(name, getattr(mod, name)))
-    chunked_mod.FUSED_PERMUTE = chunked_mod.FUSED_SWIGLU = "on"
     try:
         g = dist.group.WORLD
         res = {}
@@ -223,19 +222,13 @@ def test_torch_fallback_is_the_same_algorithm():
     assert not fails, fails
 
 
-def test_switch_picks_functions(monkeypatch):
+def test_config_picks_functions():
     x = torch.zeros(1)
-    monkeypatch.setattr(chunked_mod, "FUSED_PERMUTE", "off")
-    assert chunked_mod._permute_fns(x)[0] is ref_mod.unpermute
-    monkeypatch.setattr(chunked_mod, "FUSED_PERMUTE", "on")  # CPU tensors: only under the interpreter
-    assert chunked_mod._permute_fns(x)[2] is (fused.sum_copies if fused.INTERPRET else ref_mod.sum_copies)
-    monkeypatch.setattr(chunked_mod, "FUSED_PERMUTE", "yes")
-    with pytest.raises(ValueError, match="FUSED_PERMUTE"):
-        chunked_mod._permute_fns(x)
-    monkeypatch.setenv("BUMBLEBEE_FUSED_PERMUTE", "Off")
-    assert chunked_mod._fused_permute_from_env() == "off"
-    monkeypatch.delenv("BUMBLEBEE_FUSED_PERMUTE")
-    assert chunked_mod._fused_permute_from_env() == "on"
+    assert permute_fns(ChunkedDispatch(fused_permute=False), x)[0] is ref_mod.unpermute
+    # CPU tensors: the fused kernels only under the interpreter
+    assert permute_fns(ChunkedDispatch(), x)[2] is (fused.sum_copies if fused.INTERPRET else ref_mod.sum_copies)
+    with pytest.raises(ValueError, match="fused_permute"):
+        ChunkedDispatch(fused_permute="yes")
 
 
 @pytest.mark.gpu

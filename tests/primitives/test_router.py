@@ -380,15 +380,32 @@ if __name__ == "__main__" and "--interpret" in sys.argv:
     _interpret_main()
 
 
-def test_aux_free_says_when_it_runs_the_twins_algorithm():
-    # what `bumblebee pair` reports: float64 always routes through the torch reference algorithm,
-    # and without CUDA (outside the Triton interpreter) so does every dtype
+def test_aux_free_says_when_its_kernel_does_not_run():
+    # what `bumblebee pair` reports: float64 always runs the kernel's algorithm in torch, and without
+    # CUDA (outside the Triton interpreter) so does every dtype; the code is the primitive's own
     code, why = registry.code_on("router", "aux_free", "cuda", torch.float64)  # a description: no GPU needed
-    assert code == "aux_free_ref" and "float64" in why
+    assert code == "aux_free" and "float64" in why
     assert registry.code_on("router", "aux_free", "cuda", torch.bfloat16) == ("aux_free", None)
     code, why = registry.code_on("router", "aux_free", "cpu", torch.float32)
     if os.environ.get("TRITON_INTERPRET") == "1":
         assert (code, why) == ("aux_free", None)
     else:
-        assert code == "aux_free_ref" and "CUDA" in why
+        assert code == "aux_free" and "CUDA" in why
     assert registry.code_on("router", "aux_free_ref", "cpu", torch.float32) == ("aux_free_ref", None)
+
+
+def test_torch_path_is_the_kernels_algorithm_not_the_twins(monkeypatch):
+    """Off CUDA the primitive runs kernels/router.py's blocked torch algorithm: it matches the float64
+    reference over several blocks, and routing still works with the twin's selection broken."""
+    from bumblebee.kernels import router as kr
+
+    calls = []
+    real = kr.aux_free_topk_torch
+    monkeypatch.setattr(prim, "aux_free_topk_torch", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(base, "aux_free_select", lambda *a, **k: 1 / 0)
+    check_against_ref(prim.aux_free_topk, 45, 32, 4, 4, 2, seed=21)  # 3 blocks of 16 tokens
+    assert calls
+    logits, bias = make_inputs(45, 32, 22)
+    w, idx, counts = kr.aux_free_topk_torch(logits, bias, 4, 4, 2, block_t=7)  # other block sizes agree
+    w2, idx2, counts2 = kr.aux_free_topk_torch(logits, bias, 4, 4, 2, block_t=64)
+    assert torch.equal(idx, idx2) and torch.equal(w, w2) and torch.equal(counts, counts2)

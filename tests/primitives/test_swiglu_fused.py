@@ -18,10 +18,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from bumblebee import switches
 from bumblebee.kernels import expert_gemm
 from bumblebee.kernels import swiglu as fused
-from bumblebee.primitives import moe_dispatch as chunked_mod
+from bumblebee.primitives.moe_dispatch_options import ChunkedDispatch, swiglu_fns
 from tests.interpreter import interpreted_fixture
 
 FLOOR = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}
@@ -181,20 +180,16 @@ def test_bad_input():
         fused.swiglu_grads_weighted(h, torch.randn(4, 3), torch.ones(3))
 
 
-def test_switch(monkeypatch):
+def test_config_picks_functions():
     x = torch.zeros(1)
-    monkeypatch.setattr(chunked_mod, "FUSED_SWIGLU", "off")
     none = (None, None, None)
-    assert chunked_mod._swiglu_fns(x) == none
-    monkeypatch.setattr(chunked_mod, "FUSED_SWIGLU", "on")  # CPU tensors: only under the interpreter
+    assert swiglu_fns(ChunkedDispatch(fused_swiglu=False), x) == none
     fns = (fused.swiglu, fused.swiglu_grads, fused.swiglu_grads_weighted)
-    assert chunked_mod._swiglu_fns(x) == (fns if fused.INTERPRET else none)
-    assert chunked_mod._swiglu_fns(x.double()) == none  # fp64 takes the torch path
-    monkeypatch.setattr(chunked_mod, "FUSED_SWIGLU", "1")
-    with pytest.raises(ValueError, match="FUSED_SWIGLU"):
-        chunked_mod._swiglu_fns(x)
-    monkeypatch.setenv("BUMBLEBEE_FUSED_SWIGLU", " OFF")
-    assert switches.from_env("BUMBLEBEE_FUSED_SWIGLU") == "off"
+    # CPU tensors: the fused kernels only under the interpreter
+    assert swiglu_fns(ChunkedDispatch(), x) == (fns if fused.INTERPRET else none)
+    assert swiglu_fns(ChunkedDispatch(), x.double()) == none  # fp64 takes the torch path
+    with pytest.raises(ValueError, match="fused_swiglu"):
+        ChunkedDispatch(fused_swiglu="1")
 
 
 @pytest.mark.gpu
