@@ -138,8 +138,9 @@ class BumblebeeEngine(BaseEngine):
         return mesh, ep_mesh
 
     def initialize(self):
-        """Load the HF checkpoint at model_config.local_path into a bumblebee model, split its
-        experts (EP), shard its state, and build verl's LR schedule on the runtime's optimizer."""
+        """Load the HF checkpoint at model_config.local_path into a bumblebee model (each rank reads
+        it whole, then keeps its part), split its experts (EP), shard its state, build verl's LR
+        schedule, and offload what the config offloads."""
         cfg, opt = self.engine_config, self.optimizer_config
         self.mesh, self.ep_mesh = self._mesh()
         model = models.from_pretrained(self.model_config.local_path, impl=dict(cfg.impl),
