@@ -1,0 +1,379 @@
+"""bumblebee's runtime as a verl training engine (verl 0.9.1's `BaseEngine` contract).
+
+Importing this module registers `BumblebeeEngine` in verl's `EngineRegistry` under the backend name
+"bumblebee" for `language_model` (the key verl's workers look up) and for each HF model type a
+bumblebee family serves, on the `cuda` and `cpu` device keys. verl imports it through
+`actor_rollout_ref.model.external_lib=bumblebee.integrations.verl`; the actor then sets
+`strategy=bumblebee` (config: `BumblebeeActorConfig`, engine options: `BumblebeeEngineConfig`).
+
+What runs where:
+- model: `bumblebee.models.from_pretrained(model_config.local_path, impl=...)`, experts split over
+  `ep_size` ranks, state sharding (`fsdp2` or `zero1`) over all ranks, wrapped in a `Runtime`;
+- `forward_backward_batch`: verl's micro-batching (`prepare_micro_batches`), each micro-batch packed
+  into one `Batch` with `cu_seqlens` through `Runtime.forward_backward` with a caller loss: verl's
+  loss function sees verl-shaped log-probs/entropy and runs inside the model's forward (the loss
+  slot's head), so no [N, V] logits exist with `linear_ce`; FSDP2 reduce-scatters once, after the
+  last micro-batch;
+- `optimizer_step`: `Runtime.optim_step(lr=...)` (clipping, non-finite skip, router biases) at the
+  LR of verl's own schedule; `to`: the runtime's per-part offload; checkpoints: the runtime's
+  reshardable DCP state plus the schedule;
+- `get_per_tensor_param`: `Runtime.export_weights`, full HF-named tensors in buckets, for the
+  rollout's weight sync.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+from tensordict import TensorDict
+from torch.distributed.device_mesh import init_device_mesh
+from verl.utils import tensordict_utils as tu
+from verl.workers.config import ActorConfig, EngineConfig
+from verl.workers.engine.base import BaseEngine, BaseEngineCtx, EngineRegistry
+from verl.workers.engine.utils import detach_tree, postprocess_batch_func, prepare_micro_batches
+
+from bumblebee import models, registry
+from bumblebee.integrations.verl_data import next_token_aligned, packed_batch, temperature_of
+from bumblebee.models import moe
+from bumblebee.runtime import Runtime
+
+BACKEND = "bumblebee"
+DEVICES = ("cuda", "cpu")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+SCHEDULE_FILE = "lr_scheduler.pt"
+
+
+@dataclass
+class BumblebeeEngineConfig(EngineConfig):
+    """The engine's options (verl's `EngineConfig` fields, plus):
+    impl: slot -> implementation for the model (`{"cross_entropy": "linear_ce"}`; defaults elsewhere);
+    state_sharding: "fsdp2" or "zero1"; ep_size: expert-parallel ranks (divides the world size and the
+    expert count; 1 = no EP); recompute: full activation recompute; model_dtype: the masters' dtype
+    when loading; mixed_precision: the compute dtype ("bf16" or "fp32"); router_bias_rate: the
+    auxiliary-loss-free routers' bias step."""
+    strategy: str = BACKEND
+    impl: dict = field(default_factory=dict)
+    state_sharding: str = "fsdp2"
+    ep_size: int = 1
+    recompute: bool = False
+    model_dtype: str = "fp32"
+    mixed_precision: str = "bf16"
+    router_bias_rate: float = 1e-3
+    reshard_after_forward: bool = True
+    export_bucket_bytes: int = 2**30
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.strategy != BACKEND:
+            raise ValueError(f"strategy must be {BACKEND!r} for BumblebeeEngineConfig, got {self.strategy!r}")
+        if self.state_sharding not in ("fsdp2", "zero1"):
+            raise ValueError(f"state_sharding must be 'fsdp2' or 'zero1', got {self.state_sharding!r}")
+        if not (isinstance(self.ep_size, int) and self.ep_size >= 1):
+            raise ValueError(f"ep_size must be an int >= 1, got {self.ep_size!r}")
+        for name in ("model_dtype", "mixed_precision"):
+            if getattr(self, name) not in DTYPES:
+                raise ValueError(f"{name} must be one of {sorted(DTYPES)}, got {getattr(self, name)!r}")
+
+
+@dataclass
+class BumblebeeActorConfig(ActorConfig):
+    """verl's actor config with `strategy="bumblebee"`; the engine options live under `bumblebee`."""
+    strategy: str = BACKEND
+    bumblebee: BumblebeeEngineConfig = field(default_factory=BumblebeeEngineConfig)
+
+    def __post_init__(self):
+        super().__post_init__()
+        self.engine = self.bumblebee
+
+
+class _ModeCtx(BaseEngineCtx):
+    """verl's train/eval context: offload moves (the base class), the runtime's mode, and on leaving
+    training the gradients zeroed (as verl's FSDP engine does)."""
+
+    def __enter__(self):
+        super().__enter__()
+        rt = self.engine.runtime
+        self._mode = rt.train_mode() if self.mode == "train" else rt.eval_mode()
+        self._mode.__enter__()
+
+    def __exit__(self, exc_type, exc_val, exc_tb):
+        self._mode.__exit__(exc_type, exc_val, exc_tb)
+        if self.mode == "train" and self.engine.runtime.state is not None and \
+                (self.zero_grad_on_exit or exc_type is not None):
+            self.engine.optimizer_zero_grad()
+        super().__exit__(exc_type, exc_val, exc_tb)
+
+
+class BumblebeeEngine(BaseEngine):
+    def __init__(self, model_config, engine_config: BumblebeeEngineConfig, optimizer_config, checkpoint_config=None):
+        super().__init__()
+        if not isinstance(engine_config, BumblebeeEngineConfig):
+            raise TypeError(f"engine_config must be a BumblebeeEngineConfig, got {type(engine_config).__name__}")
+        if not dist.is_initialized():
+            raise ValueError("BumblebeeEngine needs torch.distributed initialized (verl's workers do it; "
+                             "one process: dist.init_process_group('gloo', rank=0, world_size=1))")
+        if getattr(model_config, "lora_rank", 0):
+            raise ValueError("LoRA (model_config.lora_rank > 0) is not supported by the bumblebee engine")
+        self.model_config, self.engine_config = model_config, engine_config
+        self.optimizer_config, self.checkpoint_config = optimizer_config, checkpoint_config
+        self.mode = None
+        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else \
+            torch.device("cpu")
+        self.runtime = self.lr_scheduler = None
+        self._saved: list[str] = []
+
+    # ---- building ----------------------------------------------------------------------------------
+    def _mesh(self):
+        world, ep = dist.get_world_size(), self.engine_config.ep_size
+        if world % ep:
+            raise ValueError(f"ep_size={ep} must divide the world size {world}")
+        mesh = init_device_mesh(self.device.type, (world,), mesh_dim_names=("dp",))
+        ep_mesh = init_device_mesh(self.device.type, (world // ep, ep), mesh_dim_names=("efsdp", "ep")) \
+            if ep > 1 else None
+        return mesh, ep_mesh
+
+    def initialize(self):
+        """Load the HF checkpoint at model_config.local_path into a bumblebee model (each rank reads
+        it whole, then keeps its part), split its experts (EP), shard its state, build verl's LR
+        schedule, and offload what the config offloads."""
+        cfg, opt = self.engine_config, self.optimizer_config
+        self.mesh, self.ep_mesh = self._mesh()
+        model = models.from_pretrained(self.model_config.local_path, impl=dict(cfg.impl),
+                                       dtype=DTYPES[cfg.model_dtype], device=str(self.device))
+        if self.ep_mesh is not None:
+            moe.shard_experts(model, self.ep_mesh["ep"].get_group())
+        model.set_recompute(cfg.recompute)
+        state = None
+        if not cfg.forward_only:
+            name = str(getattr(opt, "optimizer", "adamw")).lower()
+            if name not in ("adamw", "_adamw"):
+                raise ValueError(f"optimizer_config.optimizer={name!r}: the bumblebee engine's state runs AdamW")
+            clip = getattr(opt, "clip_grad", None) or getattr(opt, "grad_clip", None)
+            state = registry.resolve("state_sharding", cfg.state_sharding)(
+                model, self.mesh, lr=opt.lr, betas=tuple(opt.betas), eps=getattr(opt, "eps", 1e-8),
+                weight_decay=opt.weight_decay, mixed_precision=cfg.mixed_precision,
+                grad_clip=clip, ep_mesh=self.ep_mesh, reshard_after_forward=cfg.reshard_after_forward)
+            # verl's own schedule, on a stand-in optimizer: its LR goes to each optim_step(lr=...)
+            self.lr_scheduler = self._build_lr_scheduler(torch.optim.SGD([torch.zeros(1, requires_grad=True)],
+                                                                         lr=opt.lr))
+        self.runtime = Runtime(model, state, router_bias_rate=cfg.router_bias_rate)
+        self.to("cpu", model=self.is_param_offload_enabled, optimizer=self.is_optimizer_offload_enabled,
+                grad=self.is_param_offload_enabled)
+
+    def _build_lr_scheduler(self, optimizer):
+        from verl.utils.torch_functional import get_constant_schedule_with_warmup, get_cosine_schedule_with_warmup
+        opt = self.optimizer_config
+        total = getattr(opt, "total_training_steps", -1)
+        warmup = getattr(opt, "lr_warmup_steps", -1) or -1
+        if warmup <= 0:
+            warmup = int(getattr(opt, "lr_warmup_steps_ratio", 0.0) * max(total, 0))
+        kind = getattr(opt, "lr_scheduler_type", "constant")
+        if kind == "constant":
+            return get_constant_schedule_with_warmup(optimizer, num_warmup_steps=warmup)
+        if kind == "cosine":
+            return get_cosine_schedule_with_warmup(optimizer, num_warmup_steps=warmup, num_training_steps=total,
+                                                   min_lr_ratio=getattr(opt, "min_lr_ratio", None) or 0.0,
+                                                   num_cycles=getattr(opt, "num_cycles", 0.5),
+                                                   zero_indexed_step=getattr(opt, "zero_indexed_step", True))
+        raise ValueError(f"optimizer_config.lr_scheduler_type must be 'constant' or 'cosine', got {kind!r}")
+
+    @property
+    def model(self):
+        return self.runtime.model
+
+    # ---- what verl asks of every engine --------------------------------------------------------------
+    @property
+    def is_param_offload_enabled(self) -> bool:
+        return bool(self.engine_config.param_offload)
+
+    @property
+    def is_optimizer_offload_enabled(self) -> bool:
+        return bool(self.engine_config.optimizer_offload) and not self.engine_config.forward_only
+
+    def train_mode(self, **kwargs):
+        return _ModeCtx(self, "train", **kwargs)
+
+    def eval_mode(self, **kwargs):
+        return _ModeCtx(self, "eval", **kwargs)
+
+    def is_mp_src_rank_with_outputs(self):
+        return True  # data parallel only: every rank holds its own samples' outputs
+
+    def get_data_parallel_rank(self):
+        return dist.get_rank()
+
+    def get_data_parallel_size(self):
+        return dist.get_world_size()
+
+    def get_data_parallel_group(self):
+        return self.mesh.get_group()
+
+    def to(self, device: str, model: bool = True, optimizer: bool = True, grad: bool = True):
+        """The runtime's per-part move (verl offloads to "cpu" and brings back to its device name;
+        on a machine without CUDA that name is "cuda" for verl, "cpu" here)."""
+        super().to(device, model=model, optimizer=optimizer, grad=grad)
+        target = "cpu" if device == "cpu" else self.device
+        optimizer = optimizer and self.runtime.state is not None
+        if model or optimizer or grad:
+            self.runtime.to(target, model=model, optimizer=optimizer, grad=grad and self.runtime.state is not None)
+
+    @contextmanager
+    def _resident(self):
+        """Within: every part on the engine's device (collectives and exports need them together);
+        offloaded parts go back to the CPU after."""
+        off = self.device.type != "cpu" and (self.is_param_offload_enabled or self.is_optimizer_offload_enabled)
+        if off:
+            self.runtime.to(self.device, optimizer=self.runtime.state is not None,
+                            grad=self.runtime.state is not None)
+        try:
+            yield
+        finally:
+            if off:
+                self.to("cpu", model=self.is_param_offload_enabled, optimizer=self.is_optimizer_offload_enabled,
+                        grad=self.is_param_offload_enabled)
+
+    def optimizer_zero_grad(self):
+        self.runtime.optimizer_zero_grad()
+
+    def optimizer_step(self):
+        """The runtime's step at the schedule's LR; returns the global gradient norm before clipping."""
+        return float(self.runtime.optim_step(lr=self.lr_scheduler.get_last_lr()[0])["grad_norm"])
+
+    def lr_scheduler_step(self):
+        self.lr_scheduler.step()
+        return self.lr_scheduler.get_last_lr()[0]
+
+    # ---- forward and backward ------------------------------------------------------------------------
+    def forward_backward_batch(self, data: TensorDict, loss_function: Callable, forward_only=False):
+        """verl's micro-batches of `data`, each through the runtime; the loss's backward when
+        training. Returns verl's {"model_output", "loss", "metrics"} in the data's sample order."""
+        tu.assign_non_tensor(data, sp_size=1)
+        num_tokens = data["loss_mask"].sum().to(device=self.device, dtype=torch.int64)
+        dist.all_reduce(num_tokens, group=self.get_data_parallel_group())
+        tu.assign_non_tensor(data, batch_num_tokens=int(num_tokens.item()), dp_size=self.get_data_parallel_size())
+        keep_outputs = tu.get_non_tensor_data(data=data, key="return_model_output", default=False)
+        micro_batches, indices = prepare_micro_batches(data=data, dp_group=self.get_data_parallel_group(),
+                                                       same_micro_num_in_dp=True)
+        outputs = []
+        sync = getattr(self.model, "set_requires_gradient_sync", None) if not forward_only else None
+        try:
+            for i, micro in enumerate(micro_batches):
+                if sync is not None:  # FSDP2: one reduce-scatter, after the last micro-batch
+                    sync(i == len(micro_batches) - 1)
+                out = self.forward_step(micro, loss_function, forward_only)
+                if not forward_only and not keep_outputs:
+                    out.pop("model_output", None)
+                outputs.append(out)
+        finally:
+            if sync is not None:
+                sync(True)
+        return postprocess_batch_func(output_lst=outputs, indices=indices, data=data)
+
+    def forward_step(self, micro: TensorDict, loss_function, forward_only):
+        """One verl micro-batch through the runtime: {"model_output", "loss", "metrics"}, verl's
+        loss value (its own scale) and metrics."""
+        micro = micro.to(self.device)
+        batch, offsets = packed_batch(micro)
+        entropy = bool(tu.get_non_tensor_data(data=micro, key="calculate_entropy", default=False))
+        temperature = temperature_of(micro)
+        group, dp = self.get_data_parallel_group(), self.get_data_parallel_size()
+
+        def verl_outputs(out):
+            got = {"log_probs": next_token_aligned(out["log_probs"], offsets)}
+            if out.get("entropy") is not None:
+                got["entropy"] = next_token_aligned(out["entropy"], offsets)
+            return got
+
+        if forward_only:  # no graph; router load counts stay as they were
+            res = self.runtime.forward(batch, temperature=temperature, entropy=entropy)
+            model_output = verl_outputs({"log_probs": res.log_probs, "entropy": res.entropy})
+            loss, metrics = (loss_function(model_output=model_output, data=micro, dp_group=group)
+                             if loss_function is not None else (torch.zeros(()), {}))
+            return {"model_output": model_output, "loss": float(loss), "metrics": metrics}
+
+        found = {}
+
+        def loss_fn(model_output, data, dp_group):  # inside the model's forward: the head is whole
+            found["model_output"] = verl_outputs(model_output)
+            loss, found["metrics"] = loss_function(model_output=found["model_output"], data=micro, dp_group=group)
+            found["loss"] = float(loss.detach())
+            # verl scales its loss for a gradient mean over ranks (x dp_size); the runtime makes the
+            # gradient the sum of the ranks' losses: undo verl's factor
+            return loss / dp, {}
+
+        self.runtime.forward_backward(batch, loss_fn, temperature=temperature, entropy=entropy)
+        return {"model_output": detach_tree(found["model_output"]), "loss": found["loss"],
+                "metrics": found["metrics"]}
+
+    # ---- weights for the rollout -----------------------------------------------------------------------
+    def get_per_tensor_param(self, layered_summon=False, base_sync_done=False, **kwargs):
+        """(generator of (HF name, full tensor), None), gathered in buckets: every rank must run it
+        to the end (it holds the gathers)."""
+        def tensors():
+            with self._resident():
+                for name, t in self.runtime.export_weights(bucket_bytes=self.engine_config.export_bucket_bytes):
+                    yield name, t.to(self.device)
+        return tensors(), None
+
+    # ---- checkpoints -----------------------------------------------------------------------------------
+    def save_checkpoint(self, local_path: str, hdfs_path: Optional[str] = None, global_step: int = 0,
+                        max_ckpt_to_keep: Optional[int] = None, **kwargs) -> None:
+        """The runtime's DCP state (model, optimizer, router biases) and the LR schedule into
+        `local_path`; HF weights under `local_path/huggingface` when save_contents has "hf_model"."""
+        rt = self.runtime
+        with self._resident():
+            rt.save_state(local_path)
+            if "hf_model" in (getattr(self.checkpoint_config, "save_contents", None) or ()):
+                rt.save_weights(os.path.join(local_path, "huggingface"))
+        if dist.get_rank() == 0:
+            tmp = os.path.join(local_path, f".{SCHEDULE_FILE}.tmp")
+            torch.save({"lr_scheduler": self.lr_scheduler.state_dict(), "global_step": int(global_step)}, tmp)
+            os.replace(tmp, os.path.join(local_path, SCHEDULE_FILE))
+        dist.barrier()
+        if hdfs_path is not None and dist.get_rank() == 0:
+            from verl.utils import hdfs_io
+            hdfs_io.makedirs(hdfs_path, exist_ok=True)
+            hdfs_io.copy(src=local_path, dst=hdfs_path, dirs_exist_ok=True)
+        self._saved = [p for p in self._saved if p != local_path] + [local_path]
+        if max_ckpt_to_keep and max_ckpt_to_keep > 0:
+            while len(self._saved) > max_ckpt_to_keep:  # only checkpoints this engine wrote
+                old = self._saved.pop(0)
+                if dist.get_rank() == 0:
+                    shutil.rmtree(old, ignore_errors=True)
+        dist.barrier()
+
+    def load_checkpoint(self, local_path: str, hdfs_path: Optional[str] = None, del_local_after_load: bool = True,
+                        **kwargs) -> None:
+        """Load what `save_checkpoint` wrote (any rank count: DCP reshards). A local copy is deleted
+        afterwards only when it was fetched from `hdfs_path`."""
+        fetched = False
+        if hdfs_path is not None and (local_path is None or not os.path.isdir(local_path)):
+            from verl.utils.fs import copy_to_local
+            local_path, fetched = copy_to_local(hdfs_path), True
+        with self._resident():
+            self.runtime.load_state(local_path)
+        sched = os.path.join(local_path, SCHEDULE_FILE)
+        if self.lr_scheduler is not None and os.path.isfile(sched):
+            self.lr_scheduler.load_state_dict(torch.load(sched, weights_only=False)["lr_scheduler"])
+        dist.barrier()
+        if fetched and del_local_after_load and dist.get_rank() == 0:
+            shutil.rmtree(local_path, ignore_errors=True)
+
+
+def _register() -> None:
+    types = ["language_model", *sorted(models.MODEL_TYPES)]
+    for model_type in types:
+        have = EngineRegistry._engines.get(model_type, {}).get(BACKEND, {})
+        devices = [d for d in DEVICES if d not in have]  # importing twice registers once
+        if devices:
+            EngineRegistry.register(model_type=model_type, backend=BACKEND, device=devices)(BumblebeeEngine)
+
+
+_register()
+
+__all__ = ["BACKEND", "BumblebeeActorConfig", "BumblebeeEngine", "BumblebeeEngineConfig"]
