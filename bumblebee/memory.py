@@ -92,6 +92,7 @@ class Parallel:
     moe_dispatch: str = "chunked"  # at EP = 1: "chunked" (its grouped path under the fused recompute) or
                                    # "local" (the twin's rows; also runs measured before that path)
     moe_group_rows: int = 65536    # ChunkedDispatch.group_rows
+    compiled_norms: bool = True    # RMSNorm and RoPE compiled (bumblebee.fused); False for runs before it
     mla_fused_rope: bool = FlashMLAConfig.fused_rope  # the mla slot's flash option fused_rope (on CUDA)
 
 
@@ -161,19 +162,23 @@ def _is_expert(name: str) -> bool:
 
 # ---- activations: bytes per token ----------------------------------------------------------------
 
-def _layer_working_set(cfg, n_tok: int, b: int) -> int:
-    """Bytes autograd keeps for one GQA decoder layer's backward (Qwen3; SDPA without a [T, T] matrix)."""
+def _layer_working_set(cfg, n_tok: int, b: int, compiled: bool = False) -> int:
+    """Bytes autograd keeps for one GQA decoder layer's backward (Qwen3; SDPA without a [T, T] matrix).
+    compiled: RMSNorm and RoPE as `bumblebee.fused` compiles them on CUDA: the norms keep their input
+    and rsqrt (no fp32 copy), RoPE keeps nothing, so q and k are kept twice (the projection, the norm's
+    input; the rotated rows, SDPA's) instead of three times."""
     d, dh = cfg.hidden_size, cfg.head_dim
-    qkv = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * dh
-    attn = n_tok * (2 * d * b + 4 * d        # input, normed input; the fp32 copy inside RMSNorm
-                    + 3 * qkv * b            # q/k/v projections, normed, rotated
+    qk, v = (cfg.num_attention_heads + cfg.num_key_value_heads) * dh, cfg.num_key_value_heads * dh
+    fp32_copy = 0 if compiled else 4 * d
+    attn = n_tok * (2 * d * b + fp32_copy     # input, normed input; the fp32 copy inside eager RMSNorm
+                    + ((2 if compiled else 3) * qk + (1 if compiled else 3) * v) * b  # q/k/v: projected, normed, rotated
                     + cfg.num_attention_heads * dh * b + d * b)  # attention output, o_proj output
     experts = getattr(cfg, "num_experts", 0)
     if experts:
-        mlp = n_tok * (2 * d * b + 4 * d + experts * 4)  # normed input, router logits (fp32)
+        mlp = n_tok * (2 * d * b + fp32_copy + experts * 4)  # normed input, router logits (fp32)
     else:
         f = cfg.intermediate_size
-        mlp = n_tok * (2 * d * b + 4 * d + 4 * f * b)  # normed input; gate, up, silu, product
+        mlp = n_tok * (2 * d * b + fp32_copy + 4 * f * b)  # normed input; gate, up, silu, product
     return attn + mlp
 
 
@@ -557,8 +562,11 @@ def _activation_terms(est: Estimate, cfg, g: dict, par: Parallel, b: int, mtp: b
         mtp_norms = norm + _norm_kept(d, b, True)  # enorm; hnorm's input is the main loss input, kept
     else:  # GQA layers: saved tensors, and as much again for their gradients
         types, first_type = ["gqa"] * local_layers, "gqa"
-        work = _layer_working_set(cfg, 1, b)
-        per_type = {"gqa": (work + dispatch[0], (2 * work if par.recompute else work) + sum(dispatch))}
+        work = _layer_working_set(cfg, 1, b, compiled=par.device == "cuda" and par.compiled_norms)
+        # the rebuilt layer's saved tensors, then either the MoE backward's working set or the attention
+        # part's gradients (as much again): the MoE backward ends before the attention's begins
+        grads = work if par.recompute else 0
+        per_type = {"gqa": (work + dispatch[0], work + dispatch[0] + max(grads, dispatch[1]))}
         norm = _rms_norm(d, b)
         mtp_norms = 2 * norm
     worst = max(set(types), key=lambda t: per_type[t][1])  # under recompute one layer is rebuilt at a time
