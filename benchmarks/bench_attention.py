@@ -27,13 +27,13 @@ Each record of a slot entry holds its resolved config (`impl_config`).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 from pathlib import Path
 
 import pytest
 import torch
+from stamp import stamp
 from timing import matmul_tflops, median_ms, synced
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -193,9 +193,9 @@ def write_results(path):
         fa4_version = None
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.update(device=torch.cuda.get_device_name() if _cuda() else "cpu (smoke)", torch=torch.__version__,
+    RESULTS.update(stamp(), device=torch.cuda.get_device_name() if _cuda() else "cpu (smoke)",
                    cudnn=torch.backends.cudnn.version() if _cuda() else None, flash_attn_4=fa4_version,
-                   date=datetime.date.today().isoformat(), shapes=SHAPES, dtype=str(CFG["dtype"]))
+                   shapes=SHAPES, dtype=str(CFG["dtype"]))
     summarize()
     path.write_text(json.dumps(RESULTS, indent=2, default=str))
     return path

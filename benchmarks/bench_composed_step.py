@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 from bench_state_sharding import _sync, build_on_device
+from stamp import stamp
 from timing import matmul_tflops
 
 MODEL = "qwen3.5-35b-a3b"
@@ -165,13 +166,13 @@ def main() -> None:
     state = registry.resolve("state_sharding", "fsdp2")(model, mesh, lr=1e-4, weight_decay=0.1, grad_clip=1.0,
                                                          mixed_precision=mixed, ep_mesh=ep_mesh)
     report = {
-        "slot": "composed_step", "world_size": world, "ep": ep,
+        **stamp(device), "slot": "composed_step", "world_size": world, "ep": ep,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (smoke run)",
-        "torch": torch.__version__, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "model": name, "layers": args.layers, "layer_types": list(model.config.layer_types), "params": n_params,
         "impl": {**impl, "state_sharding": "fsdp2", "recompute": "full", "mixed_precision": mixed,
                  "moe_fused_recompute": model.impl_configs().get("moe_dispatch", {}).get("fused_recompute", False)},
-        "impl_configs": model.impl_configs(),  # every slot the model uses, with its options
+        # every slot the model uses, with its options
+        "impl_configs": {**model.impl_configs(), "state_sharding": registry.record("state_sharding", "fsdp2")},
         "allocator": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"), "matmul_tflops_bf16_8192": rate,
         "iterations": {"warmup": args.warmup, "timed": args.steps, "statistic": "median, slowest rank"},
         "rows": [],

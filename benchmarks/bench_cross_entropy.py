@@ -19,7 +19,6 @@ Results go to $BENCH_OUT/cross_entropy.json (default benchmarks/results/); `--pl
 """
 from __future__ import annotations
 
-import datetime
 import json
 import os
 import sys
@@ -91,13 +90,8 @@ def _cases():
 
 
 def _save():
-    import triton
-    import subprocess
-    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True, text=True)
-    RESULTS.update(commit=os.environ.get("BENCH_COMMIT") or head.stdout.strip() or None)
-    RESULTS.update(device=torch.cuda.get_device_name(), torch=torch.__version__,
-                   triton=triton.__version__, date=datetime.date.today().isoformat(),
-                   memory_definition="peak during fwd+bwd - memory before it - bytes of dH and dW",
+    from stamp import stamp
+    RESULTS.update(stamp(), memory_definition="peak during fwd+bwd - memory before it - bytes of dH and dW",
                    flop_definition="useful FLOPs = 6NHV; floor = 6NHV / matmul_tflops")
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "cross_entropy.json").write_text(json.dumps(RESULTS, indent=1))

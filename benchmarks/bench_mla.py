@@ -54,7 +54,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import datetime
 import json
 import os
 from pathlib import Path
@@ -62,6 +61,7 @@ from unittest import mock
 
 import pytest
 import torch
+from stamp import stamp
 from timing import matmul_tflops, median_ms
 import torch.nn.functional as F
 
@@ -503,11 +503,6 @@ def summarize():
 
 def write_results(path=None):
     try:
-        import triton
-        triton_version = triton.__version__
-    except ImportError:
-        triton_version = None
-    try:
         import megatron.core
         megatron_version = megatron.core.__version__
     except Exception:  # not installed, or fails to import
@@ -520,12 +515,12 @@ def write_results(path=None):
         fa4_version = None
     path = Path(path or OUT / "mla.json")
     path.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.update(device=torch.cuda.get_device_name() if _cuda() else "cpu (smoke)", torch=torch.__version__,
-                   triton=triton_version, megatron_core=megatron_version,
+    RESULTS.update(stamp(), device=torch.cuda.get_device_name() if _cuda() else "cpu (smoke)",
+                   megatron_core=megatron_version,
                    cudnn=torch.backends.cudnn.version() if _cuda() else None,
                    mla_fused_rope=FlashMLAConfig().fused_rope, mla_default_config=dataclasses.asdict(FlashMLAConfig()),
                    flash_attn_4=fa4_version, mla_core_backend=_core_backend("flash_lean"),
-                   date=datetime.date.today().isoformat(), shapes=CFG["sizes"], dtype=str(CFG["dtype"]),
+                   shapes=CFG["sizes"], dtype=str(CFG["dtype"]),
                    flop_formula=FLOP_FORMULA)
     summarize()
     path.write_text(json.dumps(RESULTS, indent=2, default=str))

@@ -374,10 +374,10 @@ def main():
                                                             picture=(N == 16384 and c == 2))
         del x, w, idx
     if rank == 0:
+        from stamp import stamp
         result = {
-            "slot": "moe_dispatch", "device": torch.cuda.get_device_name(), "gpus": EP,
-            "torch": torch.__version__, "nccl": ".".join(map(str, torch.cuda.nccl.version())),
-            "date": datetime.date.today().isoformat(),
+            **stamp(device), "slot": "moe_dispatch", "gpus": EP,
+            "nccl": ".".join(map(str, torch.cuda.nccl.version())),
             "cuda_device_max_connections": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"),
             "nccl_high_priority_stream": not args.nccl_normal_priority,
             "nccl_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("NCCL_")},

@@ -15,7 +15,6 @@ carrying the commit (BENCH_COMMIT when set).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import statistics
@@ -83,7 +82,8 @@ def run_one(impl: str, args, mesh, device) -> dict:
            "left_bytes": left, "offload_s": statistics.median(offload_s), "onload_s": statistics.median(onload_s),
            "offload_GBps": static / 1e9 / statistics.median(offload_s),
            "onload_GBps": static / 1e9 / statistics.median(onload_s),
-           "round_trip_checksums_equal": same, "step_after_applied": step["applied"]}
+           "round_trip_checksums_equal": same, "step_after_applied": step["applied"],
+           "impl_configs": {**model.impl_configs(), "state_sharding": registry.record("state_sharding", impl)}}
     del rt, state, model
     torch.cuda.empty_cache()
     return row
@@ -99,7 +99,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=HERE / "results")
     args = ap.parse_args()
     sys.path.insert(0, str(HERE))
-    from bench_training_step import commit
+    from stamp import stamp as run_stamp
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29531")
     dist.init_process_group("nccl", rank=int(os.environ.get("RANK", 0)), world_size=int(os.environ.get("WORLD_SIZE", 1)))
@@ -108,15 +108,13 @@ def main() -> None:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
         mesh = init_device_mesh("cuda", (dist.get_world_size(),), mesh_dim_names=("dp",))
-        stamp = {**commit(), "torch": torch.__version__, "cuda": torch.version.cuda,
-                 "device": torch.cuda.get_device_name(device), "ranks": dist.get_world_size(),
-                 "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+        stamp = {**run_stamp(device), "ranks": dist.get_world_size()}
         rows = [{**stamp, **run_one(impl, args, mesh, device)} for impl in args.impl]
         if dist.get_rank() == 0:
             name = stamp["device"].lower().replace("nvidia", "").strip().split()[0]
             args.out.mkdir(parents=True, exist_ok=True)
             path = args.out / f"offload_{name}.json"
-            path.write_text(json.dumps({"rows": rows}, indent=1) + "\n")
+            path.write_text(json.dumps({**stamp, "benchmark": "offload", "rows": rows}, indent=1) + "\n")
             for r in rows:
                 print(f"{r['impl']}: static {r['static_bytes'] / 2**30:.2f} GiB, freed {r['freed_fraction']:.1%}, "
                       f"offload {r['offload_s']:.2f} s, onload {r['onload_s']:.2f} s, "

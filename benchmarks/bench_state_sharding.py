@@ -20,7 +20,6 @@ the measured peak.
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
 import json
 import os
@@ -115,6 +114,7 @@ def run_one(impl: str, args, mesh, ep_mesh, device, rank: int, world: int) -> di
                                                             "activations", "layer_working", "loss_buffers",
                                                             "moe_dispatch", "optimizer_step")}},
         "estimate_peak_error": (est.peak - peak) / peak,
+        "impl_configs": {**model.impl_configs(), "state_sharding": registry.record("state_sharding", impl)},
     }
     if impl == "fsdp2":
         formula = 18 * n_params / world + 2 * block  # the recipe's 18P/n plus one bf16 block
@@ -167,16 +167,11 @@ def main() -> None:
         "estimate_within_10pct_of_peak": all(abs(r["estimate_peak_error"]) <= 0.10 for r in results),
     }
     if rank == 0:
-        try:
-            import triton
-        except ImportError:
-            triton = None
+        from stamp import stamp
         from bumblebee import memory
         report = {
-            "slot": "state_sharding", "world_size": world,
+            **stamp(device), "slot": "state_sharding", "world_size": world,
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (smoke run)",
-            "torch": torch.__version__, "triton": getattr(triton, "__version__", None),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "shape": {"model": args.model, "layers": args.layers, "seq_len": args.seq_len, "ep": args.ep,
                       "micro_batch": args.micro_batch, "loss": args.loss, "recompute": True,
                       "mixed_precision": args.mixed_precision, "warmup": args.warmup, "steps": args.steps},

@@ -21,7 +21,6 @@ Writes DIR/training_step_<gpu>_x<gpus>.json: {"rows": [...], "comparison": [...]
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import statistics
@@ -34,6 +33,9 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from stamp import commit, stamp  # noqa: E402  (the benchmarks folder is not a package)
+
 STACKS = ("transformers+liger", "bumblebee")  # the peer first: its kernels autotune once
 CATEGORIES = [  # first match wins; kernel names lower-cased
     ("attention", ("fmha", "flash", "attention", "sdpa", "fa4", "cudnn")),
@@ -45,20 +47,6 @@ CATEGORIES = [  # first match wins; kernel names lower-cased
     ("reductions", ("reduce", "norm", "sum", "softmax", "topk", "sort", "radix", "cumsum", "bincount")),
     ("elementwise", ("elementwise", "silu", "mul", "add", "exp", "foreach")),
 ]
-
-
-def commit() -> dict:
-    """The commit of the code that runs: BENCH_COMMIT when the launcher sets it (a copy of the tree
-    sent to another machine may carry stale git metadata), else git's HEAD and whether it is dirty."""
-    if os.environ.get("BENCH_COMMIT"):
-        return {"commit": os.environ["BENCH_COMMIT"], "dirty": None}
-    try:
-        rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=HERE, capture_output=True, text=True).stdout.strip()
-        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=HERE,
-                                    capture_output=True, text=True).stdout.strip())
-    except OSError:
-        rev, dirty = None, None
-    return {"commit": rev or os.environ.get("BENCH_COMMIT"), "dirty": dirty}
 
 
 def hf_slice(name: str, layers: int, cpu_smoke: bool) -> dict:
@@ -164,7 +152,6 @@ def sdpa_backend_now(device) -> str | None:
 def worker(args) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    sys.path.insert(0, str(HERE))
     import step_stacks
     cpu = args.cpu_smoke
     dist.init_process_group("gloo" if cpu else "nccl")
@@ -317,7 +304,6 @@ def main() -> None:
         args.stacks = args.stacks.replace("transformers+liger", "transformers")
     stacks = args.stacks.split(",")
     lens = [int(s) for s in args.seq_lens.split(",") if s]
-    sys.path.insert(0, str(HERE))
     import step_stacks
     hf = hf_slice(args.model, args.layers, args.cpu_smoke)
     rows = []
@@ -327,9 +313,8 @@ def main() -> None:
     name = f"training_step_{args.model}_{gpu}_x{args.gpus}{args.tag}.json"
 
     def write() -> dict:  # after every row: a run cut short still leaves the rows it measured
-        report = {"benchmark": "training_step", "model": args.model, "layers": args.layers, "gpus": args.gpus,
-                  "hf_config": hf, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                  **commit(), "torch": torch.__version__, "device": gpu, "rows": rows, "comparison": compare(rows),
+        report = {**stamp(), "benchmark": "training_step", "model": args.model, "layers": args.layers,
+                  "gpus": args.gpus, "hf_config": hf, "device": gpu, "rows": rows, "comparison": compare(rows),
                   "longest_fit": {st: max([r["seq_len"] for r in rows if r["stack"] == st and r.get("fits")],
                                           default=None) for st in dict.fromkeys(r["stack"] for r in rows)}}
         (out / name).write_text(json.dumps(report, indent=1))
