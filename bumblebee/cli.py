@@ -1,4 +1,5 @@
-"""Command line: `bumblebee list`, `bumblebee pair --model M --slot S --a X --b Y [--json PATH]`."""
+"""Command line: `bumblebee list`, `bumblebee pair --model M --slot S --a X --b Y [--json PATH]`,
+`bumblebee results [SLOT] [--file PATH] [--dir DIR]`."""
 from __future__ import annotations
 
 import argparse
@@ -67,6 +68,17 @@ exit status:
 skills/pairing/SKILL.md says how to read the report."""
 
 
+RESULTS_DESCRIPTION = """Print the benchmark results of a slot, one compact table per result file (its scalar
+columns; byte counts in GiB), each headed by the file's commit, dirty-tree flag, device, ranks and
+versions ("commit unknown" for files written before results were stamped). Without SLOT: every
+slot and its result files."""
+
+RESULTS_EPILOG = """example:
+  bumblebee results                      # the slots and their files
+  bumblebee results training_step        # tokens/s, peak GiB, ratios against transformers + Liger
+  bumblebee results --file benchmarks/results/state_sharding.json"""
+
+
 def parser() -> argparse.ArgumentParser:
     from bumblebee import registry
     from bumblebee.models.configs import NAMED
@@ -94,6 +106,13 @@ def parser() -> argparse.ArgumentParser:
                    help="set another slot alike on both sides, e.g. cross_entropy=linear_ce (repeatable)")
     p.add_argument("--json", default=None, metavar="PATH",
                    help="also write the report as JSON to PATH (checked before the run)")
+    r = sub.add_parser("results", help="the benchmark result files of a slot, as tables",
+                       formatter_class=_HelpFormatter, epilog=RESULTS_EPILOG, description=RESULTS_DESCRIPTION)
+    r.add_argument("slot", nargs="?", default=None, metavar="SLOT",
+                   help="a slot or benchmark name (training_step, cross_entropy, ...); none: list them")
+    r.add_argument("--file", default=None, metavar="PATH", help="print this one result file instead")
+    r.add_argument("--dir", default=None, metavar="DIR",
+                   help="the results folder (default: benchmarks/results/ of this checkout)")
     return top
 
 
@@ -103,6 +122,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "pair" and args.json and (why := _check_writable(args.json)):
         top.error(f"--json {args.json}: cannot write there ({why})")
 
+    if args.cmd == "results":
+        from bumblebee import results
+        try:
+            print(results.main(args.slot, file=args.file, directory=args.dir))
+        except (ValueError, OSError) as e:
+            print(f"bumblebee results: {e}", file=sys.stderr)
+            return 2
+        return 0
     from bumblebee import registry
     if args.cmd == "list":
         from bumblebee import models

@@ -1,0 +1,177 @@
+"""`bumblebee results`: the benchmark result files of each slot, read back as compact tables.
+
+Reads benchmarks/results/**/*.json (and .jsonl: one row a line) as they are, whatever their age:
+the rows are every top-level list of records ("rows", "results", "cases", ...), the columns their
+scalar fields, byte counts shown in GiB; each table is headed by the file's stamp (commit, dirty
+tree, device, versions: `benchmarks/stamp.py` writes it; older files say "commit unknown").
+Reads JSON only: imports nothing of the benchmarks.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS_DIR = ROOT / "benchmarks" / "results"
+STAMP = ("commit", "dirty", "device", "torch", "triton", "cuda", "date")
+RANKS = ("ranks", "world_size", "gpus")
+ROW_KEYS = ("rows", "results", "cases")  # the main table first, where a file names it so
+GiB = 2 ** 30
+MAX_TEXT = 28  # longer strings (error tails, paths) are cut: the file holds them whole
+
+
+def load(path: Path) -> dict:
+    """A result file as a dict; a .jsonl file becomes {"rows": [one record a line]}."""
+    text = Path(path).read_text()
+    if Path(path).suffix == ".jsonl":
+        return {"rows": [json.loads(line) for line in text.splitlines() if line.strip()]}
+    data = json.loads(text)
+    return data if isinstance(data, dict) else {"rows": data}
+
+
+def known_names(root: Path = ROOT) -> list[str]:
+    """Benchmark and probe names (benchmarks/bench_<name>.py, benchmarks/probe_<name>.py), longest first:
+    result file names start with one."""
+    folder = root / "benchmarks"
+    names = [p.stem[len("bench_"):] for p in folder.glob("bench_*.py")] + [p.stem for p in folder.glob("probe_*.py")]
+    return sorted(names, key=len, reverse=True)
+
+
+def slot_of(path: Path, data: dict, names: list[str]) -> str:
+    """The file's "slot" or "benchmark" key; else the benchmark its name starts with; else its name."""
+    for key in ("slot", "benchmark"):
+        if isinstance(data.get(key), str):
+            return data[key]
+    stem = Path(path).stem
+    return next((n for n in names if stem == n or stem.startswith(n + "_")), stem)
+
+
+def files(directory: Path = RESULTS_DIR) -> list[Path]:
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise FileNotFoundError(f"no results folder at {directory}")
+    return sorted(p for p in directory.rglob("*") if p.suffix in (".json", ".jsonl") and p.is_file())
+
+
+def by_slot(directory: Path = RESULTS_DIR) -> dict[str, list[Path]]:
+    """{slot: its result files}, current files (outside before_* folders) first."""
+    names, out = known_names(), {}
+    for path in files(directory):
+        out.setdefault(slot_of(path, load(path), names), []).append(path)
+    old = lambda p: any(part.startswith("before_") for part in p.relative_to(directory).parts)  # noqa: E731
+    return {slot: sorted(paths, key=lambda p: (old(p), str(p))) for slot, paths in sorted(out.items())}
+
+
+def tables(data: dict) -> list[tuple[str, list[dict]]]:
+    """(name, records) of every top-level list of records, the usual row keys first."""
+    keys = [k for k in ROW_KEYS if k in data] + [k for k in data if k not in ROW_KEYS]
+    return [(k, [r for r in data[k] if isinstance(r, dict)]) for k in keys
+            if isinstance(data[k], list) and any(isinstance(r, dict) for r in data[k])]
+
+
+def stamp_line(data: dict, rows: list[dict]) -> str:
+    """commit, dirty flag, device, ranks, versions and date: the file's own, else what every row shares."""
+    def value(key):
+        if key in data:
+            return data[key]
+        seen = {json.dumps(r.get(key)) for r in rows}
+        return rows[0].get(key) if rows and len(seen) == 1 else None
+    commit, dirty = value("commit"), value("dirty")
+    parts = [f"commit {commit[:12]}" if commit else "commit unknown"]
+    if commit:
+        parts.append({True: "dirty tree", False: "clean tree", None: "dirty unknown"}.get(dirty, f"dirty {dirty}"))
+    parts += [f"{key} {value(key)}" for key in ("device", *RANKS, "torch", "triton", "cuda", "date")
+              if value(key) is not None]
+    return " | ".join(parts)
+
+
+def _scalar(v) -> bool:
+    return v is None or isinstance(v, (str, int, float, bool))
+
+
+def columns(rows: list[dict]) -> list[str]:
+    """Scalar fields in first-seen order; a stamp field only where rows differ; none that is empty
+    in every row."""
+    cols = []
+    for r in rows:
+        cols += [k for k, v in r.items() if k not in cols and _scalar(v)]
+    keep = []
+    for k in cols:
+        values = [r.get(k) for r in rows]
+        if all(v is None for v in values) or any(not _scalar(v) for v in values):
+            continue
+        if k in STAMP and len({json.dumps(v) for v in values}) == 1:
+            continue
+        keep.append(k)
+    return keep
+
+
+def _header(col: str) -> str:
+    return col[: -len("_bytes")] + "_GiB" if col.endswith("_bytes") else col
+
+
+def cell(col: str, v) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if col.endswith("_bytes") and isinstance(v, (int, float)):
+        return f"{v / GiB:.2f}"
+    if isinstance(v, float):  # about four significant digits, never an exponent above 1
+        size = abs(v) if v == v else 0.0
+        return f"{v:.0f}" if size >= 1e4 else f"{v:.1f}" if size >= 100 else f"{v:.2f}" if size >= 1 else f"{v:.3g}"
+    text = str(v).replace("\n", " ")
+    return text if len(text) <= MAX_TEXT else text[: MAX_TEXT - 3] + "..."
+
+
+def render_rows(rows: list[dict]) -> str:
+    cols = columns(rows)
+    if not cols:
+        return "  (no scalar fields)"
+    grid = [[_header(c) for c in cols]] + [[cell(c, r.get(c)) for c in cols] for r in rows]
+    widths = [max(len(line[i]) for line in grid) for i in range(len(cols))]
+    numeric = [all(_numeric(r.get(c)) for r in rows) for c in cols]
+    lines = ["  ".join(t.rjust(w) if num else t.ljust(w) for t, w, num in zip(line, widths, numeric)).rstrip()
+             for line in grid]
+    return "\n".join("  " + line for line in lines)
+
+
+def _numeric(v) -> bool:
+    return v is None or (isinstance(v, (int, float)) and not isinstance(v, bool))
+
+
+def render_file(path: Path, base: Path | None = None) -> str:
+    """The file's name, its stamp, and a table per list of records in it."""
+    path = Path(path)
+    data = load(path)
+    found = tables(data)
+    name = str(path.relative_to(base)) if base and path.is_relative_to(base) else str(path)
+    out = [f"== {name}", f"   {stamp_line(data, found[0][1] if found else [])}"]
+    if not found:
+        out.append("  (no rows)")
+    for key, rows in found:
+        if len(found) > 1 or key not in ROW_KEYS:
+            out.append(f"  [{key}]")
+        out.append(render_rows(rows))
+    return "\n".join(out)
+
+
+def render_listing(slots: dict[str, list[Path]], base: Path) -> str:
+    lines = []
+    for slot, paths in slots.items():
+        lines.append(slot)
+        lines += [f"  {p.relative_to(base)}" for p in paths]
+    return "\n".join(lines)
+
+
+def main(slot: str | None = None, file: str | None = None, directory: str | None = None) -> str:
+    """What `bumblebee results [SLOT] [--file PATH] [--dir DIR]` prints; ValueError for an unknown slot."""
+    if file:
+        return render_file(Path(file))
+    base = Path(directory) if directory else RESULTS_DIR
+    slots = by_slot(base)
+    if slot is None:
+        return render_listing(slots, base)
+    if slot not in slots:
+        raise ValueError(f"no result files for slot {slot!r} under {base}; slots with results: {', '.join(slots)}")
+    return "\n\n".join(render_file(p, base) for p in slots[slot])
