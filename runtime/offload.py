@@ -7,12 +7,17 @@ Objects keep their identity (the optimizer, FSDP2 and ZeRO-1's gradient hooks ho
 parameters move through `nn.Module._apply` (FSDP2 reshards first and re-registers its shards),
 ZeRO-1's buffers and masters through `.data`. A gradient whose parameter sits on another device is
 kept aside (torch refuses a `.grad` on another device) and put back when they meet again.
+Routers' token counts (plain tensor attributes, not buffers) travel with the model. When every
+part has left a CUDA device, FSDP2's retained reduce-scatter / all-gather buffers and the cuBLAS
+workspaces (64 MiB of device memory on an H200 after a backward) are released too: an offload is
+there to free the device for rollout.
 """
 from __future__ import annotations
 
 import torch
 
 PARTS = ("model", "optimizer", "grad")
+ROUTER_TENSORS = ("tokens_per_expert", "last_load", "routed_experts")
 
 
 class Placement:
@@ -33,6 +38,7 @@ class Placement:
     @torch.no_grad()
     def to(self, device, *, model: bool = True, optimizer: bool = True, grad: bool = True, copy: bool = False):
         device = torch.device(device)
+        left = set(self.where.values()) - {device}
 
         def move(t):
             return t.to(device, copy=copy)
@@ -43,6 +49,10 @@ class Placement:
                 p.grad = None
         if model:
             self.model._apply(move)
+            for r in _routers(self.model):  # not buffers: `_apply` leaves them behind
+                for k in ROUTER_TENSORS:
+                    if isinstance(getattr(r, k, None), torch.Tensor):
+                        setattr(r, k, move(getattr(r, k)))
             self.where["model"] = device
         if grad:
             self.aside = {p: move(g) for p, g in self.aside.items()}
@@ -61,6 +71,9 @@ class Placement:
         for p in list(self.aside):
             if self.aside[p].device == _local(p).device:
                 p.grad = self.aside.pop(p)
+        for d in left:
+            if d.type == "cuda" and d not in self.where.values():
+                _release_cuda(self.model, d)
 
     def tensors(self) -> dict[str, list[torch.Tensor]]:
         """Every tensor of each part (local shards), for checks and measurements."""
@@ -73,6 +86,26 @@ class Placement:
             out["optimizer"] += [m for m in self.state.masters().values() if id(m) not in params]
             out["optimizer"] += [_local(st[k]) for st, k in _optimizer_entries(self.state.optimizer)]
         return out
+
+
+def _routers(model):
+    return [m for m in model.modules() if hasattr(m, "tokens_per_expert")]
+
+
+def _release_cuda(model, device):
+    """Free what holds device memory outside the three parts once none of them is on `device`:
+    FSDP2's kept reduce-scatter inputs and all-gather result (it drops them only at the next
+    backward or forward) and the cuBLAS workspaces (created again by the next matmul)."""
+    torch.cuda.synchronize(device)
+    for m in model.modules():
+        ctx = getattr(getattr(m, "_get_fsdp_state", lambda: None)(), "_comm_ctx", None)
+        if ctx is not None:
+            getattr(ctx, "reduce_scatter_states", []).clear()
+            ctx.all_gather_state = None
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None:
+        with torch.cuda.device(device):
+            clear()
 
 
 def _local(t):
