@@ -76,7 +76,7 @@ slot and its result files."""
 RESULTS_EPILOG = """example:
   bumblebee results                      # the slots and their files
   bumblebee results training_step        # tokens/s, peak GiB, ratios against transformers + Liger
-  bumblebee results --file benchmarks/results/state_sharding.json"""
+  bumblebee results --file benchmarks/state_sharding/results/state_sharding.json"""
 
 
 def parser() -> argparse.ArgumentParser:
@@ -112,7 +112,7 @@ def parser() -> argparse.ArgumentParser:
                    help="a slot or benchmark name (training_step, cross_entropy, ...); none: list them")
     r.add_argument("--file", default=None, metavar="PATH", help="print this one result file instead")
     r.add_argument("--dir", default=None, metavar="DIR",
-                   help="the results folder (default: benchmarks/results/ of this checkout)")
+                   help="the folder searched for result files (default: benchmarks/ of this checkout, its */results/)")
     return top
 
 

@@ -3,7 +3,7 @@
 RMSNorm and RoPE are chains of small elementwise ops (casts, a square-mean, multiplies, the
 rotate-half concatenation); eagerly each is a pass over the activation, forward, recompute and
 backward. Inductor fuses each chain into one kernel each way. On a Qwen3-30B-A3B slice at 32K tokens
-the eager chains cost ~57 ms of a ~700 ms step (benchmarks/NOTES_training_step.md). The function is
+the eager chains cost ~57 ms of a ~700 ms step (benchmarks/training_step/NOTES.md). The function is
 the same on every device: `fused(fn)(*args)` runs `fn` eagerly unless its first argument is a CUDA
 tensor, so CPU runs (and tests) execute the plain ops.
 """

@@ -1,6 +1,6 @@
 """`bumblebee results`: the benchmark result files of each slot, read back as compact tables.
 
-Reads benchmarks/results/**/*.json (and .jsonl: one row a line) as they are, whatever their age:
+Reads benchmarks/<slot>/results/**/*.json (and .jsonl: one row a line) as they are, whatever their age:
 the rows are every top-level list of records ("rows", "results", "cases", ...), the columns their
 scalar fields, byte counts shown in GiB; each table is headed by the file's stamp (commit, dirty
 tree, device, versions: `benchmarks/stamp.py` writes it; older files say "commit unknown").
@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-RESULTS_DIR = ROOT / "benchmarks" / "results"
+RESULTS_DIR = ROOT / "benchmarks"  # one results/ folder per benchmark folder: <slot>/results/
 STAMP = ("commit", "dirty", "device", "torch", "triton", "cuda", "date")
 RANKS = ("ranks", "world_size", "gpus")
 ROW_KEYS = ("rows", "results", "cases")  # the main table first, where a file names it so
@@ -29,21 +29,16 @@ def load(path: Path) -> dict:
     return data if isinstance(data, dict) else {"rows": data}
 
 
-def known_names(root: Path = ROOT) -> list[str]:
-    """Benchmark and probe names (benchmarks/bench_<name>.py, benchmarks/probe_<name>.py), longest first:
-    result file names start with one."""
-    folder = root / "benchmarks"
-    names = [p.stem[len("bench_"):] for p in folder.glob("bench_*.py")] + [p.stem for p in folder.glob("probe_*.py")]
-    return sorted(names, key=len, reverse=True)
-
-
-def slot_of(path: Path, data: dict, names: list[str]) -> str:
-    """The file's "slot" or "benchmark" key; else the benchmark its name starts with; else its name."""
+def slot_of(path: Path, data: dict) -> str:
+    """The benchmark folder the file lies in (benchmarks/<slot>/results/...); else the file's "slot" or
+    "benchmark" key; else its name."""
+    parts = Path(path).parts
+    if "results" in parts[1:]:
+        return parts[len(parts) - 1 - parts[::-1].index("results") - 1]
     for key in ("slot", "benchmark"):
         if isinstance(data.get(key), str):
             return data[key]
-    stem = Path(path).stem
-    return next((n for n in names if stem == n or stem.startswith(n + "_")), stem)
+    return Path(path).stem
 
 
 def files(directory: Path = RESULTS_DIR) -> list[Path]:
@@ -54,11 +49,12 @@ def files(directory: Path = RESULTS_DIR) -> list[Path]:
 
 
 def by_slot(directory: Path = RESULTS_DIR) -> dict[str, list[Path]]:
-    """{slot: its result files}, current files (outside before_* folders) first."""
-    names, out = known_names(), {}
+    """{slot: its result files}, current files (outside history/ and before_* folders) first."""
+    directory, out = Path(directory), {}
     for path in files(directory):
-        out.setdefault(slot_of(path, load(path), names), []).append(path)
-    old = lambda p: any(part.startswith("before_") for part in p.relative_to(directory).parts)  # noqa: E731
+        out.setdefault(slot_of(path.relative_to(directory), load(path)), []).append(path)
+    old = lambda p: any(part == "history" or part.startswith("before_")  # noqa: E731
+                        for part in p.relative_to(directory).parts)
     return {slot: sorted(paths, key=lambda p: (old(p), str(p))) for slot, paths in sorted(out.items())}
 
 

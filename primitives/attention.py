@@ -5,9 +5,9 @@ On CUDA the cuDNN backend ran causal GQA 1.8x faster than flash on an H200; it i
 flash, then memory-efficient, then the math fallback. The CPU uses SDPA's own choice.
 FA4 (`kernels/flash_attention4.py`, package flash-attn-4) ran head dim 128 (32 query heads, 8 or 4
 key/value heads) 1.10-1.13x faster than cuDNN forward + backward at 8K-64K tokens on an H200, but head
-dim 256 (Qwen3.5's full attention) 0.91-1.04x (`benchmarks/results/probe_fa4_gqa.jsonl`): so dense
+dim 256 (Qwen3.5's full attention) 0.91-1.04x (`benchmarks/attention/results/probe_fa4_gqa.jsonl`): so dense
 batches take FA4 for head dims up to `FA4_MAX_HEAD_DIM`, packed batches (one varlen launch instead of
-one SDPA call per sequence) for every head dim it runs (`benchmarks/bench_attention.py`). Option
+one SDPA call per sequence) for every head dim it runs (`benchmarks/attention/bench.py`). Option
 `SDPA.fa4` ("auto"; "on" for every shape FA4 runs, "off" for SDPA).
 Packed batches without FA4 run PyTorch's FlashAttention 2 varlen kernel in one launch while sequences
 are short on average (`kernels/varlen_attention.py`; 11x one SDPA call per sequence at 64 x 512 tokens),
@@ -50,7 +50,7 @@ class SDPA:
 
 def _use_fa4(config: SDPA, q, v, packed: bool) -> bool:
     """Dense: head dims up to FA4_MAX_HEAD_DIM (fa4="auto"). Packed: every head dim FA4 runs (one varlen
-    launch against one SDPA call per sequence: 12x at 64 sequences of 512 tokens, bench_attention.py)."""
+    launch against one SDPA call per sequence: 12x at 64 sequences of 512 tokens, attention/bench.py)."""
     if config.fa4 == "off":
         return False
     fits = packed or config.fa4 == "on" or max(q.shape[-1], v.shape[-1]) <= FA4_MAX_HEAD_DIM

@@ -21,7 +21,7 @@ an option of `FlashMLAConfig` (the constructor's first argument; `impl={"mla": "
   cuDNN/flash).
 - `pad_v` (default off): v zero-padded to the q/k head dim inside SDPA, the extra output columns
   dropped; same result, for a backend whose equal-head-dim kernel outruns its 192/128 one (measured
-  in benchmarks/bench_mla.py, benchmarks/NOTES_mla.md). SDPA path only.
+  in benchmarks/mla/bench.py, benchmarks/mla/NOTES.md). SDPA path only.
 - `fused_rope` (default on): the Q/K assembly (split, RoPE, concatenations, rope-key broadcast) as one
   Triton kernel each way (`kernels/mla_rope.py`), on CUDA (or under TRITON_INTERPRET=1) when cos/sin
   need no gradient; q and k keep the projections' dtype.
@@ -70,7 +70,7 @@ class FlashMLAConfig:
                               "on CUDA when cos/sin need no gradient (the core step 18% faster at 4K, 5% at "
                               "16K on an H200); False: the torch path")
     pad_v: bool = option(False, "SDPA path: v zero-padded to the q/k head dim, the extra output columns "
-                         "dropped (same result; measured 1.39x slower with cuDNN at 16K, NOTES_mla.md)")
+                         "dropped (same result; measured 1.39x slower with cuDNN at 16K, mla/NOTES.md)")
 
     def __post_init__(self):
         check_choice(self, "fa4", FA4_CHOICES)
@@ -109,7 +109,7 @@ def rope_pairs(x_BThR, cos_BTR, sin_BTR, interleave: bool):
 def sdpa_causal(q_BhTd, k_BhTd, v_BhTe, scale, pad_v=False):
     """Causal SDPA; on CUDA the cuDNN backend first (MLA's 192/128 head dims), with fallbacks.
     pad_v: zero-pad v to the q/k head dim and drop the padded output columns (the same result; a
-    kernel for equal head dims may outrun the 192/128 one despite 1.2x the FLOPs: bench_mla.py)."""
+    kernel for equal head dims may outrun the 192/128 one despite 1.2x the FLOPs: mla/bench.py)."""
     e = v_BhTe.shape[-1]
     if pad_v and e < q_BhTd.shape[-1]:
         v_BhTe = F.pad(v_BhTe, (0, q_BhTd.shape[-1] - e))

@@ -20,7 +20,7 @@ from bumblebee.options import check_choice, check_int, option
 
 # "auto" chunking: AUTO_CHUNKS where the ep group's largest token count is >= the threshold for its
 # ep size, else one chunk (always one at EP = 1: nothing to overlap). Per ep size: the entry of the
-# largest key <= EP. Measured with the fused kernels on H200s over NVLink (NOTES_moe_dispatch.md): at
+# largest key <= EP. Measured with the fused kernels on H200s over NVLink (moe_dispatch/NOTES.md): at
 # EP = 2 one chunk is faster up to 48K tokens/rank, (1, 2) at 64K; at EP = 4, where 3/4 of the copies
 # leave the rank, (1, 2) wins from 16K. EP >= 8 takes EP = 4's (checked at EP = 8: one chunk ahead at
 # 8K, (1, 2) ahead by 21 points at 16K).

@@ -131,7 +131,7 @@ def test_plotting_benchmarks_have_an_extra_that_installs_matplotlib():
     import tomllib
 
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
-    plotting = [p.name for p in (ROOT / "benchmarks").glob("*.py") if "matplotlib" in set(_imports(p))]
+    plotting = [p.name for p in (ROOT / "benchmarks").rglob("*.py") if "matplotlib" in set(_imports(p))]
     assert plotting, "no benchmark draws a plot: drop this test"
     assert any(dep.startswith("matplotlib") for deps in extras.values() for dep in deps), \
         f"{plotting} import matplotlib, which no extra of pyproject.toml installs"

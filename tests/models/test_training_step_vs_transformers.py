@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.parametrize("model,ranks", [("qwen3-moe-tiny", 1), ("qwen3.5-moe-tiny", 1), ("qwen3-moe-tiny", 2)])
 def test_both_stacks_train_the_same_model(tmp_path, model, ranks):
     """Two gloo ranks: ours with the experts over EP = 2 (chunked dispatch), the peer FSDP2 over both."""
-    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_training_step.py"), "--cpu-smoke",
+    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "training_step" / "bench.py"), "--cpu-smoke",
                         "--model", model, "--gpus", str(ranks), "--out", str(tmp_path)],
                        capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]

@@ -7,9 +7,9 @@ a dense layer, then MoE layers with a shared expert through the local dispatch, 
 state within 5% for both cross_entropy slots; the step's peak within 10% with materialized_ce. The
 estimator's linear_ce term models the Triton path's workspace (one fp32 vocabulary chunk); the CPU
 path of primitives/cross_entropy.py keeps several chunk-sized temporaries, so its peak is checked on
-the GPU (benchmarks/bench_state_sharding.py).
+the GPU (benchmarks/state_sharding/bench.py).
 
-GPU results, read from benchmarks/results (so these follow the committed runs): the composed step's
+GPU results, read from benchmarks/*/results (so these follow the committed runs): the composed step's
 Qwen3.5-35B-A3B slice (gated DeltaNet + gated attention + MTP, chunked EP, FSDP2, full recompute)
 within 6% of every measured peak at EP = 2 and EP = 4; the state-sharding runs (Qwen3-30B-A3B slice,
 FSDP2 and ZeRO-1, 2 and 4 ranks) within their own 10% target.
@@ -139,22 +139,22 @@ def test_deepseek_terms():
     assert "at loss_after_mtp" in memory.table(config, memory.Parallel(dp=8, ep=8))
 
 
-RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
-def _rows(*paths):
-    """(run header, row) of every measured row of the given benchmark result files."""
+def _rows(slot, *paths):
+    """(run header, row) of every measured row of the given result files of benchmarks/<slot>/results."""
     for path in paths:
-        run = json.loads((RESULTS / path).read_text())
+        run = json.loads((BENCHMARKS / slot / "results" / path).read_text())
         for row in run.get("rows", run.get("results", [])):
-            yield pytest.param(run, row, id=f"{path.split('/')[0]}-{row.get('seq_len', row.get('impl'))}")
+            yield pytest.param(run, row, id=f"{Path(path).parent.name or path}-{row.get('seq_len', row.get('impl'))}")
 
 
-@pytest.mark.parametrize("run,row", list(_rows("composed_step.json", "before_run_L/composed_step.json",
+@pytest.mark.parametrize("run,row", list(_rows("composed_step", "composed_step.json", "history/before_run_L/composed_step.json",
                                                 "ep4/composed_step.json", "ep8/composed_step.json",
                                                 "ep8/composed_step_256k.json")))
 def test_composed_step_peak(run, row):
-    """The composed step (benchmarks/bench_composed_step.py): one sequence per rank, bf16, linear_ce,
+    """The composed step (benchmarks/composed_step/bench.py): one sequence per rank, bf16, linear_ce,
     chunked dispatch, FSDP2 with experts over efsdp = world / ep, every layer and the MTP block recomputed."""
     impl = run["impl"]
     assert (impl["cross_entropy"], impl["moe_dispatch"], impl["state_sharding"], impl["recompute"],
@@ -171,10 +171,10 @@ def test_composed_step_peak(run, row):
     assert abs(est.peak - peak) <= 0.06 * peak, (est.peak / 2**30, row["peak_GiB"], est.phases)
 
 
-@pytest.mark.parametrize("run,row", list(_rows("state_sharding.json", "ranks4/state_sharding.json",
+@pytest.mark.parametrize("run,row", list(_rows("state_sharding", "state_sharding.json", "ranks4/state_sharding.json",
                                                 "ranks8/state_sharding.json")))
 def test_state_sharding_benchmark_peak(run, row):
-    """benchmarks/bench_state_sharding.py's estimator target: within 10% of the measured peak."""
+    """benchmarks/state_sharding/bench.py's estimator target: within 10% of the measured peak."""
     s = run["shape"]
     config = {**models.NAMED[s["model"]], "num_hidden_layers": s["layers"], "dtype": "float32"}
     est = memory.estimate(config, memory.Parallel(
@@ -208,11 +208,11 @@ def test_hybrid_layer_terms():
     assert "at last_block" in text and "mtp_activations" in text
 
 
-@pytest.mark.parametrize("run,row", [p for p in _rows("training_step_qwen3-30b-a3b_h200_x1.json",
+@pytest.mark.parametrize("run,row", [p for p in _rows("training_step", "training_step_qwen3-30b-a3b_h200_x1.json",
                                                       "training_step_qwen3-30b-a3b_h200_x1_long.json")
                                      if p.values[1]["stack"] == "bumblebee"])
 def test_training_step_peak(run, row):
-    """benchmarks/bench_training_step.py, our stack: the defaults on one rank (linear_ce, chunked dispatch
+    """benchmarks/training_step/bench.py, our stack: the defaults on one rank (linear_ce, chunked dispatch
     with its fused recompute, FSDP2 with fused AdamW, full recompute, bf16)."""
     assert row["config"]["impl"]["cross_entropy"] == "linear_ce" and row["gpus"] == 1
     # runs before the one-rank grouped path record no group_rows: they kept every routed row

@@ -1,0 +1,211 @@
+"""One composed training step with every primitive: a Qwen3.5-35B-A3B slice, FSDP2 x chunked EP.
+
+    torchrun --nproc_per_node 2 benchmarks/composed_step/bench.py --out DIR
+    torchrun --nproc_per_node 2 benchmarks/composed_step/bench.py --seq-lens 32768,65536 --out DIR
+    torchrun --nproc_per_node 2 benchmarks/composed_step/bench.py --cpu-smoke   # gloo, tiny config
+
+The slice keeps every size of qwen3.5-35b-a3b (hidden 2048, 256 experts of 512, top-8 + a shared
+expert, 16/2 attention heads of 256, 16/32 DeltaNet heads of 128, vocabulary 248320, untied head)
+and `--layers` decoder layers (default 4: three gated-DeltaNet layers and one gated-attention
+layer, the model's 3:1 pattern). Slots: linear_attention `fla`, attention `sdpa` (cuDNN),
+cross_entropy `linear_ce`, moe_dispatch `chunked` (EP = world size by default), state_sharding
+`fsdp2` (dense parameters over all ranks, experts over efsdp = world / EP), full activation
+recompute, bf16 compute with fp32 master weights and AdamW. One micro-batch of `seq_len` tokens per
+rank, each rank its own random tokens.
+
+Per sequence length (increasing; the sweep ends at the first one that does not fit, and the ones
+measured before it are already written): median step time over a fixed number of steps (every rank
+runs the same steps), tokens/s over all ranks, model TFLOP/s per GPU (3x the forward FLOPs below,
+the recompute not counted) and the executed rate (4x, recompute counted), peak and static memory
+(max over ranks), and the bf16 8192^3 matmul rate measured in the same process.
+
+Forward FLOPs per token: 2 x every matmul weight a token passes through (the routed experts scaled by
+top-k / E; the router, the shared expert and its gate, DeltaNet projections and its short conv, the
+LM head; not the embedding), plus causal attention 2 x heads x head_dim x S per full-attention
+layer and MTP block (QK^T and PV over S/2 keys on average), plus 4 x value heads x d_k x d_v per
+DeltaNet layer (state update and read-out of the recurrent form; the chunked kernels' intra-chunk
+work is not counted). The config's MTP depth (one full-attention MoE block, and the head once more)
+is part of the step and of the count.
+
+Writes DIR/composed_step.json (rows so far, rewritten after each length); with --profile-len S, also
+the top kernels of one profiled step at S (rank 0's view; the profile does not enter the timings).
+"""
+from __future__ import annotations
+
+import sys
+import argparse
+import datetime
+import gc
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: stamp, timing, siblings
+from siblings import load
+state_sharding_bench = load("state_sharding")
+_sync, build_on_device = state_sharding_bench._sync, state_sharding_bench.build_on_device
+from stamp import stamp
+from timing import matmul_tflops
+
+MODEL = "qwen3.5-35b-a3b"
+IMPL = {"linear_attention": "fla", "attention": "sdpa", "cross_entropy": "linear_ce", "moe_dispatch": "chunked"}
+
+
+def forward_flops_per_token(model, hf: dict, seq_len: int) -> dict:
+    """The formula of the module docstring, from the unsharded model's parameters and its config.
+    MTP depths count like decoder layers (a full-attention block each) and use the head once more."""
+    E, k = hf["num_experts"], hf["num_experts_per_tok"]
+    c = model.config
+    mtp = getattr(c, "mtp_num_hidden_layers", 0) or 0
+    weights = mtp * model.lm_head.weight.numel()  # the shared head, once per MTP depth
+    for name, p in model.named_parameters():
+        if p.dim() < 2 or "embed_tokens" in name:
+            continue
+        routed = ".experts." in name and p.dim() == 3 and p.shape[0] == E
+        weights += p.numel() * (k / E if routed else 1.0)
+    types = c.layer_types
+    attn = 2 * c.num_attention_heads * c.head_dim * seq_len * (types.count("full_attention") + mtp)
+    delta = 4 * c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim \
+        * types.count("linear_attention")
+    return {"matmul_weights": weights, "total": 2 * weights + attn + delta, "attention": attn, "deltanet": delta}
+
+
+def measure(state, seq_len, args, device, rank, world) -> dict:
+    """Median step time and memory at one length; every rank runs the same steps and collectives."""
+    g = torch.Generator(device=device).manual_seed(100 + rank)
+    batches = [torch.randint(0, state.model.config.vocab_size, (1, seq_len), device=device, generator=g)
+               for _ in range(2)]
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    times, static, loss = [], 0, None
+    for i in range(args.warmup + args.steps):
+        ids = batches[i % len(batches)]
+        dist.barrier()
+        _sync(device)
+        t0 = time.perf_counter()
+        out = state.model(ids, labels=ids).loss
+        out.backward()
+        ok, norm, _ = state.step()
+        _sync(device)
+        dt = time.perf_counter() - t0
+        if i == 0 and device.type == "cuda":
+            static = torch.cuda.memory_allocated(device)  # params, grads, optimizer state all exist now
+        state.zero_grad()
+        loss = float(out.detach())
+        if i >= args.warmup:
+            times.append(dt * 1e3)
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+    reserved = torch.cuda.max_memory_reserved(device) if device.type == "cuda" else 0
+    stats = torch.tensor([statistics.median(times), static, peak, reserved], dtype=torch.float64, device=device)
+    dist.all_reduce(stats, op=dist.ReduceOp.MAX)  # the slowest rank's time, the largest rank's memory
+    return {"seq_len": seq_len, "median_ms": float(stats[0]), "static_GiB": float(stats[1]) / 2 ** 30,
+            "peak_GiB": float(stats[2]) / 2 ** 30, "reserved_GiB": float(stats[3]) / 2 ** 30,
+            "last_loss": loss, "last_grad_norm": norm, "last_step_ok": ok,
+            "step_times_ms": [round(t, 2) for t in times]}
+
+
+def profile_step(state, seq_len, device, rank, n=30) -> dict:
+    """One profiled step (after the timed ones): the n kernels with the most device time on this rank,
+    [name, ms, calls], and the total; every rank runs it (collectives inside)."""
+    from torch.profiler import ProfilerActivity, profile
+    g = torch.Generator(device=device).manual_seed(200 + rank)
+    ids = torch.randint(0, state.model.config.vocab_size, (1, seq_len), device=device, generator=g)
+    cuda = device.type == "cuda"  # the CPU smoke ranks host ops by their CPU time instead
+    dist.barrier()
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        state.model(ids, labels=ids).loss.backward()
+        state.step()
+        _sync(device)
+    state.zero_grad()
+    rows = [(e.key, (e.self_device_time_total if cuda else e.self_cpu_time_total) / 1e3, e.count)
+            for e in prof.key_averages()]
+    rows = sorted((r for r in rows if r[1] > 0), key=lambda r: -r[1])
+    return {"seq_len": seq_len, "kernel_ms_total": sum(r[1] for r in rows),
+            "top": [[k[:100], round(ms, 2), c] for k, ms, c in rows[:n]]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--seq-lens", default="32768,65536,131072,196608")
+    ap.add_argument("--ep", type=int, default=0, help="expert parallel size (default: the world size)")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    ap.add_argument("--profile-len", type=int, default=0,
+                    help="also profile one step at this length (one of --seq-lens) and store its top kernels")
+    ap.add_argument("--cpu-smoke", action="store_true", help="gloo, qwen3.5-moe-tiny, fp32: checks the script")
+    args = ap.parse_args()
+
+    dist.init_process_group("gloo" if args.cpu_smoke else "nccl", timeout=datetime.timedelta(minutes=3))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if args.cpu_smoke:
+        device, name, impl = torch.device("cpu"), "qwen3.5-moe-tiny", {**IMPL, "linear_attention": "torch_chunked"}
+        lens, mixed = [64, 128], "fp32"
+    else:
+        local = int(os.environ.get("LOCAL_RANK", rank))
+        torch.cuda.set_device(local)
+        device, name, impl, mixed = torch.device("cuda", local), MODEL, IMPL, "bf16"
+        lens = [int(s) for s in args.seq_lens.split(",")]
+    ep = args.ep or world
+    if world % ep:
+        raise ValueError(f"--ep {ep} must divide the world size {world}")
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp",))
+    ep_mesh = init_device_mesh(device.type, (world // ep, ep), mesh_dim_names=("efsdp", "ep"))
+    rate = matmul_tflops(device=device) if device.type == "cuda" else None
+
+    from bumblebee import registry
+    from bumblebee.models import moe
+    model, hf = build_on_device(name, args.layers, impl, device)
+    n_params = sum(p.numel() for p in model.parameters())
+    flops = {s: forward_flops_per_token(model, hf, s) for s in lens}
+    moe.shard_experts(model, ep_mesh["ep"].get_group())
+    model.set_recompute(True)
+    state = registry.resolve("state_sharding", "fsdp2")(model, mesh, lr=1e-4, weight_decay=0.1, grad_clip=1.0,
+                                                         mixed_precision=mixed, ep_mesh=ep_mesh)
+    report = {
+        **stamp(device), "slot": "composed_step", "world_size": world, "ep": ep,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (smoke run)",
+        "model": name, "layers": args.layers, "layer_types": list(model.config.layer_types), "params": n_params,
+        "impl": {**impl, "state_sharding": "fsdp2", "recompute": "full", "mixed_precision": mixed,
+                 "moe_fused_recompute": model.impl_configs().get("moe_dispatch", {}).get("fused_recompute", False)},
+        # every slot the model uses, with its options
+        "impl_configs": {**model.impl_configs(), "state_sharding": registry.record("state_sharding", "fsdp2")},
+        "allocator": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"), "matmul_tflops_bf16_8192": rate,
+        "iterations": {"warmup": args.warmup, "timed": args.steps, "statistic": "median, slowest rank"},
+        "rows": [],
+    }
+    out = Path(args.out)
+    for s in lens:
+        row = measure(state, s, args, device, rank, world)
+        f = flops[s]
+        row["tokens_per_s"] = world * s / (row["median_ms"] / 1e3)
+        row["forward_gflop_per_token"] = f["total"] / 1e9
+        row["model_tflops_per_gpu"] = 3 * f["total"] * s / (row["median_ms"] / 1e3) / 1e12
+        row["executed_tflops_per_gpu"] = 4 * f["total"] * s / (row["median_ms"] / 1e3) / 1e12
+        row["attention_share_of_flops"] = f["attention"] / f["total"]
+        report["rows"].append(row)
+        if s == args.profile_len:
+            report["profile"] = profile_step(state, s, device, rank)
+            if rank == 0:
+                print(json.dumps({"profile_top": report["profile"]["top"][:5]}), flush=True)
+        if rank == 0:
+            print(json.dumps(row), flush=True)
+            if not args.cpu_smoke:
+                out.mkdir(parents=True, exist_ok=True)
+                (out / "composed_step.json").write_text(json.dumps(report, indent=1))
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,344 @@
+"""The full training step against the stack users already run: bumblebee vs transformers + Liger + FSDP2.
+
+    python benchmarks/training_step/bench.py --model qwen3-30b-a3b --layers 4 --seq-lens 32768,65536,131072
+    python benchmarks/training_step/bench.py --longest 131072,163840,196608   # the longest each stack fits
+    python benchmarks/training_step/bench.py --cpu-smoke                       # tiny model, fp32, no Liger
+
+One process per (stack, length) (`--worker`, launched by this driver; torchrun over `--gpus`), so
+neither stack sees what the other left in the process. First a transformers model of the named
+config cut to `--layers` decoder layers is initialized by transformers (seed 0) and saved with its
+own `save_pretrained`; both stacks load that folder (`benchmarks/training_step/step_stacks.py`). Every stack trains
+on the same token batches (step i: tokens drawn from a generator seeded with i), fp32 master weights,
+bf16 compute, full recompute, AdamW, clipping at 1.0.
+
+Per stack and length, one row: tokens/s (median step after `--warmup`), model TFLOP/s (6 x active
+matmul weights per token + causal attention, recompute not counted), static memory (allocated after
+the first optimizer step), peak memory (max allocated over the run), loss and grad norm of every step,
+and, at `--profile-len`, a kernel-time breakdown of one profiled step by category, its top kernels,
+and the attention ops it ran. A stack that runs out of memory gets a row with `fits: false`.
+Writes DIR/training_step_<gpu>_x<gpus>.json: {"rows": [...], "comparison": [...], meta}.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))  # benchmarks/: stamp, timing, siblings
+from stamp import commit, stamp  # noqa: E402  (benchmarks/ is not a package)
+
+STACKS = ("transformers+liger", "bumblebee")  # the peer first: its kernels autotune once
+CATEGORIES = [  # first match wins; kernel names lower-cased
+    ("attention", ("fmha", "flash", "attention", "sdpa", "fa4", "cudnn")),
+    ("nccl", ("nccl",)),
+    ("optimizer", ("multi_tensor_apply", "adam", "fused_adamw")),
+    ("gemm", ("gemm", "nvjet", "xmma", "cutlass", "matmul", "grouped_mm", "wgmma", "splitk", "cublas")),
+    ("copies_and_casts", ("copy", "cast", "catarray", "cat_", "index", "gather", "scatter", "convert", "fill",
+                          "permute", "transpose", "contiguous")),
+    ("reductions", ("reduce", "norm", "sum", "softmax", "topk", "sort", "radix", "cumsum", "bincount")),
+    ("elementwise", ("elementwise", "silu", "mul", "add", "exp", "foreach")),
+]
+
+
+def hf_slice(name: str, layers: int, cpu_smoke: bool) -> dict:
+    from bumblebee.models import NAMED
+    hf = {k: v for k, v in NAMED[name].items() if k not in ("text_config",)}
+    hf["num_hidden_layers"] = layers
+    if "layer_types" in hf:
+        hf["layer_types"] = hf["layer_types"][:layers]
+    for k in ("mtp_num_hidden_layers", "num_nextn_predict_layers"):
+        if k in hf:
+            hf[k] = 0  # MTP off for the comparison
+    hf["dtype"] = "float32"
+    if cpu_smoke:
+        hf["output_router_logits"] = False
+    return hf
+
+
+def model_flops_per_token(hf: dict, seq_len: int) -> float:
+    """6 x (active matmul weights) + causal attention (forward 2 * heads * head_dim * S per layer, x3)."""
+    D, V, L = hf["hidden_size"], hf["vocab_size"], hf["num_hidden_layers"]
+    hd = hf.get("head_dim") or D // hf["num_attention_heads"]
+    q, kv = hf["num_attention_heads"], hf["num_key_value_heads"]
+    attn_w = D * hd * (2 * q + 2 * kv)
+    E = hf.get("num_experts") or 0
+    if E:
+        mlp_w = 3 * D * hf["moe_intermediate_size"] * hf["num_experts_per_tok"] + D * E
+        mlp_w += 3 * D * hf.get("shared_expert_intermediate_size", 0)
+    else:
+        mlp_w = 3 * D * hf["intermediate_size"]
+    types = hf.get("layer_types") or ["full_attention"] * L
+    full = types.count("full_attention")
+    weights = L * mlp_w + full * attn_w + D * V
+    if full < L:  # gated DeltaNet layers: projections (q, k, v, z, b, a, out) and the chunked recurrence
+        kd, vd = hf["linear_key_head_dim"], hf["linear_value_head_dim"]
+        kh, vh = hf["linear_num_key_heads"], hf["linear_num_value_heads"]
+        weights += (L - full) * D * (2 * kh * kd + 3 * vh * vd + 2 * vh)
+        weights += (L - full) * 2 * vh * kd * vd  # state update and read per token (~2 matmul-weights' worth)
+    attention = 2 * q * hd * seq_len * full
+    return 3 * (2 * weights + attention)
+
+
+# ---- the worker: one stack, one length, one process per GPU ----------------------------------------------
+
+def classify(name: str) -> str:
+    low = name.lower()
+    for cat, keys in CATEGORIES:
+        if any(k in low for k in keys):
+            return cat
+    return "other"
+
+
+def profile_step(stack, ids) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ids.is_cuda else [])
+    torch.cuda.synchronize() if ids.is_cuda else None
+    t0 = time.perf_counter()
+    with profile(activities=acts, record_shapes=True) as prof:
+        stack.step(ids)
+        torch.cuda.synchronize() if ids.is_cuda else None
+    wall = (time.perf_counter() - t0) * 1e3
+    kernels, attention_ops = {}, {}
+    for e in prof.events():
+        dev = getattr(e, "device_type", None)
+        if dev is not None and dev != torch.autograd.DeviceType.CPU:
+            t = getattr(e, "device_time", None)
+            t = e.cuda_time if t is None else t
+            kernels[e.name] = kernels.get(e.name, 0.0) + t / 1e3
+        elif "scaled_dot_product" in e.name or "fa4" in e.name or "varlen" in e.name or "chunk_gated_delta" in e.name:
+            attention_ops[e.name] = attention_ops.get(e.name, 0) + 1
+    cats = {}
+    for name, ms in kernels.items():
+        c = classify(name)
+        cats[c] = cats.get(c, 0.0) + ms
+    top = sorted(kernels.items(), key=lambda kv: -kv[1])[:40]
+    ops = []  # the operators behind the kernel time, with their input shapes
+    for e in prof.key_averages(group_by_input_shape=True):
+        ms = getattr(e, "self_device_time_total", 0) / 1e3
+        if ms > 0 and getattr(e, "device_type", None) == torch.autograd.DeviceType.CPU:
+            ops.append({"op": e.key, "shapes": str(e.input_shapes)[:200], "ms": ms, "count": e.count})
+    ops.sort(key=lambda o: -o["ms"])
+    return {"wall_ms": wall, "kernel_ms_total": sum(kernels.values()),
+            "categories_ms": dict(sorted(cats.items(), key=lambda kv: -kv[1])),
+            "top_kernels": [{"name": n[:160], "ms": ms, "category": classify(n)} for n, ms in top],
+            "attention_ops": attention_ops, "top_ops": ops[:60]}
+
+
+def batch(i: int, seq_len: int, vocab: int, device) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 + i)
+    return torch.randint(0, vocab, (1, seq_len), generator=g).to(device)
+
+
+def sdpa_backend_now(device) -> str | None:
+    """The backend a plain causal SDPA call picks now (Qwen3's attention shape, bf16)."""
+    if device.type != "cuda":
+        return None
+    q = torch.randn(1, 32, 256, 128, device=device, dtype=torch.bfloat16)
+    k = torch.randn(1, 4, 256, 128, device=device, dtype=torch.bfloat16).repeat_interleave(8, 1)
+    choice = torch._fused_sdp_choice(q, k, k, is_causal=True)
+    from torch.nn.attention import SDPBackend
+    return SDPBackend(choice).name
+
+
+def worker(args) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    import step_stacks
+    cpu = args.cpu_smoke
+    dist.init_process_group("gloo" if cpu else "nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if cpu:
+        device = torch.device("cpu")
+    else:
+        local = int(os.environ.get("LOCAL_RANK", rank))
+        torch.cuda.set_device(local)
+        device = torch.device("cuda", local)
+    mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp",))
+    hf = json.loads((Path(args.init) / "config.json").read_text())
+    row = {"stack": args.worker, "model": args.model, "layers": args.layers, "gpus": world,
+           "seq_len": args.seq_len, "device": torch.cuda.get_device_name(device) if not cpu else "cpu",
+           **commit(), "sdpa_backend_at_start": None}
+    fits = True
+    try:
+        stack = step_stacks.build(args.worker, args.init, device, mesh, ep=world if hf.get("num_experts") else 1,
+                                  mixed_precision="fp32" if cpu else "bf16")
+        row["stack"], row["config"] = stack.name, stack.config
+        if not cpu:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        losses, norms, times, static, phases = [], [], [], 0, []
+        for i in range(args.warmup + args.steps):
+            ids = batch(i, args.seq_len, hf["vocab_size"], device)
+            dist.barrier()
+            torch.cuda.synchronize() if not cpu else None
+            t0 = time.perf_counter()
+            loss = stack.forward_backward(ids)
+            if i < 2 and not cpu:  # where the peak falls: forward + backward, or the optimizer step
+                phases.append({"step": i, "fwd_bwd_peak": torch.cuda.max_memory_allocated()})
+            norm = stack.optimizer_step()
+            torch.cuda.synchronize() if not cpu else None
+            dt = (time.perf_counter() - t0) * 1e3
+            if i < 2 and not cpu:
+                phases[-1]["step_peak"] = torch.cuda.max_memory_allocated()
+            if i == 0 and not cpu:
+                static = torch.cuda.memory_allocated()
+            losses.append(loss)
+            norms.append(norm)
+            if i >= args.warmup:
+                times.append(dt)
+        peak = torch.cuda.max_memory_allocated() if not cpu else 0
+        ms = statistics.median(times)
+        stats = torch.tensor([ms, static, peak], dtype=torch.float64, device=device)
+        dist.all_reduce(stats, op=dist.ReduceOp.MAX)
+        ms, static, peak = float(stats[0]), int(stats[1]), int(stats[2])
+        flops = model_flops_per_token(hf, args.seq_len)
+        row.update({"fits": True, "median_ms": ms, "step_ms": times,
+                    "tokens_per_s": world * args.seq_len / (ms / 1e3),
+                    "model_tflops_per_gpu": flops * args.seq_len / (ms / 1e3) / 1e12,
+                    "model_flops_per_token": flops,
+                    "static_bytes": static, "peak_bytes": peak,
+                    "reserved_bytes": torch.cuda.max_memory_reserved() if not cpu else 0,
+                    "losses": losses, "grad_norms": norms, "peak_by_phase": phases})
+        if args.profile:
+            row["profile"] = profile_step(stack, batch(args.warmup + args.steps, args.seq_len, hf["vocab_size"], device))
+        row["sdpa_backend_after"] = sdpa_backend_now(device)
+    except torch.OutOfMemoryError as e:
+        fits = False
+        row.update({"fits": False, "error": str(e).splitlines()[0][:300]})
+    if rank == 0:
+        Path(args.row_out).write_text(json.dumps(row))
+    if fits:
+        dist.barrier()
+    dist.destroy_process_group()
+
+
+# ---- the driver ------------------------------------------------------------------------------------------
+
+def launch(args, stack: str, seq_len: int, steps: int, profile: bool, tmp: Path, warmup: int | None = None) -> dict:
+    row_out = tmp / f"row_{''.join(c if c.isalnum() else '_' for c in stack)}_{seq_len}.json"
+    row_out.unlink(missing_ok=True)
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", stack, "--init", str(tmp / "init"),
+           "--model", args.model, "--layers", str(args.layers), "--seq-len", str(seq_len), "--steps", str(steps),
+           "--warmup", str(args.warmup if warmup is None else warmup), "--row-out", str(row_out)] + (["--profile"] if profile else []) \
+        + (["--cpu-smoke"] if args.cpu_smoke else [])
+    if args.gpus > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.gpus}"] + cmd[1:]
+    # Triton's autotuning results cached on disk: a stack's kernels tune once (Liger's fused MoE kernels
+    # spend minutes tuning at 32K tokens), as they would once per long training job
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(29500 + seq_len % 997), "RANK": "0",
+           "WORLD_SIZE": "1", "LOCAL_RANK": "0", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
+           "TRITON_CACHE_AUTOTUNING": "1"}
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if row_out.exists():
+        row = json.loads(row_out.read_text())
+    else:
+        tail = (proc.stdout + proc.stderr)[-3000:]
+        oom = "OutOfMemory" in tail or "out of memory" in tail
+        row = {"stack": stack, "model": args.model, "gpus": args.gpus, "seq_len": seq_len, "fits": not oom and None,
+               "error": tail[-1500:], **commit()}
+    row["process_s"] = time.perf_counter() - t0
+    short = {k: row.get(k) for k in ("stack", "seq_len", "fits", "median_ms", "tokens_per_s", "peak_bytes")}
+    print(json.dumps(short), flush=True)
+    return row
+
+
+def compare(rows: list[dict]) -> list[dict]:
+    """Ours over the peer at each length both ran: speed, memory, and the loss / grad-norm agreement."""
+    out = []
+    by = {(r["stack"], r["seq_len"]): r for r in rows if r.get("fits")}
+    peer = next((r["stack"] for r in rows if "liger" in r["stack"] or r["stack"] == "transformers"), None)
+    for (stack, s), ours in sorted(by.items(), key=lambda kv: kv[0][1]):
+        theirs = by.get((peer, s))
+        if stack != "bumblebee" or theirs is None:
+            continue
+        n = min(len(ours["losses"]), len(theirs["losses"]))
+        dl = [abs(a - b) / abs(b) for a, b in zip(ours["losses"][:n], theirs["losses"][:n])]
+        dg = [abs(a - b) / abs(b) for a, b in zip(ours["grad_norms"][:n], theirs["grad_norms"][:n])]
+        out.append({"seq_len": s, "peer": peer, "speed_ratio": ours["tokens_per_s"] / theirs["tokens_per_s"],
+                    "peak_ratio": ours["peak_bytes"] / max(1, theirs["peak_bytes"]),
+                    "static_ratio": ours["static_bytes"] / max(1, theirs["static_bytes"]),
+                    "steps_compared": n, "max_loss_rel_diff": max(dl), "max_grad_norm_rel_diff": max(dg),
+                    "loss_agrees": max(dl) <= 1e-2, "grad_norm_agrees": max(dg) <= 5e-2})
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="qwen3-30b-a3b")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--seq-lens", default="32768,65536,131072")
+    ap.add_argument("--steps", type=int, default=20, help="timed steps at the first length (loss agreement)")
+    ap.add_argument("--long-steps", type=int, default=5, help="timed steps at the other lengths")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--longest", default="", help="lengths to try beyond --seq-lens for the longest fit")
+    ap.add_argument("--stacks", default=",".join(STACKS))
+    ap.add_argument("--gpus", type=int, default=1)
+    ap.add_argument("--profile-len", type=int, default=32768)
+    ap.add_argument("--out", default=str(HERE / "results"))
+    ap.add_argument("--tag", default="")
+    ap.add_argument("--cpu-smoke", action="store_true")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--init", help=argparse.SUPPRESS)
+    ap.add_argument("--seq-len", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--row-out", help=argparse.SUPPRESS)
+    ap.add_argument("--profile", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        return worker(args)
+    if args.cpu_smoke:
+        args.model = args.model if args.model.endswith("tiny") else "qwen3-moe-tiny"
+        from bumblebee.models import NAMED
+        args.layers = len(NAMED[args.model].get("layer_types") or ()) or NAMED[args.model]["num_hidden_layers"]
+        # --gpus N: N gloo ranks (ours with EP = N)
+        args.seq_lens, args.steps, args.long_steps, args.warmup, args.profile_len = "64", 3, 2, 1, 64
+        args.stacks = args.stacks.replace("transformers+liger", "transformers")
+    stacks = args.stacks.split(",")
+    lens = [int(s) for s in args.seq_lens.split(",") if s]
+    import step_stacks
+    hf = hf_slice(args.model, args.layers, args.cpu_smoke)
+    rows = []
+    gpu = "cpu" if args.cpu_smoke else torch.cuda.get_device_name(0).replace("NVIDIA ", "").replace(" ", "-").lower()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    name = f"training_step_{args.model}_{gpu}_x{args.gpus}{args.tag}.json"
+
+    def write() -> dict:  # after every row: a run cut short still leaves the rows it measured
+        report = {**stamp(), "benchmark": "training_step", "model": args.model, "layers": args.layers,
+                  "gpus": args.gpus, "hf_config": hf, "device": gpu, "rows": rows, "comparison": compare(rows),
+                  "longest_fit": {st: max([r["seq_len"] for r in rows if r["stack"] == st and r.get("fits")],
+                                          default=None) for st in dict.fromkeys(r["stack"] for r in rows)}}
+        (out / name).write_text(json.dumps(report, indent=1))
+        return report
+    with tempfile.TemporaryDirectory(prefix="bench_step_") as tmp:
+        tmp = Path(tmp)
+        step_stacks.make_init_checkpoint(hf, tmp / "init", "cpu" if args.cpu_smoke else "cuda")
+        for s in lens:
+            for stack in stacks:
+                rows.append(launch(args, stack, s, args.steps if s == lens[0] else args.long_steps,
+                                   s == args.profile_len, tmp))
+                write()
+        for stack in stacks:  # the longest fit: stop at the first length that does not
+            for s in [int(x) for x in args.longest.split(",") if x]:
+                r = launch(args, stack, s, 1, False, tmp, warmup=1)
+                r["longest_probe"] = True
+                rows.append(r)
+                write()
+                if not r.get("fits"):
+                    break
+    report = write()
+    print(json.dumps({"comparison": report["comparison"], "longest_fit": report["longest_fit"]}, indent=1))
+    print("wrote", out / name)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,172 @@
+"""The two training stacks `training_step/bench.py` compares, built from one HF checkpoint folder.
+
+    bumblebee        our model (`bb.models.from_pretrained`), default slots, full recompute,
+                     `state_sharding=fsdp2`, EP over the GPUs for MoE models when there are several
+    transformers+liger   transformers' model with Liger's kernels applied (RoPE, RMSNorm, SwiGLU / fused
+                     MoE experts, fused linear cross-entropy), gradient checkpointing (non-reentrant),
+                     FSDP2 `fully_shard` per decoder layer and at the root, torch AdamW: the shape of
+                     verl's FSDP backend
+
+Both: fp32 master weights, bf16 compute (`MixedPrecisionPolicy(bf16, reduce fp32)`), AdamW with the
+same hyperparameters, gradient clipping at 1.0. `Stack.step(ids)` runs one forward + backward +
+optimizer step and returns (loss, grad norm before clipping).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+HP = dict(lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+GRAD_CLIP = 1.0
+LIGER_PATCHES = {"qwen3_moe": "apply_liger_kernel_to_qwen3_moe", "qwen3": "apply_liger_kernel_to_qwen3",
+                 "qwen3_5_moe_text": "apply_liger_kernel_to_qwen3_5_moe", "qwen3_5_moe": "apply_liger_kernel_to_qwen3_5_moe"}
+
+
+class Stack:
+    name = "?"
+    config: dict = {}
+
+    def forward_backward(self, ids: torch.Tensor) -> float:
+        raise NotImplementedError
+
+    def optimizer_step(self) -> float:
+        """Clip, step, zero the gradients; the grad norm before clipping."""
+        raise NotImplementedError
+
+    def step(self, ids: torch.Tensor) -> tuple[float, float]:
+        loss = self.forward_backward(ids)
+        return loss, self.optimizer_step()
+
+
+class Bumblebee(Stack):
+    name = "bumblebee"
+
+    def __init__(self, path, device, mesh, *, ep: int = 1, impl: dict | None = None, mixed_precision="bf16"):
+        from bumblebee import models, registry
+        from torch.distributed.device_mesh import init_device_mesh
+        impl = dict(impl or {})
+        world = mesh.size()
+        ep_mesh = None
+        if ep > 1:
+            impl.setdefault("moe_dispatch", "chunked")
+            ep_mesh = init_device_mesh(device.type, (world // ep, ep), mesh_dim_names=("efsdp", "ep"))
+        model = models.from_pretrained(path, impl, dtype=torch.float32, device=device)
+        if ep_mesh is not None:
+            models.moe.shard_experts(model, ep_mesh["ep"].get_group())
+        model.set_recompute(True)
+        self.state = registry.resolve("state_sharding", "fsdp2")(
+            model, mesh, lr=HP["lr"], betas=HP["betas"], eps=HP["eps"], weight_decay=HP["weight_decay"],
+            grad_clip=GRAD_CLIP, mixed_precision=mixed_precision, ep_mesh=ep_mesh)
+        configs = model.impl_configs()  # every slot the model uses, with its options
+        self.config = {"impl": {slot: c["impl"] for slot, c in configs.items()} | {"state_sharding": "fsdp2"},
+                       "impl_configs": configs, "ep": ep, "recompute": "full"}
+
+    def forward_backward(self, ids):
+        loss = self.state.model(ids, labels=ids).loss
+        loss.backward()
+        return float(loss.detach())
+
+    def optimizer_step(self):
+        ok, norm, _ = self.state.step()
+        self.state.zero_grad()
+        return norm
+
+
+class TransformersLiger(Stack):
+    name = "transformers+liger"
+
+    def __init__(self, path, device, mesh, *, liger: bool = True, mixed_precision="bf16"):
+        import transformers
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        hf = transformers.AutoConfig.from_pretrained(path)
+        patched = None
+        if liger:
+            import liger_kernel
+            import liger_kernel.transformers as lt
+            patched = LIGER_PATCHES[hf.model_type]
+            getattr(lt, patched)()  # before the model is built: the classes are patched
+            self.name = "transformers+liger"
+            version = getattr(liger_kernel, "__version__", None)
+        else:
+            self.name, version = "transformers", None
+        deltanet = None
+        if hf.model_type.startswith("qwen3_5"):
+            # transformers' gated DeltaNet runs flash-linear-attention's chunk_gated_delta_rule where
+            # installed; where fla refuses its own gated backward (Hopper, Triton < 3.7.1) the peer gets
+            # the dq/dk/dw/dg kernel we install into fla for ourselves, so both run the same DeltaNet
+            from bumblebee.primitives import linear_attention as la
+            ops = la.fla_ops() if device.type == "cuda" else None
+            deltanet = ("transformers' torch path (fla absent)" if ops is None else
+                        f"fla {'with our chunk_bwd_dqkwg (' + la.DQKWG_HOOK + ')' if la.DQKWG_HOOK else 'as is'}")
+        model = _transformers_model(path, device, attn_implementation="sdpa")
+        model.config.use_cache = False
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        bf16 = mixed_precision == "bf16"
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh, mp_policy=mp)
+        fully_shard(model, mesh=mesh, mp_policy=mp)
+        model.train()
+        self.model = model
+        self.optimizer = torch.optim.AdamW(model.parameters(), **HP)
+        self.config = {"transformers": transformers.__version__, "liger_kernel": version, "liger_patch": patched,
+                       "attn_implementation": "sdpa", "gradient_checkpointing": "non-reentrant",
+                       "fsdp2": "fully_shard per decoder layer + root", "optimizer": "torch AdamW (default foreach)",
+                       "deltanet": deltanet}
+
+    def forward_backward(self, ids):
+        loss = self.model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return float(loss.detach())
+
+    def optimizer_step(self):
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), GRAD_CLIP)
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(norm)
+
+
+def build(stack: str, path, device, mesh, *, ep: int = 1, mixed_precision="bf16") -> Stack:
+    """`bumblebee`, `bumblebee:slot=impl,slot=impl` (a swap), `transformers+liger` or `transformers`."""
+    if stack.split(":")[0] == "bumblebee":
+        swaps = dict(kv.split("=") for kv in stack.split(":", 1)[1].split(",")) if ":" in stack else {}
+        s = Bumblebee(path, device, mesh, ep=ep, impl=swaps, mixed_precision=mixed_precision)
+        s.name = stack
+        return s
+    if stack in ("transformers+liger", "transformers"):
+        return TransformersLiger(path, device, mesh, liger=stack != "transformers", mixed_precision=mixed_precision)
+    raise ValueError(f"unknown stack {stack!r}; accepted: bumblebee, transformers+liger, transformers")
+
+
+def _transformers_model(path, device, **kw):
+    """transformers' model built on `device` from the folder's config, its weights loaded from the
+    folder's `model.safetensors` (transformers' own in-memory state dict: no per-expert conversion)."""
+    import transformers
+    from safetensors.torch import load_file
+    cfg = transformers.AutoConfig.from_pretrained(path, **kw)
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    state = load_file(str(Path(path) / "model.safetensors"), device=str(device))
+    model.load_state_dict(state, strict=not getattr(cfg, "tie_word_embeddings", False))
+    del state
+    return model
+
+
+def make_init_checkpoint(hf_config: dict, path, device, seed: int = 0) -> None:
+    """transformers' own model and init (seed 0); its state dict as `model.safetensors` beside its
+    config.json: both stacks load this folder (ours reads transformers' fused expert names directly)."""
+    import transformers
+    from safetensors.torch import save_file
+    cfg = transformers.AutoConfig.for_model(**{k: v for k, v in hf_config.items() if k != "architectures"})
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    Path(path).mkdir(parents=True, exist_ok=True)
+    cfg.save_pretrained(path)
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if getattr(cfg, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)
+    save_file(state, str(Path(path) / "model.safetensors"))
+    del model, state
