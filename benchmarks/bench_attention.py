@@ -85,7 +85,7 @@ def _case_fn(impl, lengths):
             o = flash_attn_func(q, k, v, causal=True)
             return o[0] if isinstance(o, tuple) else o
     elif impl == "varlen_direct":
-        from bumblebee.kernels import varlen_attention
+        from bumblebee.kernels import attention_varlen as varlen_attention
 
         def call():
             return varlen_attention.causal_attention(q[0], k[0], v[0], s["head_dim"] ** -0.5, cu, max(lengths))[None]
@@ -109,8 +109,8 @@ def _case_fn(impl, lengths):
 
 
 def _core(impl, packed):
-    from bumblebee.kernels import flash_attention4 as fa4
-    from bumblebee.kernels import varlen_attention
+    from bumblebee.kernels import attention_fa4 as fa4
+    from bumblebee.kernels import attention_varlen as varlen_attention
     from bumblebee.primitives import attention
     from bumblebee.registry import choose
     if impl in ("eager", "flash_backend", "varlen_direct"):

@@ -129,7 +129,7 @@ def _core_backend(impl):
     """Which attention core a FlashMLA case runs: "fa4" or "sdpa" (the twin: "explicit scores")."""
     if not impl.startswith("flash"):
         return "explicit scores"
-    from bumblebee.kernels import flash_attention4 as fa4
+    from bumblebee.kernels import attention_fa4 as fa4
     s, config = CFG["sizes"], _options(impl)
     dqk = s["qk_nope_head_dim"] + s["qk_rope_head_dim"]
     if config.fa4 == "auto" and fa4.supports(torch.device(CFG["device"]), CFG["dtype"], dqk, s["v_head_dim"]):
@@ -302,7 +302,7 @@ def _core_fn(variant, T, backward=True):
         return torch.randn(*shape, device=dev, dtype=dt, requires_grad=backward)
 
     if variant == "core_fa4":
-        from bumblebee.kernels import flash_attention4 as fa4
+        from bumblebee.kernels import attention_fa4 as fa4
         q0, k0, v0 = leaf(1, T, H, dqk), leaf(1, T, H, dqk), leaf(1, T, H, dv)
         if not fa4.available(q0, v0):
             raise RuntimeError("flash-attn-4 is not installed, or this device/dtype is not one it runs")

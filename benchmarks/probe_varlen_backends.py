@@ -62,7 +62,7 @@ def flash(q, k, v, cu, max_len, scale):
 
 
 def flash_pad_v(q, k, v, cu, max_len, scale):
-    from bumblebee.kernels import varlen_attention
+    from bumblebee.kernels import attention_varlen as varlen_attention
     return varlen_attention.causal_attention(q, k, v, scale, cu, max_len)
 
 
