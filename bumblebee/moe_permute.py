@@ -91,7 +91,7 @@ def regroup_rows(counts_CSL: torch.Tensor, chunk_rows: list):
     """(dest_R, src_R, counts_CL, offs_CL) for rows received in (chunk, source, expert) blocks of
     counts_CSL [C, S, L]: `regroup_index`, its inverse within each chunk (chunk c's rows, chunk_rows[c]
     of them, host-known, are one range), rows per (chunk, expert) and their int32 inclusive offsets.
-    `kernels/moe_regroup.py:regroup` computes the same in one launch."""
+    `kernels/moe_dispatch_regroup.py:regroup` computes the same in one launch."""
     dest_R = regroup_index(counts_CSL, sum(chunk_rows))
     ends = [sum(chunk_rows[:c + 1]) for c in range(len(chunk_rows))]
     src = [inverse_index(dest_R[e - r:e]) for r, e in zip(chunk_rows, ends)]

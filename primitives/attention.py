@@ -3,14 +3,14 @@ backend picked explicitly.
 
 On CUDA the cuDNN backend ran causal GQA 1.8x faster than flash on an H200; it is tried first, then
 flash, then memory-efficient, then the math fallback. The CPU uses SDPA's own choice.
-FA4 (`kernels/flash_attention4.py`, package flash-attn-4) ran head dim 128 (32 query heads, 8 or 4
+FA4 (`kernels/attention_fa4.py`, package flash-attn-4) ran head dim 128 (32 query heads, 8 or 4
 key/value heads) 1.10-1.13x faster than cuDNN forward + backward at 8K-64K tokens on an H200, but head
 dim 256 (Qwen3.5's full attention) 0.91-1.04x (`benchmarks/attention/results/probe_fa4_gqa.jsonl`): so dense
 batches take FA4 for head dims up to `FA4_MAX_HEAD_DIM`, packed batches (one varlen launch instead of
 one SDPA call per sequence) for every head dim it runs (`benchmarks/attention/bench.py`). Option
 `SDPA.fa4` ("auto"; "on" for every shape FA4 runs, "off" for SDPA).
 Packed batches without FA4 run PyTorch's FlashAttention 2 varlen kernel in one launch while sequences
-are short on average (`kernels/varlen_attention.py`; 11x one SDPA call per sequence at 64 x 512 tokens),
+are short on average (`kernels/attention_varlen.py`; 11x one SDPA call per sequence at 64 x 512 tokens),
 else one SDPA call per sequence. Option `SDPA.varlen` (False for the per-sequence calls).
 """
 from __future__ import annotations
@@ -19,9 +19,9 @@ from dataclasses import dataclass
 
 from bumblebee import packing
 from bumblebee.checks import check_attention_inputs
-from bumblebee.kernels import flash_attention4 as _fa4
-from bumblebee.kernels import sdpa_cudnn_first as _sdpa_cudnn
-from bumblebee.kernels import varlen_attention as _varlen
+from bumblebee.kernels import attention_fa4 as _fa4
+from bumblebee.kernels import attention_sdpa_cudnn_first as _sdpa_cudnn
+from bumblebee.kernels import attention_varlen as _varlen
 from bumblebee.options import Bound, check_bool, check_choice, option
 from bumblebee.registry import register
 

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from bumblebee.checks import check_cross_entropy_inputs
 from bumblebee.distributed import vocab_range
-from bumblebee.kernels.linear_ce import NEG_INIT, chunk_grad, chunk_stats_
+from bumblebee.kernels.cross_entropy_linear import NEG_INIT, chunk_grad, chunk_stats_
 from bumblebee.options import Bound, check_choice, check_int, option
 from bumblebee.registry import register
 

@@ -12,7 +12,7 @@ blocks, state scan and output pass), never the twin's code.
 
 fla 0.6 refuses its gated backward on Hopper with Triton in [3.4, 3.7.1): one of its kernels
 (`chunk_bwd_dqkwg`) is miscompiled there. On first use the primitive then installs
-`bumblebee.kernels.gdn_backward.chunk_bwd_dqkwg` (the same function, written so that the miscompiled
+`bumblebee.kernels.linear_attention_gdn_backward.chunk_bwd_dqkwg` (the same function, written so that the miscompiled
 pattern never appears) into fla's backend registry, so fla's backward runs unchanged otherwise.
 
 The rule's inputs keep their activation dtype (bf16 in training); the kernels accumulate in fp32.
@@ -34,7 +34,7 @@ from bumblebee.primitives.linear_attention_torch import causal_conv1d_silu_taps,
 from bumblebee.registry import register
 
 
-DQKWG_HOOK = None  # how fla's gated chunk_bwd_dqkwg reaches kernels/gdn_backward.py, once installed
+DQKWG_HOOK = None  # how fla's gated chunk_bwd_dqkwg reaches kernels/linear_attention_gdn_backward.py, once installed
 
 
 def fla_refuses_gated_backward() -> bool:
@@ -48,11 +48,11 @@ def fla_refuses_gated_backward() -> bool:
 
 
 def _install_dqkwg():
-    """Hand fla's gated chunk_bwd_dqkwg to kernels/gdn_backward.py. fla dispatches that function through
-    its 'common' backend registry: our backend takes the gated calls, after tilelang's when fla finds
-    tilelang usable. With FLA_DISABLE_BACKEND_DISPATCH=1 there is no registry to join, so the name
+    """Hand fla's gated chunk_bwd_dqkwg to kernels/linear_attention_gdn_backward.py. fla dispatches that function
+    through its 'common' backend registry: our backend takes the gated calls, after tilelang's when fla
+    finds tilelang usable. With FLA_DISABLE_BACKEND_DISPATCH=1 there is no registry to join, so the name
     fla's gated delta rule imported is rebound instead. Returns how it was installed."""
-    from bumblebee.kernels import gdn_backward
+    from bumblebee.kernels import linear_attention_gdn_backward as gdn_backward
 
     if os.environ.get("FLA_DISABLE_BACKEND_DISPATCH") == "1":
         import fla.ops.gated_delta_rule.chunk as gdr

@@ -3,7 +3,7 @@
 Same parameters, names and math as the twin `bumblebee.baselines.mla.NaiveMLA`; what differs, each
 an option of `FlashMLAConfig` (the constructor's first argument; `impl={"mla": "flash:fa4=off"}`):
 
-- `fa4`: the attention core is FlashAttention 4 (`kernels/flash_attention4.py`) where flash-attn-4 is
+- `fa4`: the attention core is FlashAttention 4 (`kernels/attention_fa4.py`) where flash-attn-4 is
   installed and runs the shapes (Hopper/Blackwell, 16-bit); otherwise (or "off")
   `F.scaled_dot_product_attention` with the backend picked explicitly: on CUDA cuDNN first (it runs
   q/k head dim 192 with v head dim 128; the flash backend refuses those dims), then flash,
@@ -16,7 +16,7 @@ an option of `FlashMLAConfig` (the constructor's first argument; `impl={"mla": "
   input (`FlashMLA._lean_context`);
 - `cu_seqlens` (packed sequences): one FA4 varlen call for the whole stream; without FA4, while
   sequences are short on average, one call of PyTorch's FlashAttention 2 varlen kernel with v
-  zero-padded to 192 (`kernels/varlen_attention.py`; option `varlen`); else one SDPA call per
+  zero-padded to 192 (`kernels/attention_varlen.py`; option `varlen`); else one SDPA call per
   sequence, so every call stays on a fast backend (a block-diagonal mask would push SDPA off
   cuDNN/flash).
 - `pad_v` (default off): v zero-padded to the q/k head dim inside SDPA, the extra output columns
@@ -44,9 +44,9 @@ from bumblebee.kernels import mla_rope as _fused_rope
 from bumblebee.mla_projections import MLAProjections
 from bumblebee.options import check_bool, check_choice, option
 from bumblebee.registry import register
-from bumblebee.kernels import flash_attention4 as _fa4
-from bumblebee.kernels import sdpa_cudnn_first as _sdpa_cudnn
-from bumblebee.kernels import varlen_attention as _varlen
+from bumblebee.kernels import attention_fa4 as _fa4
+from bumblebee.kernels import attention_sdpa_cudnn_first as _sdpa_cudnn
+from bumblebee.kernels import attention_varlen as _varlen
 
 FA4_CHOICES = ("auto", "off")
 

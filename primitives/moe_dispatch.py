@@ -19,16 +19,16 @@ CUDA with communication on its own stream ("comm", one per device) ordered again
   (delayed: it runs after the last dgrad, while the tail A runs), S sum of each token's K
   input-gradient copies.
 Chunk i+1's dispatch and chunk i-1's combine run while chunk i's experts compute; chunk 0's
-dispatch starts right after its own gather. The expert math comes from `kernels/expert_gemm.py`
+dispatch starts right after its own gather. The expert math comes from `kernels/moe_dispatch_expert_gemm.py`
 (dgrad/wgrad split); the permutation from `bumblebee/moe_permute.py`, shared with the twin: every
 un-permute is a gather and a sum over K, no atomics, deterministic. Chunks are contiguous token
 ranges and the copies sort by chunk * E + expert, so chunk c's copies are one range of the sorted
 order and U/S write disjoint rows of the output. On the CPU (gloo) there are no streams: the same
 chunk schedule runs in issue order, sequentially. Options: `ChunkedDispatch`
 (`primitives/moe_dispatch_options.py`). `fused_permute` runs U, G and S as fused Triton kernels on
-CUDA (`kernels/moe_permute_fused.py`: gather, weight and sum in one pass) and builds the row indices
-after the count exchange in one launch (`kernels/moe_regroup.py`); `fused_swiglu`
-the experts' SwiGLU elementwise (`kernels/swiglu.py`). Chunk 0's gather P0 is
+CUDA (`kernels/moe_dispatch_permute.py`: gather, weight and sum in one pass) and builds the row indices
+after the count exchange in one launch (`kernels/moe_dispatch_regroup.py`); `fused_swiglu`
+the experts' SwiGLU elementwise (`kernels/moe_dispatch_swiglu.py`). Chunk 0's gather P0 is
 issued before the count exchange's host sync, so the GPU works while the host waits, and chunk 0's
 dispatch before the row indices are built, so the host builds them while it runs. With one chunk the
 exchanges that nothing can overlap run inline on the compute stream. `sm_carveout`
@@ -67,7 +67,7 @@ import torch
 import torch.distributed as dist
 
 from bumblebee.distributed import agree_once
-from bumblebee.kernels.expert_gemm import (TokensPerExpert, WgradJob, expert_dgrad, expert_dgrad_weighted,
+from bumblebee.kernels.moe_dispatch_expert_gemm import (TokensPerExpert, WgradJob, expert_dgrad, expert_dgrad_weighted,
                                            expert_forward, expert_wgrad, use_grouped_mm)
 from bumblebee.moe_permute import expert_major_index, inverse_index
 from bumblebee.options import Bound

@@ -17,7 +17,7 @@ token at Qwen3-30B-A3B's sizes) puts the backward's peak far above the parameter
 The backward's working set is then the [M, D] dx buffer plus one group's tensors: about
 32 + 168 / G KiB per token at those sizes. FLOPs are those of the saved-activation path (fc1 runs once
 in the backward instead of once in the recompute); the identity row gathers of one rank disappear.
-The un-permute and the sum over K are the fused kernels' (`kernels/moe_permute_fused.py`) where the
+The un-permute and the sum over K are the fused kernels' (`kernels/moe_dispatch_permute.py`) where the
 config enables them, as in `primitives/moe_dispatch.py`. Shape legend as there.
 """
 from __future__ import annotations
@@ -26,7 +26,8 @@ import math
 
 import torch
 
-from bumblebee.kernels.expert_gemm import TokensPerExpert, expert_dgrad_weighted, expert_forward, expert_wgrad
+from bumblebee.kernels.moe_dispatch_expert_gemm import (TokensPerExpert, expert_dgrad_weighted, expert_forward,
+                                                        expert_wgrad)
 from bumblebee.primitives.moe_dispatch_plan import exchange_counts
 
 

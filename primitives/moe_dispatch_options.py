@@ -12,9 +12,9 @@ from dataclasses import dataclass
 import torch
 
 from bumblebee import recompute
-from bumblebee.kernels import moe_permute_fused as _fused
-from bumblebee.kernels import moe_regroup as _regroup_kernel
-from bumblebee.kernels import swiglu as _swiglu
+from bumblebee.kernels import moe_dispatch_permute as _fused
+from bumblebee.kernels import moe_dispatch_regroup as _regroup_kernel
+from bumblebee.kernels import moe_dispatch_swiglu as _swiglu
 from bumblebee.moe_permute import regroup_rows, sum_copies, unpermute, unpermute_grads
 from bumblebee.options import check_choice, check_int, option
 
@@ -47,9 +47,9 @@ class ChunkedDispatch:
     wgrad: str = option("auto", "delayed wgrad of several chunks: 'gather' (regroup the rows, one GEMM per "
                         "weight), 'add' (one GEMM per chunk plus adds) or 'auto' (fewer bytes moved)")
     fused_permute: bool = option(True, "un-permute, its gradient and the sum over K as fused Triton kernels "
-                                 "(kernels/moe_permute_fused.py, kernels/moe_regroup.py) on CUDA")
+                                 "(kernels/moe_dispatch_permute.py, kernels/moe_dispatch_regroup.py) on CUDA")
     fused_swiglu: bool = option(True, "the experts' SwiGLU elementwise as one Triton pass each way "
-                                "(kernels/swiglu.py) on CUDA")
+                                "(kernels/moe_dispatch_swiglu.py) on CUDA")
     fused_recompute: bool = option(True, "under the models' full recompute: the recompute skips fc2 and "
                                    "the combine, the backward weights the experts' rows itself")
     group_rows: int = option(65536, "one rank under the models' recompute: routed rows per expert group of "
@@ -123,7 +123,7 @@ def sm_carveout(config: ChunkedDispatch, active: bool, device, EP: int):
 
 
 def swiglu_fns(config: ChunkedDispatch, t: torch.Tensor):
-    """(swiglu, swiglu_grads, swiglu_grads_weighted) of `kernels/swiglu.py` where fused_swiglu is on and
+    """(swiglu, swiglu_grads, swiglu_grads_weighted) of `kernels/moe_dispatch_swiglu.py` where fused_swiglu is on and
     Triton runs on t (CUDA, or TRITON_INTERPRET=1), else Nones: the torch ops."""
     if config.fused_swiglu and _swiglu.use_triton(t):
         return _swiglu.swiglu, _swiglu.swiglu_grads, _swiglu.swiglu_grads_weighted

@@ -44,7 +44,7 @@ def _header(N, shape_bad, E, word, device):
 
 def exchange_counts(x_ND, weights_NK, indices_NK, E, spec, group, EP, min_tokens, early=None, auto=False):
     """Sorted copy order, the host view of every chunk's splits (the one host sync) and the received
-    counts [C, S, L] of the active chunks, on the device (`kernels/moe_regroup.py` turns them into
+    counts [C, S, L] of the active chunks, on the device (`kernels/moe_dispatch_regroup.py` turns them into
     the row indices). `early(order_M, copy_bounds)` is issued before the host sync (device work
     that needs no host counts keeps the GPU busy while the host waits); its result is returned.
     `auto`: below `min_tokens` on every rank the chunks merge into one (counts summed on the device

@@ -14,7 +14,7 @@ Implementations, all through the same [B, H, T, D] interface:
 - `sdpa_per_sequence`: `sdpa:fa4=off,varlen=off` (packed: one SDPA call per sequence, cuDNN first);
 - `eager`: the twin (explicit [B, H, N, N] fp32 scores; up to 8K tokens);
 - anchors: `flash_backend` (SDPA's flash backend, FlashAttention 2; dense only), `varlen_direct`
-  (aten._flash_attention_forward with cu_seqlens through kernels/varlen_attention.py, no slot, no
+  (aten._flash_attention_forward with cu_seqlens through kernels/attention_varlen.py, no slot, no
   length rule; packed only) and `fa4_direct` (flash_attn.cute.flash_attn_func / flash_attn_varlen_func
   called on [B, T, H, D] tensors, no slot).
 Cases (`CASES`): Qwen3 dense 8K / 32K / 64K tokens and packed 32K tokens as 8 x 4K, 16 x 2K, 32 x 1K,
@@ -87,7 +87,7 @@ def _case_fn(impl, lengths):
             o = flash_attn_func(q, k, v, causal=True)
             return o[0] if isinstance(o, tuple) else o
     elif impl == "varlen_direct":
-        from bumblebee.kernels import varlen_attention
+        from bumblebee.kernels import attention_varlen as varlen_attention
 
         def call():
             return varlen_attention.causal_attention(q[0], k[0], v[0], s["head_dim"] ** -0.5, cu, max(lengths))[None]
@@ -111,8 +111,8 @@ def _case_fn(impl, lengths):
 
 
 def _core(impl, packed):
-    from bumblebee.kernels import flash_attention4 as fa4
-    from bumblebee.kernels import varlen_attention
+    from bumblebee.kernels import attention_fa4 as fa4
+    from bumblebee.kernels import attention_varlen as varlen_attention
     from bumblebee.primitives import attention
     from bumblebee.registry import choose
     if impl in ("eager", "flash_backend", "varlen_direct"):

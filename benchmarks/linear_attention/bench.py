@@ -17,7 +17,7 @@ and reads the peak memory over those same calls. Cases run shortest first; the t
 64K), and no case starts after --budget-s (default 150 s); what was not run is listed under
 "skipped" in the JSON with the reason. The JSON also says which gated backward fla ran
 ("fla_backward": on Hopper with Triton < 3.7.1 fla refuses its own chunk_bwd_dqkwg and the
-primitive installs kernels/gdn_backward.py in its place).
+primitive installs kernels/linear_attention_gdn_backward.py in its place).
 """
 from __future__ import annotations
 

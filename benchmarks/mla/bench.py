@@ -40,7 +40,7 @@ the same with the assembly as one Triton kernel each way (`kernels/mla_rope.py`,
 with option `fused_rope`, the default of the `flash_*` layers too); `core_prealloc` the
 same with q and k written into preallocated [B, T, H, 192] buffers; `core_cudnn_pad_v` v zero-padded
 to 192 ([B, H, T, d] as core_cudnn); `core_flash_pad_v` the flash backend (it refuses 192/128) with
-v padded to 192, BSHD views; `core_fa4` FlashAttention 4 (`kernels/flash_attention4.py`) on
+v padded to 192, BSHD views; `core_fa4` FlashAttention 4 (`kernels/attention_fa4.py`) on
 contiguous [B, T, H, d] (its native layout). The padded variants slice the output back to 128 before
 the backward.
 Saved activations: device memory held between forward and backward, less the output. Targets: core
@@ -131,7 +131,7 @@ def _core_backend(impl):
     """Which attention core a FlashMLA case runs: "fa4" or "sdpa" (the twin: "explicit scores")."""
     if not impl.startswith("flash"):
         return "explicit scores"
-    from bumblebee.kernels import flash_attention4 as fa4
+    from bumblebee.kernels import attention_fa4 as fa4
     s, config = CFG["sizes"], _options(impl)
     dqk = s["qk_nope_head_dim"] + s["qk_rope_head_dim"]
     if config.fa4 == "auto" and fa4.supports(torch.device(CFG["device"]), CFG["dtype"], dqk, s["v_head_dim"]):
@@ -304,7 +304,7 @@ def _core_fn(variant, T, backward=True):
         return torch.randn(*shape, device=dev, dtype=dt, requires_grad=backward)
 
     if variant == "core_fa4":
-        from bumblebee.kernels import flash_attention4 as fa4
+        from bumblebee.kernels import attention_fa4 as fa4
         q0, k0, v0 = leaf(1, T, H, dqk), leaf(1, T, H, dqk), leaf(1, T, H, dv)
         if not fa4.available(q0, v0):
             raise RuntimeError("flash-attn-4 is not installed, or this device/dtype is not one it runs")

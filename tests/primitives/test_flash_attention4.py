@@ -1,4 +1,4 @@
-"""FlashAttention 4 core (kernels/flash_attention4.py) and FlashMLA on it.
+"""FlashAttention 4 core (kernels/attention_fa4.py) and FlashMLA on it.
 
 GPU cases need flash-attn-4 installed (skipped otherwise): the op against an fp32 reference within
 3x the error of SDPA (its own backend choice) on the same bf16 inputs, dense and packed; torch.library's
@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import CheckpointPolicy
 
-from bumblebee.kernels import flash_attention4 as fa4
+from bumblebee.kernels import attention_fa4 as fa4
 from bumblebee.primitives import mla
 from bumblebee.primitives.attention import SDPA
 from bumblebee.primitives.mla import FlashMLAConfig

@@ -1,5 +1,5 @@
-"""kernels/gdn_backward.py (the gated DeltaNet chunk's dq/dk/dw/dg, in place of fla's on Hopper) against
-an autograd float64 reference written from the forward math: the torch path on the CPU, the Triton
+"""kernels/linear_attention_gdn_backward.py (the gated DeltaNet chunk's dq/dk/dw/dg, in place of fla's
+on Hopper) against an autograd float64 reference written from the forward math: the torch path on the CPU, the Triton
 kernel under TRITON_INTERPRET=1 in fp32 (this file run as a script in a subprocess), and on the GPU
 in bf16 at Qwen3.5 head sizes, against fla's own kernel where fla trusts it, and inside fla's
 backward where fla would refuse its own."""
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bumblebee.kernels import gdn_backward as gb
+from bumblebee.kernels import linear_attention_gdn_backward as gb
 from tests.interpreter import run_under_interpreter
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

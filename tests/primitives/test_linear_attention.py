@@ -2,7 +2,7 @@
 (fla's algorithm: blocked triangular solve, state scan, output pass) against the recurrent oracle,
 packed sequences against separate ones, the layer's twins against each other and against
 transformers' torch path, bad input; on the GPU, flash-linear-attention against the twin in bf16 at 4K-32K (on Hopper with
-Triton < 3.7.1, fla's backward with kernels/gdn_backward.py in place of its refused kernel)."""
+Triton < 3.7.1, fla's backward with kernels/linear_attention_gdn_backward.py in place of its refused kernel)."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -236,7 +236,7 @@ def _run(layer, x, w, cu=None):
 
 def _assert_fla_backward():
     """On Hopper with Triton in [3.4, 3.7.1) fla refuses its own gated dq/dk/dw/dg kernel: these tests then
-    run kernels/gdn_backward.py inside fla's backward, and must not skip."""
+    run kernels/linear_attention_gdn_backward.py inside fla's backward, and must not skip."""
     from bumblebee.primitives import linear_attention as la
     assert fla_backward_ok(), "fla's gated backward is neither usable nor replaced here"
     assert not la.fla_refuses_gated_backward() or la.DQKWG_HOOK, "refused by fla, and our kernel is not installed"

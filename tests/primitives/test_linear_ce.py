@@ -334,7 +334,7 @@ def test_vocab_parallel_equals_one_rank(world):
 
 INTERPRETED = textwrap.dedent("""
     import torch
-    from bumblebee.kernels import linear_ce as k
+    from bumblebee.kernels import cross_entropy_linear as k
     assert k.INTERPRET and k.triton is not None
     from bumblebee.primitives import cross_entropy as lce
     torch.manual_seed(0)
@@ -439,7 +439,7 @@ def test_gpu_grad_in_forward_variant(dtype):
 def test_gpu_gradient_over_logits_has_no_race(dtype):
     """The 16-bit gradient written over the fp32 logits equals the one written to its own buffer,
     bit for bit, over repeated launches on fresh data (a missing barrier shows up here)."""
-    from bumblebee.kernels import linear_ce as k
+    from bumblebee.kernels import cross_entropy_linear as k
     n, c = 4099, 20011
     for _ in range(4):
         z = torch.randn(n, c, device="cuda") * 4

@@ -1,4 +1,4 @@
-"""kernels/moe_permute_fused.py (fused un-permute, its gradients, sum over copies) against float64
+"""kernels/moe_dispatch_permute.py (fused un-permute, its gradients, sum over copies) against float64
 references and against the torch functions of bumblebee/moe_permute.py, and the chunked primitive
 with FUSED_PERMUTE = "on" against its twin.
 
@@ -7,8 +7,8 @@ subprocess, `--interpret`): odd N, K in {1, 2, 8}, D not a multiple of the block
 blocks per row), `out=` row slices of a poisoned buffer, need_w False, empty inputs. The same
 subprocess spawns 2 gloo ranks (the interpreter covers CPU tensors, so the primitive picks the fused
 kernels there) and runs the chunked primitive with C = 2 and unequal chunks against the all_to_all
-twin, counting the fused calls (the experts' fused SwiGLU of kernels/swiglu.py and the row indices of
-kernels/moe_regroup.py included). Tolerances: the fused error vs float64 at most 2x the torch path's
+twin, counting the fused calls (the experts' fused SwiGLU of kernels/moe_dispatch_swiglu.py and the
+row indices of kernels/moe_dispatch_regroup.py included). Tolerances: the fused error vs float64 at most 2x the torch path's
 own error plus a small floor. bf16 runs on the GPU only (the interpreter computes bf16 wrongly).
 """
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from bumblebee import moe_permute as ref_mod
-from bumblebee.kernels import moe_permute_fused as fused
+from bumblebee.kernels import moe_dispatch_permute as fused
 from bumblebee.primitives.moe_dispatch_options import ChunkedDispatch, permute_fns
 from tests.interpreter import interpreted_fixture
 
@@ -130,7 +130,7 @@ def _ep_worker(rank, world, port, out_dir):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
-    from bumblebee.kernels import moe_regroup, swiglu
+    from bumblebee.kernels import moe_dispatch_regroup as moe_regroup, moe_dispatch_swiglu as swiglu
     calls = {"unpermute": 0, "unpermute_grads": 0, "sum_copies": 0, "regroup": 0, "swiglu": 0, "swiglu_grads": 0,
              "swiglu_grads_weighted": 0}
 

@@ -1,4 +1,4 @@
-"""kernels/moe_regroup.py (the chunked dispatch's row indices from the received counts, one launch)
+"""kernels/moe_dispatch_regroup.py (the chunked dispatch's row indices from the received counts, one launch)
 and its torch path (bumblebee/moe_permute.py:regroup_rows) against a plain-Python reference built
 block by block.
 
@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 
-from bumblebee.kernels import moe_regroup as rg
+from bumblebee.kernels import moe_dispatch_regroup as rg
 from bumblebee.moe_permute import regroup_rows
 from tests.interpreter import interpreted_fixture
 

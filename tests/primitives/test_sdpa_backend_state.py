@@ -2,7 +2,7 @@
 
 torch initializes its default SDPA priority order lazily (cuDNN first on sm90/sm100); a scoped
 priority change entered before that first call used to restore the uninitialized flash-first order
-(`kernels/sdpa_cudnn_first.py`). Each case runs in a fresh process, because the state is
+(`kernels/attention_sdpa_cudnn_first.py`). Each case runs in a fresh process, because the state is
 process-wide and this test process may have called SDPA already.
 """
 import json

@@ -1,5 +1,6 @@
-"""kernels/swiglu.py (the experts' fused SwiGLU elementwise) against float64 references and against
-the torch ops of kernels/expert_gemm.py (without `swiglu=`, what the twins run).
+"""kernels/moe_dispatch_swiglu.py (the experts' fused SwiGLU elementwise) against float64 references
+and against the torch ops of kernels/moe_dispatch_expert_gemm.py (without `swiglu=`, what the twins
+run).
 
 The Triton kernels run under TRITON_INTERPRET=1 in fp32 and fp16 (this file as a script in a
 subprocess, `--interpret`): odd row counts, widths that are not a multiple of the block (and several
@@ -18,8 +19,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from bumblebee.kernels import expert_gemm
-from bumblebee.kernels import swiglu as fused
+from bumblebee.kernels import moe_dispatch_expert_gemm as expert_gemm
+from bumblebee.kernels import moe_dispatch_swiglu as fused
 from bumblebee.primitives.moe_dispatch_options import ChunkedDispatch, swiglu_fns
 from tests.interpreter import interpreted_fixture
 
@@ -53,7 +54,7 @@ def reference_weighted(h, du, w):
 
 
 def torch_path(h, da):
-    """The twins' ops (kernels/expert_gemm.py without `swiglu=`)."""
+    """The twins' ops (kernels/moe_dispatch_expert_gemm.py without `swiglu=`)."""
     gate, up = h.chunk(2, dim=-1)
     silu = F.silu(gate)
     a = silu * up

@@ -1,4 +1,4 @@
-"""Packed attention without FA4 (kernels/varlen_attention.py): PyTorch's FlashAttention 2 varlen kernel in
+"""Packed attention without FA4 (kernels/attention_varlen.py): PyTorch's FlashAttention 2 varlen kernel in
 one launch, in the `attention` slot and in FlashMLA.
 
 CPU: when the kernel is taken (CUDA, 16-bit, head dims) and when it is worth it (short sequences on
@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
-from bumblebee.kernels import varlen_attention as varlen
+from bumblebee.kernels import attention_varlen as varlen
 from bumblebee.primitives import attention, mla
 from bumblebee.primitives.attention import SDPA
 from bumblebee.primitives.mla import FlashMLAConfig

@@ -4,7 +4,7 @@ sequence (the attention slot's and MLA's packed path where FA4 is not installed)
 Backends: `loop` (SDPA per sequence, cuDNN first), `cudnn` (aten._cudnn_attention_forward with
 cu_seqlens: cuDNN's ragged SDPA, one launch), `flash` (aten._flash_attention_forward with cu_seqlens:
 FlashAttention 2 varlen, one launch; equal q/k and v head dims only), `flash_pad_v` (the same through
-kernels/varlen_attention.py, v zero-padded to the q/k head dim: how MLA runs it). Shapes (query heads, key/value
+kernels/attention_varlen.py, v zero-padded to the q/k head dim: how MLA runs it). Shapes (query heads, key/value
 heads, d_qk, d_v): Qwen3 (32, 8, 128, 128), Qwen3.5 (16, 2, 256, 256), the MLA core
 (128, 128, 192, 128). Checks first (uneven lengths, 2048 tokens): output and q/k/v gradients against an
 fp32 per-sequence reference. Then forward + backward times on 32K tokens packed as 64 x 512, 32 x 1K,
@@ -65,7 +65,7 @@ def flash(q, k, v, cu, max_len, scale):
 
 
 def flash_pad_v(q, k, v, cu, max_len, scale):
-    from bumblebee.kernels import varlen_attention
+    from bumblebee.kernels import attention_varlen as varlen_attention
     return varlen_attention.causal_attention(q, k, v, scale, cu, max_len)
 
 

@@ -12,7 +12,7 @@ wgrad, and `store.backward_dw()` runs every queued wgrad later and accumulates i
 (Megatron/TE's `backward_dw()` pattern), so a schedule can overlap it with communication.
 
 `swiglu=` / `swiglu_grads=` replace the SwiGLU elementwise torch ops with fused functions (the
-chunked expert-parallel primitive passes `kernels/swiglu.py`'s; the twins keep the torch ops).
+chunked expert-parallel primitive passes `kernels/moe_dispatch_swiglu.py`'s; the twins keep the torch ops).
 
 Rows arrive grouped by expert (`tpe`: tokens per expert). On CUDA in bf16 with widths that meet
 its 16-byte stride rule the GEMMs are `torch._grouped_mm` (forward and dgrad as 2D x 3D, wgrad as

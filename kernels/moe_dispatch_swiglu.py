@@ -1,6 +1,6 @@
 """Fused SwiGLU elementwise for the expert GEMMs (Triton): one pass forward, one pass backward.
 
-`kernels/expert_gemm.py` computes h = x @ w1.T = [gate | up] ([M, 2I], one row per routed copy)
+`kernels/moe_dispatch_expert_gemm.py` computes h = x @ w1.T = [gate | up] ([M, 2I], one row per routed copy)
 and a = silu(gate) * up for the second GEMM; its backward needs a again (w2's wgrad) and
 dh = [dgate | dup] from da = g @ w2:
 

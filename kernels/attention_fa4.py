@@ -1,4 +1,5 @@
 """Causal attention on FlashAttention 4 (`flash_attn.cute`, package flash-attn-4) where it is installed.
+Shared by the `attention` and `mla` slots (their primitives' FA4 path).
 
 FA4 runs q/k head dim 192 with v head dim 128 (MLA) on Hopper and Blackwell, dense or packed
 (`cu_seqlens`, all sequences in one launch). At 16K-32K tokens its MLA forward ran 1.12-1.14x faster
