@@ -7,6 +7,6 @@
 from bumblebee.registry import build, get, register, resolve, slots  # noqa: F401
 from bumblebee.model_registry import register_model  # noqa: F401
 from bumblebee import models  # noqa: E402,F401
-from bumblebee.pairing import pair  # noqa: E402,F401
+from bumblebee.tools.pairing import pair  # noqa: E402,F401
 
 __version__ = "0.1.0"

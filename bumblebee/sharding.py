@@ -323,7 +323,7 @@ class TrainState:
         """HF export from the sharded state: every rank gathers, rank 0 writes (each file atomically,
         nothing else in the folder touched); an error is raised on every rank."""
         from bumblebee.distributed import on_rank0
-        from bumblebee.models import hf_io
+        from bumblebee import hf_io
         state = self.full_state_dict(rank0_only=True)
 
         def write():

@@ -11,7 +11,7 @@ import torch
 
 from bumblebee import registry
 from bumblebee.model_registry import families, family_of, model_types, register_model
-from bumblebee.models import hf_io
+from bumblebee import hf_io
 from bumblebee.models.configs import NAMED
 from bumblebee.models.deepseek_v3 import DeepseekV3ForCausalLM
 from bumblebee.models.qwen3 import Qwen3ForCausalLM

@@ -16,7 +16,7 @@ from bumblebee import packing
 from bumblebee import recompute as recompute_phase
 from bumblebee.checks import check_batch_shape, check_cu_seqlens, check_is_tensor, check_token_ids
 from bumblebee.models.components import CausalLMOutput, causal_lm_loss, next_token_labels
-from bumblebee.models.hf_io import HFCheckpointMixin
+from bumblebee.hf_io import HFCheckpointMixin
 from bumblebee.models.moe import MoECausalLMOutput, load_balancing_loss
 from bumblebee.registry import check_impl, resolve
 

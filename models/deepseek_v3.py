@@ -24,7 +24,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.nn as nn
 
-from bumblebee.models import hf_io, moe
+from bumblebee import hf_io
+from bumblebee.models import moe
 from bumblebee.models.causal_lm import CausalLM, DecoderStack
 from bumblebee.models.components import RMSNorm, RotaryEmbedding, SwiGLU, mlp_residual
 from bumblebee.models.config import hf_dtype, rope_parameters

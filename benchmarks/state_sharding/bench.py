@@ -10,7 +10,7 @@ bf16 compute with fp32 master weights and Adam, full activation recompute, the `
 the same micro-batch per rank. Per implementation: static memory (allocated after the optimizer step,
 before zero_grad: parameters, gradients, optimizer state), peak memory (max allocated over the
 timed steps), median step time over a fixed number of steps (every rank runs the same steps and
-collectives), tokens/s over both ranks, and `bumblebee.memory.estimate` beside the measurements.
+collectives), tokens/s over both ranks, and `bumblebee.tools.memory.estimate` beside the measurements.
 Writes DIR/state_sharding.json (default benchmarks/state_sharding/results/).
 
 Targets (issue 6): FSDP2 static within 5% of 18P/n plus one unit's unsharded parameters (our
@@ -64,7 +64,8 @@ def build_on_device(name: str, layers: int, impl: dict, device: torch.device, se
 
 
 def run_one(impl: str, args, mesh, ep_mesh, device, rank: int, world: int) -> dict:
-    from bumblebee import memory, registry
+    from bumblebee import registry
+    from bumblebee.tools import memory
     slots = {"cross_entropy": args.loss}
     if ep_mesh is not None:
         slots["moe_dispatch"] = args.dispatch
@@ -170,7 +171,7 @@ def main() -> None:
     }
     if rank == 0:
         from stamp import stamp
-        from bumblebee import memory
+        from bumblebee.tools import memory
         report = {
             **stamp(device), "slot": "state_sharding", "world_size": world,
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (smoke run)",

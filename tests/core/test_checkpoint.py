@@ -127,7 +127,7 @@ def test_the_json_and_the_hf_export_record_the_models_impl_configs(tmp_path):
     from torch.distributed.device_mesh import init_device_mesh
 
     from bumblebee import models, registry
-    from bumblebee.models import hf_io
+    from bumblebee import hf_io
 
     impl = {"attention": "sdpa:fa4=off,varlen=off", "cross_entropy": "linear_ce:path=lean"}
     model = models.build("qwen3-tiny", impl, seed=0)

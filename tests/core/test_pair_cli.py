@@ -4,7 +4,7 @@ import subprocess
 import sys
 
 
-from bumblebee.cli import main
+from bumblebee.tools.cli import main
 
 STEP_KEYS = {"step", "loss_a", "loss_b", "loss_abs_diff", "grad_norm_a", "grad_norm_b", "grad_norm_rel_diff"}
 
@@ -57,7 +57,7 @@ def test_pair_of_two_configs_records_both_sides_resolved_configs(tmp_path, capsy
                             "b": {"attention": sdpa, "cross_entropy": {"impl": "materialized_ce"}}}
     assert all(s["loss_abs_diff"] < 1e-4 for s in r["steps"])
     # two paths of one implementation run different code: compared, not "same code"
-    from bumblebee.pairing import pair
+    from bumblebee.tools.pairing import pair
     assert pair("qwen3-tiny", "cross_entropy", "linear_ce:path=lean", "linear_ce:path=grad_in_forward",
                 steps=1, seq_len=8)["status"] == "compared"
     assert pair("qwen3-tiny", "cross_entropy", "linear_ce", "linear_ce", steps=1, seq_len=8)["status"] == "same_code"
@@ -88,7 +88,7 @@ def test_pair_detects_a_different_function(monkeypatch):
     """A twin that computes another function must show up in the report (the check can fail)."""
     from bumblebee import registry
     from bumblebee.baselines.attention import eager_attention
-    from bumblebee.pairing import pair
+    from bumblebee.tools.pairing import pair
 
     def doubled_scale(q, k, v, *, scale=None):
         return eager_attention(q, k, v, scale=2 * scale)
@@ -117,7 +117,7 @@ def test_pair_says_when_a_primitive_ran_its_torch_path(tmp_path, capsys):
 
 
 def test_pair_of_an_implementation_with_itself_is_flagged():
-    from bumblebee.pairing import format_report, pair
+    from bumblebee.tools.pairing import format_report, pair
 
     r = pair("qwen3-tiny", "attention", "eager", "eager", steps=1, seq_len=8)
     assert r["status"] == "same_code"
@@ -129,7 +129,7 @@ def test_pair_of_an_implementation_with_itself_is_flagged():
 def test_progress_bar_stays_off_a_stream_that_is_not_a_terminal(monkeypatch):
     import io
 
-    from bumblebee import pairing
+    from bumblebee.tools import pairing
 
     stream, real = io.StringIO(), pairing.tqdm
     # no 3 s delay here, so that a bar would show within this short run
@@ -157,7 +157,7 @@ def test_pair_refuses_a_slot_the_model_does_not_use(capsys):
 def test_pair_refuses_an_empty_batch_before_running(capsys):
     import pytest
 
-    from bumblebee.pairing import pair
+    from bumblebee.tools.pairing import pair
 
     for opt in ("--batch-size", "--seq-len", "--steps"):
         with pytest.raises(SystemExit) as exc:
@@ -170,7 +170,7 @@ def test_pair_refuses_an_empty_batch_before_running(capsys):
 def test_pair_checks_the_json_path_before_running(tmp_path, monkeypatch, capsys):
     import pytest
 
-    from bumblebee import pairing
+    from bumblebee.tools import pairing
 
     def never(*a, **k):
         raise AssertionError("the run started before the --json path was checked")
@@ -188,7 +188,7 @@ def test_pair_help_documents_every_option_its_default_and_the_models(capsys):
 
     import pytest
 
-    from bumblebee.cli import parser
+    from bumblebee.tools.cli import parser
     from bumblebee.models import NAMED
 
     with pytest.raises(SystemExit) as exc:
@@ -203,7 +203,7 @@ def test_pair_help_documents_every_option_its_default_and_the_models(capsys):
 
 
 def test_list_and_console_entry_point():
-    res = subprocess.run([sys.executable, "-m", "bumblebee.cli", "list"], capture_output=True, text=True, check=True)
+    res = subprocess.run([sys.executable, "-m", "bumblebee.tools.cli", "list"], capture_output=True, text=True, check=True)
     assert "attention" in res.stdout and "materialized_ce" in res.stdout and "skills/" in res.stdout
     from bumblebee import registry
     for impls in registry.slots().values():

@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from bumblebee import cli, results
+from bumblebee.tools import cli, results
 
 FILES = results.files()
 

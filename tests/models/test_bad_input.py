@@ -59,7 +59,7 @@ def test_unexpected_tensor(saved):
 def test_save_over_existing_checkpoint_is_atomic(saved, monkeypatch):
     model, path = saved
     before = (path / "model.safetensors").read_bytes()
-    import bumblebee.models.hf_io as hf_io
+    import bumblebee.hf_io as hf_io
 
     def crash(*a, **k):
         raise RuntimeError("disk full")

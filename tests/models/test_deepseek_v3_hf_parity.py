@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 import bumblebee as bb
 from bumblebee import registry
-from bumblebee.models import hf_io
+from bumblebee import hf_io
 from bumblebee.primitives.mla import FlashMLA, FlashMLAConfig
 
 transformers = pytest.importorskip("transformers")

@@ -118,7 +118,7 @@ def test_checkpoint_missing_an_expert_is_an_error(tmp_path):
     ours = bb.models.build("qwen3-moe-tiny", seed=1)
     state = moe.ours_to_hf_state(dict(ours.state_dict()))
     state.pop("model.layers.1.mlp.experts.3.up_proj.weight")
-    bb.models.hf_io.save_weights(state, ours.config.to_hf(), tmp_path)
+    bb.hf_io.save_weights(state, ours.config.to_hf(), tmp_path)
     with pytest.raises(KeyError, match="lacks"):
         bb.models.from_pretrained(tmp_path)
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import bumblebee as bb
-from bumblebee.models import hf_io
+from bumblebee import hf_io
 
 FOREIGN = {"tokenizer.json": "{\"version\": \"1.0\"}", "README.md": "# my model\n",
            "sub/notes.txt": "keep me", "adapter_model.safetensors": "not ours",

@@ -1,4 +1,4 @@
-"""bumblebee.memory.estimate against allocations measured by torch's MemTracker on 2 gloo ranks, and
+"""bumblebee.tools.memory.estimate against allocations measured by torch's MemTracker on 2 gloo ranks, and
 against the committed GPU benchmark results.
 
 fp32 on the CPU (the CPU tracker counts live tensor storages, the GPU benchmark checks bf16 against
@@ -23,7 +23,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from bumblebee import memory, models, registry
+from bumblebee import models, registry
+from bumblebee.tools import memory
 from tests.primitives.test_state_sharding import spawn
 
 CONFIG = {**models.NAMED["qwen3-tiny"], "hidden_size": 256, "intermediate_size": 704, "num_hidden_layers": 4,

@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         top.error(f"--json {args.json}: cannot write there ({why})")
 
     if args.cmd == "results":
-        from bumblebee import results
+        from bumblebee.tools import results
         try:
             print(results.main(args.slot, file=args.file, directory=args.dir))
         except (ValueError, OSError) as e:
@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         print()
         print(models.describe())
         return 0
-    from bumblebee.pairing import SAME_CODE_EXIT, format_report, pair, write_json
+    from bumblebee.tools.pairing import SAME_CODE_EXIT, format_report, pair, write_json
     try:
         report = pair(args.model, args.slot, args.a, args.b, steps=args.steps, seed=args.seed,
                       batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr, device=args.device,

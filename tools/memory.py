@@ -1,8 +1,8 @@
 """Memory estimator: per-rank bytes of a training step, term by term, at the step's peak moments.
 
-    est = bumblebee.memory.estimate("qwen3-8b", Parallel(dp=8, sharding="fsdp2", seq_len=32768))
-    print(bumblebee.memory.table("qwen3-8b", Parallel(dp=8)))
-    python -m bumblebee.memory qwen3-8b --dp 8 --sharding zero1 --seq-len 32768
+    est = bumblebee.tools.memory.estimate("qwen3-8b", Parallel(dp=8, sharding="fsdp2", seq_len=32768))
+    print(bumblebee.tools.memory.table("qwen3-8b", Parallel(dp=8)))
+    python -m bumblebee.tools.memory qwen3-8b --dp 8 --sharding zero1 --seq-len 32768
 
 State terms follow the implementations in primitives/state_sharding.py and
 baselines/state_sharding.py (P parameters, n data-parallel ranks; bf16 compute):
