@@ -10,7 +10,7 @@ Every parameter is sharded on dim 0 in `torch.chunk` order (rank r holds rows
 with the same placement, and one checkpoint loads into either, on any number of ranks.
 
 Expert parallel: `ep_mesh` is a 2-D DeviceMesh (efsdp, ep) over the same ranks, the model's experts
-already split over ep (`bumblebee.models.moe.shard_experts`). Expert parameters (this rank's E/ep
+already split over ep (`bumblebee.parallelize.shard_experts`). Expert parameters (this rank's E/ep
 experts) are sharded over efsdp only; in checkpoints they appear as the full [E, ...] tensors
 (split over ep, then efsdp), so an EP checkpoint loads without EP and the other way round.
 """
@@ -83,7 +83,7 @@ def check_args(model, mesh, *, optimizer, lr, betas, eps, weight_decay, mixed_pr
         if local != {experts // ep}:
             raise ValueError(f"ep_mesh has ep={ep}, so each rank should hold {experts // ep} of {experts} experts, "
                              f"but the model's expert modules hold {sorted(local)}: shard the experts with "
-                             f"bumblebee.models.moe.shard_experts(model, ep_mesh['ep'].get_group()) first")
+                             f"bumblebee.parallelize.shard_experts(model, ep_mesh['ep'].get_group()) first")
     for name, p in named_params(model).items():
         if isinstance(p, DTensor):
             raise ValueError(f"parameter {name} is already sharded (a DTensor): apply state sharding once")

@@ -2,7 +2,7 @@
 
     gate (TopKRouter: logits, then the `router` slot's top-k)
       -> `moe_dispatch` slot (local: permute tokens by expert on one rank; all_to_all / chunked:
-         expert parallel over the experts' `ep_group`, see `shard_experts`)
+         expert parallel over the experts' `ep_group`, see `bumblebee.parallelize.shard_experts`)
       -> GroupedExperts (SwiGLU as grouped GEMMs: torch._grouped_mm in bf16 on CUDA, a loop elsewhere)
       -> combine with the routing weights
       (+ shared expert, optionally scaled by Qwen's sigmoid shared_expert_gate)
@@ -125,6 +125,7 @@ class GroupedExperts(nn.Module):
     """
 
     accepts_with_weights = True  # forward(x, with_weights=fn): see forward
+    expert_parallel_params = ("gate_up_proj", "down_proj")  # per-expert stacks (bumblebee.parallelize)
 
     def __init__(self, num_experts, dim, hidden, grouped_mm="auto", *, ep_group=None):
         super().__init__()
@@ -173,7 +174,7 @@ class GroupedExperts(nn.Module):
 class MoEBlock(nn.Module):
     """Router -> dispatch -> grouped SwiGLU experts -> combine (+ gated shared expert). Dropless.
 
-    `ep_group`: shard the routed experts over this process group (or call `shard_experts` on a built
+    `ep_group`: shard the routed experts over this process group (or call `bumblebee.parallelize.shard_experts` on a built
     model) and pick moe_dispatch 'all_to_all' or 'chunked'; `dispatch_chunks`: the chunked
     dispatcher's C (or relative chunk sizes), passed as `chunks=` (None: its default)."""
 
@@ -209,25 +210,6 @@ class MoEBlock(nn.Module):
 
 
 @torch.no_grad()
-def shard_experts(model: nn.Module, ep_group) -> nn.Module:
-    """Keep only this rank's E/EP experts of every GroupedExperts in `model` (sliced from the full
-    weights it holds now) and set their `ep_group`; use with moe_dispatch 'all_to_all' or 'chunked'.
-    Applied outside the model, after loading the full checkpoint. Returns the model."""
-    ep, rank = dist.get_world_size(ep_group), dist.get_rank(ep_group)
-    for m in model.modules():
-        if isinstance(m, GroupedExperts):
-            if m.ep_group is not None:
-                raise ValueError("experts are already sharded")
-            if m.num_experts % ep:
-                raise ValueError(f"num_experts={m.num_experts} is not divisible by the ep group size {ep}")
-            L = m.num_experts // ep
-            m.ep_group, m.num_local_experts, m.expert_offset = ep_group, L, rank * L
-            for name in ("gate_up_proj", "down_proj"):
-                p = getattr(m, name)
-                setattr(m, name, nn.Parameter(p[rank * L:(rank + 1) * L].clone(), requires_grad=p.requires_grad))
-    return model
-
-
 def load_balancing_loss(router_logits, num_experts: int, top_k: int):
     """Switch-Transformer load-balancing loss over all layers, exactly as transformers computes it.
 

@@ -8,7 +8,7 @@ forward to backward, which is what the head needs anyway. Sharded parameters are
 weights, the optimizer updates them in place); `MixedPrecisionPolicy` all-gathers them as bf16 for
 compute and reduce-scatters gradients in fp32. Forward and backward prefetch are set explicitly
 (next block in forward, previous block in backward). With `ep_mesh` (dims efsdp x ep, experts
-already split over ep by `bumblebee.models.moe.shard_experts`) each block's experts are a nested
+already split over ep by `bumblebee.parallelize.shard_experts`) each block's experts are a nested
 unit sharded over efsdp only (MTP blocks' experts too), dense parameters over the whole mesh. MTP
 depths stay in the root unit (the loss calls their head norm outside their forward); their experts
 are nested units, so the root holds only their dense part unsharded. Per rank: 16P/n bytes of state

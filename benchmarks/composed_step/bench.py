@@ -161,11 +161,11 @@ def main() -> None:
     rate = matmul_tflops(device=device) if device.type == "cuda" else None
 
     from bumblebee import registry
-    from bumblebee.models import moe
+    from bumblebee.parallelize import shard_experts
     model, hf = build_on_device(name, args.layers, impl, device)
     n_params = sum(p.numel() for p in model.parameters())
     flops = {s: forward_flops_per_token(model, hf, s) for s in lens}
-    moe.shard_experts(model, ep_mesh["ep"].get_group())
+    shard_experts(model, ep_mesh["ep"].get_group())
     model.set_recompute(True)
     state = registry.resolve("state_sharding", "fsdp2")(model, mesh, lr=1e-4, weight_decay=0.1, grad_clip=1.0,
                                                          mixed_precision=mixed, ep_mesh=ep_mesh)

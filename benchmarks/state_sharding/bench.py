@@ -72,8 +72,8 @@ def run_one(impl: str, args, mesh, ep_mesh, device, rank: int, world: int) -> di
     model, hf = build_on_device(args.model, args.layers, slots, device)
     n_params = sum(p.numel() for p in model.parameters())  # before the experts are split over ep
     if ep_mesh is not None:
-        from bumblebee.models import moe
-        moe.shard_experts(model, ep_mesh["ep"].get_group())
+        from bumblebee.parallelize import shard_experts
+        shard_experts(model, ep_mesh["ep"].get_group())
     model.set_recompute(True)
     state = registry.resolve("state_sharding", impl)(model, mesh, lr=1e-4, weight_decay=0.1, grad_clip=1.0,
                                                       mixed_precision=args.mixed_precision, ep_mesh=ep_mesh)

@@ -44,6 +44,7 @@ class Bumblebee(Stack):
 
     def __init__(self, path, device, mesh, *, ep: int = 1, impl: dict | None = None, mixed_precision="bf16"):
         from bumblebee import models, registry
+        from bumblebee.parallelize import shard_experts
         from torch.distributed.device_mesh import init_device_mesh
         impl = dict(impl or {})
         world = mesh.size()
@@ -53,7 +54,7 @@ class Bumblebee(Stack):
             ep_mesh = init_device_mesh(device.type, (world // ep, ep), mesh_dim_names=("efsdp", "ep"))
         model = models.from_pretrained(path, impl, dtype=torch.float32, device=device)
         if ep_mesh is not None:
-            models.moe.shard_experts(model, ep_mesh["ep"].get_group())
+            shard_experts(model, ep_mesh["ep"].get_group())
         model.set_recompute(True)
         self.state = registry.resolve("state_sharding", "fsdp2")(
             model, mesh, lr=HP["lr"], betas=HP["betas"], eps=HP["eps"], weight_decay=HP["weight_decay"],

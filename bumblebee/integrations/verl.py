@@ -39,7 +39,7 @@ from verl.workers.engine.utils import detach_tree, postprocess_batch_func, prepa
 
 from bumblebee import models, registry
 from bumblebee.integrations.verl_data import next_token_aligned, packed_batch, temperature_of
-from bumblebee.models import moe
+from bumblebee.parallelize import shard_experts
 from bumblebee.runtime import Runtime
 
 BACKEND = "bumblebee"
@@ -146,7 +146,7 @@ class BumblebeeEngine(BaseEngine):
         model = models.from_pretrained(self.model_config.local_path, impl=dict(cfg.impl),
                                        dtype=DTYPES[cfg.model_dtype], device=str(self.device))
         if self.ep_mesh is not None:
-            moe.shard_experts(model, self.ep_mesh["ep"].get_group())
+            shard_experts(model, self.ep_mesh["ep"].get_group())
         model.set_recompute(cfg.recompute)
         state = None
         if not cfg.forward_only:

@@ -25,7 +25,8 @@ from bumblebee import moe_permute as mp_
 from bumblebee import registry
 from bumblebee.primitives import moe_dispatch as chunked_mod
 from bumblebee.primitives.moe_dispatch_options import AUTO_MIN_TOKENS, ChunkedDispatch, by_ep, min_tokens
-from bumblebee.models.moe import GroupedExperts, MoEBlock, hf_to_ours_sources, shard_experts
+from bumblebee.models.moe import GroupedExperts, MoEBlock, hf_to_ours_sources
+from bumblebee.parallelize import shard_experts
 from bumblebee.kernels.moe_dispatch_expert_gemm import WgradStore, swiglu_experts
 
 TOL_TWIN = 1e-6

@@ -126,9 +126,10 @@ EP_VARIANTS = {  # EP = 2: name -> (state sharding, moe_dispatch, model)
 
 def _apply_ep(variant, mesh, ep_mesh, seed=0):
     from bumblebee.models import moe
+    from bumblebee.parallelize import shard_experts
     impl, dispatch, name = EP_VARIANTS[variant]
     model = models.build(MODELS[name], impl={"moe_dispatch": dispatch}, seed=seed, device=mesh.device_type)
-    moe.shard_experts(model, ep_mesh["ep"].get_group())
+    shard_experts(model, ep_mesh["ep"].get_group())
     model.set_recompute(dispatch == "chunked")  # as the composed step runs it: the collectives repeat
     for block in model.modules():  # two chunks, as "auto" picks at long context (these batches are short)
         if isinstance(block, moe.MoEBlock):

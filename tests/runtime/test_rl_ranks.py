@@ -51,9 +51,9 @@ def _runtime(mesh, variant, seed=0, **kw):
     model = models.build(NAME, impl={"moe_dispatch": "all_to_all" if ep else "local"}, seed=seed)
     if ep:
         from torch.distributed.device_mesh import init_device_mesh
-        from bumblebee.models import moe
+        from bumblebee.parallelize import shard_experts
         ep_mesh = init_device_mesh("cpu", (mesh.size() // 2, 2), mesh_dim_names=("efsdp", "ep"))
-        moe.shard_experts(model, ep_mesh["ep"].get_group())
+        shard_experts(model, ep_mesh["ep"].get_group())
     state = registry.resolve("state_sharding", impl)(model, mesh, lr=LR, mixed_precision="fp32", grad_clip=None,
                                                      ep_mesh=ep_mesh)
     return Runtime(model, state, **kw)
