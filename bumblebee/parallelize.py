@@ -9,10 +9,12 @@ modules, the slicing happens here.
 """
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
 
+@torch.no_grad()
 def shard_experts(model: nn.Module, ep_group) -> nn.Module:
     """Keep only this rank's E/EP experts of every expert module in `model` (sliced from the full
     weights it holds now) and set their `ep_group`; use with moe_dispatch 'all_to_all' or 'chunked'.

@@ -209,7 +209,6 @@ class MoEBlock(nn.Module):
         return y_ND.view_as(x_BTD), logits_NE
 
 
-@torch.no_grad()
 def load_balancing_loss(router_logits, num_experts: int, top_k: int):
     """Switch-Transformer load-balancing loss over all layers, exactly as transformers computes it.
 
