@@ -16,7 +16,7 @@ from bumblebee.kernels import moe_dispatch_permute as _fused
 from bumblebee.kernels import moe_dispatch_regroup as _regroup_kernel
 from bumblebee.kernels import moe_dispatch_swiglu as _swiglu
 from bumblebee.moe_permute import regroup_rows, sum_copies, unpermute, unpermute_grads
-from bumblebee.options import check_choice, check_int, option
+from bumblebee.options import check_bool, check_choice, check_int, option
 
 # "auto" chunking: AUTO_CHUNKS where the ep group's largest token count is >= the threshold for its
 # ep size, else one chunk (always one at EP = 1: nothing to overlap). Per ep size: the entry of the
@@ -61,8 +61,7 @@ class ChunkedDispatch:
         check_int(self, "sm_carveout", 0, optional=True)
         check_choice(self, "wgrad", WGRAD_MODES)
         for name in ("fused_permute", "fused_swiglu", "fused_recompute"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"ChunkedDispatch.{name} must be True or False; got {getattr(self, name)!r}")
+            check_bool(self, name)
         check_int(self, "group_rows", 1)
 
 
