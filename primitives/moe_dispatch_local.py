@@ -11,14 +11,16 @@ token at Qwen3-30B-A3B's sizes) puts the backward's peak far above the parameter
 - the backward walks the experts in G contiguous groups of about `group_rows` routed rows each
   (rows are sorted by expert, so a group is one row range): gather x and g for the group, fc1
   (the recompute's work, moved here), the fc2 dgrad, the weighted SwiGLU gradient, both weight
-  gradients of the group's experts, and its dx rows; then every group's buffers are free;
+  gradients of the group's experts, and its dx rows, added at once into the [N, D] fp32 input
+  gradient (a sorted, deterministic accumulation); then every group's buffers are free;
 - the first forward runs the same groups, into one [M, D] buffer that the un-permute reads.
 
-The backward's working set is then the [M, D] dx buffer plus one group's tensors: about
-32 + 168 / G KiB per token at those sizes. FLOPs are those of the saved-activation path (fc1 runs once
-in the backward instead of once in the recompute); the identity row gathers of one rank disappear.
-The un-permute and the sum over K are the fused kernels' (`kernels/moe_dispatch_permute.py`) where the
-config enables them, as in `primitives/moe_dispatch.py`. Shape legend as there.
+The backward's working set is then the [N, D] fp32 input gradient plus one group's tensors: about
+8 + 168 / G KiB per token at those sizes (an [M, D] dx buffer summed over K at the end would add 24).
+FLOPs are those of the saved-activation path (fc1 runs once in the backward instead of once in the
+recompute); the identity row gathers of one rank disappear. The forward's un-permute is the fused
+kernel's (`kernels/moe_dispatch_permute.py`) where the config enables it, as in
+`primitives/moe_dispatch.py`. Shape legend as there.
 """
 from __future__ import annotations
 
@@ -86,7 +88,10 @@ class LocalGroupedExperts(torch.autograd.Function):
         M = order_M.shape[0]
         token_M = order_M // K
         w_sorted_M = weights_NK.reshape(-1).float().index_select(0, order_M)
-        dx_MD = g_ND.new_empty(M, g_ND.shape[1])
+        # the input gradient accumulates group by group into [N, D] fp32 (4 D bytes per token instead of
+        # the 2 K D of an [M, D] buffer); index_put_'s accumulation sorts its indices, so the sum over a
+        # token's copies runs in one order on every run (index_add_ would use atomics on CUDA)
+        gx_ND = torch.zeros(g_ND.shape, dtype=torch.float32, device=g_ND.device)
         gw_M = torch.empty(M, dtype=torch.float32, device=g_ND.device)
         dw1, dw2 = torch.zeros_like(w1), torch.zeros_like(w2)  # experts without rows get zeros
         for e0, e1, r0, r1 in ctx.groups:
@@ -98,14 +103,13 @@ class LocalGroupedExperts(torch.autograd.Function):
             dx_g, gw_g, job = expert_dgrad_weighted(g_ND.index_select(0, tok), saved, w1_g, w2_g, w_sorted_M[r0:r1],
                                                     swiglu_grads_weighted=ctx.swiglu[2])
             del saved, x_g
-            dx_MD[r0:r1] = dx_g
+            gx_ND.index_put_((tok,), dx_g.float(), accumulate=True)
             gw_M[r0:r1] = gw_g
             del dx_g, gw_g
             a1, a2 = expert_wgrad(job)
             del job
             dw1[e0:e1], dw2[e0:e1] = a1, a2
-        gx_ND = ctx.permute[2](dx_MD, inv_M, K, out=torch.empty_like(g_ND))
         gw_NK = None
         if ctx.needs_input_grad[1]:
             gw_NK = gw_M.index_select(0, inv_M).view_as(weights_NK).to(weights_NK.dtype)
-        return gx_ND, gw_NK, dw1, dw2, None, None, None, None, None, None, None
+        return gx_ND.to(g_ND.dtype), gw_NK, dw1, dw2, None, None, None, None, None, None, None

@@ -14,6 +14,8 @@ there to free the device for rollout.
 """
 from __future__ import annotations
 
+import gc
+
 import torch
 
 PARTS = ("model", "optimizer", "grad")
@@ -95,7 +97,10 @@ def _routers(model):
 def _release_cuda(model, device):
     """Free what holds device memory outside the three parts once none of them is on `device`:
     FSDP2's kept reduce-scatter inputs and all-gather result (it drops them only at the next
-    backward or forward) and the cuBLAS workspaces (created again by the next matmul)."""
+    backward or forward), the cuBLAS workspaces (created again by the next matmul), and tensors that
+    only reference cycles keep alive (about 24 MB after a small model's step under FSDP2: without a
+    collection they stay allocated until the collector happens to run)."""
+    gc.collect()
     torch.cuda.synchronize(device)
     for m in model.modules():
         ctx = getattr(getattr(m, "_get_fsdp_state", lambda: None)(), "_comm_ctx", None)

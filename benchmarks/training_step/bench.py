@@ -177,7 +177,8 @@ def worker(args) -> None:
             torch.cuda.reset_peak_memory_stats()
         losses, norms, times, static, phases = [], [], [], 0, []
         for i in range(args.warmup + args.steps):
-            ids = batch(i, args.seq_len, hf["vocab_size"], device)
+            short = i < args.warmup and args.warmup_len  # the optimizer state exists before the step at seq_len
+            ids = batch(i, args.warmup_len if short else args.seq_len, hf["vocab_size"], device)
             dist.barrier()
             torch.cuda.synchronize() if not cpu else None
             t0 = time.perf_counter()
@@ -223,12 +224,14 @@ def worker(args) -> None:
 
 # ---- the driver ------------------------------------------------------------------------------------------
 
-def launch(args, stack: str, seq_len: int, steps: int, profile: bool, tmp: Path, warmup: int | None = None) -> dict:
+def launch(args, stack: str, seq_len: int, steps: int, profile: bool, tmp: Path, warmup: int | None = None,
+           warmup_len: int = 0) -> dict:
     row_out = tmp / f"row_{''.join(c if c.isalnum() else '_' for c in stack)}_{seq_len}.json"
     row_out.unlink(missing_ok=True)
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", stack, "--init", str(tmp / "init"),
            "--model", args.model, "--layers", str(args.layers), "--seq-len", str(seq_len), "--steps", str(steps),
-           "--warmup", str(args.warmup if warmup is None else warmup), "--row-out", str(row_out)] + (["--profile"] if profile else []) \
+           "--warmup", str(args.warmup if warmup is None else warmup), "--warmup-len", str(warmup_len),
+           "--row-out", str(row_out)] + (["--profile"] if profile else []) \
         + (["--cpu-smoke"] if args.cpu_smoke else [])
     if args.gpus > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.gpus}"] + cmd[1:]
@@ -281,6 +284,9 @@ def main() -> None:
     ap.add_argument("--long-steps", type=int, default=5, help="timed steps at the other lengths")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--longest", default="", help="lengths to try beyond --seq-lens for the longest fit")
+    ap.add_argument("--probe-warmup-len", type=int, default=4096,
+                    help="a longest-fit probe's warmup step runs this many tokens (it creates the optimizer state "
+                         "and compiles), then one step at the probed length; 0: the warmup at that length too")
     ap.add_argument("--stacks", default=",".join(STACKS))
     ap.add_argument("--gpus", type=int, default=1)
     ap.add_argument("--profile-len", type=int, default=32768)
@@ -290,6 +296,7 @@ def main() -> None:
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--init", help=argparse.SUPPRESS)
     ap.add_argument("--seq-len", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--warmup-len", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--row-out", help=argparse.SUPPRESS)
     ap.add_argument("--profile", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -301,6 +308,7 @@ def main() -> None:
         args.layers = len(NAMED[args.model].get("layer_types") or ()) or NAMED[args.model]["num_hidden_layers"]
         # --gpus N: N gloo ranks (ours with EP = N)
         args.seq_lens, args.steps, args.long_steps, args.warmup, args.profile_len = "64", 3, 2, 1, 64
+        args.probe_warmup_len = min(args.probe_warmup_len, 32)
         args.stacks = args.stacks.replace("transformers+liger", "transformers")
     stacks = args.stacks.split(",")
     lens = [int(s) for s in args.seq_lens.split(",") if s]
@@ -329,8 +337,8 @@ def main() -> None:
                 write()
         for stack in stacks:  # the longest fit: stop at the first length that does not
             for s in [int(x) for x in args.longest.split(",") if x]:
-                r = launch(args, stack, s, 1, False, tmp, warmup=1)
-                r["longest_probe"] = True
+                r = launch(args, stack, s, 1, False, tmp, warmup=1, warmup_len=args.probe_warmup_len)
+                r.update(longest_probe=True, warmup_len=args.probe_warmup_len)
                 rows.append(r)
                 write()
                 if not r.get("fits"):
