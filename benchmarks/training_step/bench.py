@@ -255,6 +255,17 @@ def launch(args, stack: str, seq_len: int, steps: int, profile: bool, tmp: Path,
     return row
 
 
+def make_init(args, hf: dict, path: Path) -> str:
+    """The initial checkpoint, made in a child process: the driver never holds device memory (12 GiB of
+    a 3B-parameter model's init cached in the driver shrank what the workers could use); the GPU's name."""
+    code = ("import json, sys, torch; sys.path.insert(0, sys.argv[1]); import step_stacks; "
+            "cpu = sys.argv[4] == '1'; step_stacks.make_init_checkpoint(json.loads(sys.argv[2]), sys.argv[3], "
+            "'cpu' if cpu else 'cuda'); print('cpu' if cpu else torch.cuda.get_device_name(0))")
+    proc = subprocess.run([sys.executable, "-c", code, str(HERE), json.dumps(hf), str(path), str(int(args.cpu_smoke))],
+                          capture_output=True, text=True, check=True)
+    return proc.stdout.strip().splitlines()[-1].replace("NVIDIA ", "").replace(" ", "-").lower()
+
+
 def compare(rows: list[dict]) -> list[dict]:
     """Ours over the peer at each length both ran: speed, memory, and the loss / grad-norm agreement."""
     out = []
@@ -312,12 +323,13 @@ def main() -> None:
         args.stacks = args.stacks.replace("transformers+liger", "transformers")
     stacks = args.stacks.split(",")
     lens = [int(s) for s in args.seq_lens.split(",") if s]
-    import step_stacks
     hf = hf_slice(args.model, args.layers, args.cpu_smoke)
     rows = []
-    gpu = "cpu" if args.cpu_smoke else torch.cuda.get_device_name(0).replace("NVIDIA ", "").replace(" ", "-").lower()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    tmp_dir = tempfile.TemporaryDirectory(prefix="bench_step_")
+    tmp = Path(tmp_dir.name)
+    gpu = make_init(args, hf, tmp / "init")
     name = f"training_step_{args.model}_{gpu}_x{args.gpus}{args.tag}.json"
 
     def write() -> dict:  # after every row: a run cut short still leaves the rows it measured
@@ -327,9 +339,7 @@ def main() -> None:
                                           default=None) for st in dict.fromkeys(r["stack"] for r in rows)}}
         (out / name).write_text(json.dumps(report, indent=1))
         return report
-    with tempfile.TemporaryDirectory(prefix="bench_step_") as tmp:
-        tmp = Path(tmp)
-        step_stacks.make_init_checkpoint(hf, tmp / "init", "cpu" if args.cpu_smoke else "cuda")
+    with tmp_dir:
         for s in lens:
             for stack in stacks:
                 rows.append(launch(args, stack, s, args.steps if s == lens[0] else args.long_steps,
