@@ -77,6 +77,8 @@ class Placement:
             if d.type == "cuda" and d not in self.where.values():
                 _release_cuda(self.model, d)
 
+    @torch.no_grad()  # a DTensor's to_local under autograd links the result to the parameter's graph node,
+    # which would keep the parameter's device storage alive after a move
     def tensors(self) -> dict[str, list[torch.Tensor]]:
         """Every tensor of each part (local shards), for checks and measurements."""
         out = {"model": [_local(t) for t in list(self.model.parameters()) + list(self.model.buffers())],
@@ -98,8 +100,8 @@ def _release_cuda(model, device):
     """Free what holds device memory outside the three parts once none of them is on `device`:
     FSDP2's kept reduce-scatter inputs and all-gather result (it drops them only at the next
     backward or forward), the cuBLAS workspaces (created again by the next matmul), and tensors that
-    only reference cycles keep alive (about 24 MB after a small model's step under FSDP2: without a
-    collection they stay allocated until the collector happens to run)."""
+    only reference cycles keep alive (an autograd graph caught in a cycle holds its saved tensors
+    until the collector happens to run)."""
     gc.collect()
     torch.cuda.synchronize(device)
     for m in model.modules():
