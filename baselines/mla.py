@@ -17,7 +17,7 @@ import torch
 
 from bumblebee import packing
 from bumblebee.checks import check_cu_seqlens, check_mla_inputs
-from bumblebee.mla_projections import MLAProjections
+from bumblebee.common.mla_projections import MLAProjections
 from bumblebee.registry import register
 
 def rope(x_BThR, cos_BTR, sin_BTR, interleave: bool):

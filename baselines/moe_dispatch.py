@@ -14,7 +14,7 @@ are sharded over the `ep` process group held by `experts.ep_group` (rank r holds
   4. undo the regroup, the reverse all_to_all, weight and sum each token's K copies.
 Autograd runs through both all_to_alls (their backward is the opposite all_to_all). The permutation
 steps (sort, counts, regroup index, gather / weighted sum over K and their gradients) come from
-`bumblebee/moe_permute.py`, shared with the chunked primitive: gathers and sums, no atomics.
+`common/moe_dispatch_permute.py`, shared with the chunked primitive: gathers and sums, no atomics.
 
 Both accept `chunks=` for signature parity with the chunked primitive and ignore it.
 
@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from bumblebee.distributed import agree_once
-from bumblebee.moe_permute import Permute, RowPermutation, Unpermute, copy_order, inverse_index, regroup_index
+from bumblebee.common.moe_dispatch_permute import Permute, RowPermutation, Unpermute, copy_order, inverse_index, regroup_index
 from bumblebee.registry import register
 
 _AGREED = weakref.WeakKeyDictionary()  # experts -> the config its first-call agreement check passed

@@ -1,7 +1,7 @@
 """Fused MoE un-permute kernels (Triton): gather + routing weight + sum over K in one pass per row.
 
 Same functions, arguments and return values as `unpermute`, `unpermute_grads` and `sum_copies` in
-`bumblebee/moe_permute.py` (the torch path the twins use); the chunked expert-parallel primitive
+`common/moe_dispatch_permute.py` (the torch path the twins use); the chunked expert-parallel primitive
 calls these instead when `primitives/moe_dispatch.py:FUSED_PERMUTE` is "on". Each output row is
 written by one program from the rows it needs, read once; nothing [M, D]-sized is materialized, no
 atomics (deterministic). Shape legend: N tokens, K copies per token, M = N K copies (sorted order),

@@ -9,7 +9,7 @@ counts alone (on the device, no host sync beyond the row total the caller alread
   counts_CL      rows per (chunk, local expert)
   offs_CL int32  their inclusive prefix sums per chunk (the grouped GEMMs' offsets)
 
-The torch path (`bumblebee/moe_permute.py:regroup_rows`: `regroup_index`, `inverse_index`, a sum
+The torch path (`common/moe_dispatch_permute.py:regroup_rows`: `regroup_index`, `inverse_index`, a sum
 and a cumsum, what the twin runs) is about 17 small kernels, each a host launch; right after the count exchange's host sync the GPU
 waits for every one of them, and in a small step (4K tokens per rank) that is most of the
 forward's idle time. Here one program per (chunk, source, expert) block sums the counts before it
@@ -82,7 +82,7 @@ def regroup(counts_CSL: torch.Tensor, chunk_rows: list):
                          f"got {counts_CSL.dtype} {tuple(counts_CSL.shape)}")
     if not use_triton(counts_CSL):
         raise ValueError("regroup runs the Triton kernel: counts_CSL must be on CUDA (or TRITON_INTERPRET=1); "
-                         "bumblebee.moe_permute.regroup_rows is the torch path")
+                         "bumblebee.common.moe_dispatch_permute.regroup_rows is the torch path")
     C, S, L = counts_CSL.shape
     rows = sum(chunk_rows)
     dev = counts_CSL.device

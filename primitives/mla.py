@@ -41,7 +41,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from bumblebee import packing, recompute
 from bumblebee.checks import check_mla_inputs
 from bumblebee.kernels import mla_rope as _fused_rope
-from bumblebee.mla_projections import MLAProjections
+from bumblebee.common.mla_projections import MLAProjections
 from bumblebee.options import check_bool, check_choice, option
 from bumblebee.registry import register
 from bumblebee.kernels import attention_fa4 as _fa4

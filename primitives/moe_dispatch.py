@@ -20,7 +20,7 @@ CUDA with communication on its own stream ("comm", one per device) ordered again
   input-gradient copies.
 Chunk i+1's dispatch and chunk i-1's combine run while chunk i's experts compute; chunk 0's
 dispatch starts right after its own gather. The expert math comes from `kernels/moe_dispatch_expert_gemm.py`
-(dgrad/wgrad split); the permutation from `bumblebee/moe_permute.py`, shared with the twin: every
+(dgrad/wgrad split); the permutation from `common/moe_dispatch_permute.py`, shared with the twin: every
 un-permute is a gather and a sum over K, no atomics, deterministic. Chunks are contiguous token
 ranges and the copies sort by chunk * E + expert, so chunk c's copies are one range of the sorted
 order and U/S write disjoint rows of the output. On the CPU (gloo) there are no streams: the same
@@ -69,7 +69,7 @@ import torch.distributed as dist
 from bumblebee.distributed import agree_once
 from bumblebee.kernels.moe_dispatch_expert_gemm import (TokensPerExpert, WgradJob, expert_dgrad, expert_dgrad_weighted,
                                            expert_forward, expert_wgrad, use_grouped_mm)
-from bumblebee.moe_permute import expert_major_index, inverse_index
+from bumblebee.common.moe_dispatch_permute import expert_major_index, inverse_index
 from bumblebee.options import Bound
 from bumblebee.primitives.moe_dispatch_local import LocalGroupedExperts
 from bumblebee.primitives.moe_dispatch_options import (ChunkedDispatch, chunk_spec, fused_recompute_phase, min_tokens,

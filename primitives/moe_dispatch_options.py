@@ -15,7 +15,7 @@ from bumblebee import recompute
 from bumblebee.kernels import moe_dispatch_permute as _fused
 from bumblebee.kernels import moe_dispatch_regroup as _regroup_kernel
 from bumblebee.kernels import moe_dispatch_swiglu as _swiglu
-from bumblebee.moe_permute import regroup_rows, sum_copies, unpermute, unpermute_grads
+from bumblebee.common.moe_dispatch_permute import regroup_rows, sum_copies, unpermute, unpermute_grads
 from bumblebee.options import check_bool, check_choice, check_int, option
 
 # "auto" chunking: AUTO_CHUNKS where the ep group's largest token count is >= the threshold for its

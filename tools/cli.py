@@ -1,5 +1,5 @@
 """Command line: `bumblebee list`, `bumblebee pair --model M --slot S --a X --b Y [--json PATH]`,
-`bumblebee results [SLOT] [--file PATH] [--dir DIR]`."""
+`bumblebee results [SLOT] [--file PATH] [--dir DIR] [--history]`."""
 from __future__ import annotations
 
 import argparse
@@ -70,13 +70,15 @@ skills/pairing/SKILL.md says how to read the report."""
 
 RESULTS_DESCRIPTION = """Print the benchmark results of a slot, one compact table per result file (its scalar
 columns; byte counts in GiB), each headed by the file's commit, dirty-tree flag, device, ranks and
-versions ("commit unknown" for files written before results were stamped). Without SLOT: every
-slot and its result files."""
+versions ("commit unknown" for files written before results were stamped, with the commit that
+recorded them). A slot's older runs are the lines of its results/history.jsonl, one table row each
+(--history: each run's own tables). Without SLOT: every slot and its result files."""
 
 RESULTS_EPILOG = """example:
   bumblebee results                      # the slots and their files
   bumblebee results training_step        # tokens/s, peak GiB, ratios against transformers + Liger
-  bumblebee results --file benchmarks/state_sharding/results/state_sharding.json"""
+  bumblebee results --file benchmarks/state_sharding/results/state_sharding.json
+  bumblebee results moe_dispatch --history   # and every older run of moe_dispatch/results/history.jsonl"""
 
 
 def parser() -> argparse.ArgumentParser:
@@ -113,6 +115,8 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--file", default=None, metavar="PATH", help="print this one result file instead")
     r.add_argument("--dir", default=None, metavar="DIR",
                    help="the folder searched for result files (default: benchmarks/ of this checkout, its */results/)")
+    r.add_argument("--history", action="store_true",
+                   help="print each older run of a history.jsonl as its own tables (default: one row per run)")
     return top
 
 
@@ -125,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "results":
         from bumblebee.tools import results
         try:
-            print(results.main(args.slot, file=args.file, directory=args.dir))
+            print(results.main(args.slot, file=args.file, directory=args.dir, history=args.history))
         except (ValueError, OSError) as e:
             print(f"bumblebee results: {e}", file=sys.stderr)
             return 2

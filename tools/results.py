@@ -3,7 +3,10 @@
 Reads benchmarks/<slot>/results/**/*.json (and .jsonl: one row a line) as they are, whatever their age:
 the rows are every top-level list of records ("rows", "results", "cases", ...), the columns their
 scalar fields, byte counts shown in GiB; each table is headed by the file's stamp (commit, dirty
-tree, device, versions: `benchmarks/stamp.py` writes it; older files say "commit unknown").
+tree, device, versions: `benchmarks/stamp.py` writes it; older files say "commit unknown", with the
+commit that recorded them where they name it). A slot's older runs are the lines of its
+results/history.jsonl ({"file", "recorded_in_commit", "note", "result"}): listed as one table, or
+each run's own tables with `history=True`.
 Reads JSON only: imports nothing of the benchmarks.
 """
 from __future__ import annotations
@@ -16,8 +19,9 @@ RESULTS_DIR = ROOT / "benchmarks"  # one results/ folder per benchmark folder: <
 STAMP = ("commit", "dirty", "device", "torch", "triton", "cuda", "date")
 RANKS = ("ranks", "world_size", "gpus")
 ROW_KEYS = ("rows", "results", "cases")  # the main table first, where a file names it so
+HISTORY = "history.jsonl"  # a slot's older runs, one a line
 GiB = 2 ** 30
-MAX_TEXT = 28  # longer strings (error tails, paths) are cut: the file holds them whole
+MAX_TEXT = 28  # longer strings (error tails, notes) are cut: the file holds them whole
 
 
 def load(path: Path) -> dict:
@@ -53,8 +57,8 @@ def by_slot(directory: Path = RESULTS_DIR) -> dict[str, list[Path]]:
     directory, out = Path(directory), {}
     for path in files(directory):
         out.setdefault(slot_of(path.relative_to(directory), load(path)), []).append(path)
-    old = lambda p: any(part == "history" or part.startswith("before_")  # noqa: E731
-                        for part in p.relative_to(directory).parts)
+    old = lambda p: p.name == HISTORY or any(part == "history" or part.startswith("before_")  # noqa: E731
+                                             for part in p.relative_to(directory).parts)
     return {slot: sorted(paths, key=lambda p: (old(p), str(p))) for slot, paths in sorted(out.items())}
 
 
@@ -74,6 +78,8 @@ def stamp_line(data: dict, rows: list[dict]) -> str:
         return rows[0].get(key) if rows and len(seen) == 1 else None
     commit, dirty = value("commit"), value("dirty")
     parts = [f"commit {commit[:12]}" if commit else "commit unknown"]
+    if not commit and value("recorded_in_commit"):  # written before the stamp: the commit that added it
+        parts[0] += f" (recorded in {value('recorded_in_commit')})"
     if commit:
         parts.append({True: "dirty tree", False: "clean tree", None: "dirty unknown"}.get(dirty, f"dirty {dirty}"))
     parts += [f"{key} {value(key)}" for key in ("device", *RANKS, "torch", "triton", "cuda", "date")
@@ -117,7 +123,7 @@ def cell(col: str, v) -> str:
         size = abs(v) if v == v else 0.0
         return f"{v:.0f}" if size >= 1e4 else f"{v:.1f}" if size >= 100 else f"{v:.2f}" if size >= 1 else f"{v:.3g}"
     text = str(v).replace("\n", " ")
-    return text if len(text) <= MAX_TEXT else text[: MAX_TEXT - 3] + "..."
+    return text if len(text) <= MAX_TEXT or col == "file" else text[: MAX_TEXT - 3] + "..."  # a history's file: whole
 
 
 def render_rows(rows: list[dict]) -> str:
@@ -136,13 +142,28 @@ def _numeric(v) -> bool:
     return v is None or (isinstance(v, (int, float)) and not isinstance(v, bool))
 
 
+def _name(path: Path, base: Path | None) -> str:
+    return str(path.relative_to(base)) if base and path.is_relative_to(base) else str(path)
+
+
 def render_file(path: Path, base: Path | None = None) -> str:
     """The file's name, its stamp, and a table per list of records in it."""
     path = Path(path)
-    data = load(path)
+    return render_data(_name(path, base), load(path))
+
+
+def render_history(path: Path, base: Path | None = None) -> str:
+    """Every older run of a history.jsonl with its own tables, headed by the file it was kept in, the
+    commit that recorded it and what the run was."""
+    path = Path(path)
+    return "\n\n".join(render_data(f"{_name(path, base)}: {e['file']}", {"recorded_in_commit": e.get("recorded_in_commit"),
+                                                                         **e["result"]}, note=e.get("note"))
+                       for e in load(path)["rows"])
+
+
+def render_data(name: str, data: dict, note: str | None = None) -> str:
     found = tables(data)
-    name = str(path.relative_to(base)) if base and path.is_relative_to(base) else str(path)
-    out = [f"== {name}", f"   {stamp_line(data, found[0][1] if found else [])}"]
+    out = [f"== {name}", f"   {stamp_line(data, found[0][1] if found else [])}"] + ([f"   {note}"] if note else [])
     if not found:
         out.append("  (no rows)")
     for key, rows in found:
@@ -160,14 +181,17 @@ def render_listing(slots: dict[str, list[Path]], base: Path) -> str:
     return "\n".join(lines)
 
 
-def main(slot: str | None = None, file: str | None = None, directory: str | None = None) -> str:
-    """What `bumblebee results [SLOT] [--file PATH] [--dir DIR]` prints; ValueError for an unknown slot."""
+def main(slot: str | None = None, file: str | None = None, directory: str | None = None, history: bool = False) -> str:
+    """What `bumblebee results [SLOT] [--file PATH] [--dir DIR] [--history]` prints; ValueError for an
+    unknown slot. `history`: each older run of a history.jsonl as its own tables, not one line each."""
+    def render(p, base=None):
+        return render_history(p, base) if history and Path(p).name == HISTORY else render_file(p, base)
     if file:
-        return render_file(Path(file))
+        return render(Path(file))
     base = Path(directory) if directory else RESULTS_DIR
     slots = by_slot(base)
     if slot is None:
         return render_listing(slots, base)
     if slot not in slots:
         raise ValueError(f"no result files for slot {slot!r} under {base}; slots with results: {', '.join(slots)}")
-    return "\n\n".join(render_file(p, base) for p in slots[slot])
+    return "\n\n".join(render(p, base) for p in slots[slot])

@@ -19,13 +19,16 @@ import json
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))  # benchmarks/: stamp, timing, siblings
+from siblings import load  # noqa: E402
+from stamp import stamp as run_stamp  # noqa: E402
+from timing import median_ms, synced  # noqa: E402
 
 
 def _checksums(rt) -> dict:
@@ -33,15 +36,13 @@ def _checksums(rt) -> dict:
 
 
 def _timed(fn) -> float:
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    fn()
-    torch.cuda.synchronize()
-    return time.perf_counter() - t0
+    """Seconds of one call up to a device synchronize, on the host's clock: an offload is copies and
+    frees that the host drives, timed as a caller waits for them. One call each: a second offload
+    of what is already on the CPU would time nothing, so the medians are taken over --repeats."""
+    return median_ms(synced(fn), iters=1, warmup=0, cuda=False) / 1e3
 
 
 def run_one(impl: str, args, mesh, device) -> dict:
-    from siblings import load
     state_sharding_bench = load("state_sharding")
     build_on_device = state_sharding_bench.build_on_device
 
@@ -100,8 +101,6 @@ def main() -> None:
     ap.add_argument("--impl", nargs="+", default=["fsdp2", "zero1"])
     ap.add_argument("--out", type=Path, default=HERE / "results")
     args = ap.parse_args()
-    sys.path.insert(0, str(HERE.parent))  # benchmarks/: stamp, siblings
-    from stamp import stamp as run_stamp
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29531")
     dist.init_process_group("nccl", rank=int(os.environ.get("RANK", 0)), world_size=int(os.environ.get("WORLD_SIZE", 1)))

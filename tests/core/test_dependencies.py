@@ -1,6 +1,7 @@
-"""The dependency direction of ARCHITECTURE.md, checked on every import statement; and that no
+"""The dependency direction of ARCHITECTURE.md, checked on every import statement; that no
 primitive reaches its twin's code another way (a registry look-up of a baseline, a relative import
-of baselines/, a module named by string)."""
+of baselines/, a module named by string); and that what a primitive and its twin share lives in
+common/, named after its slot."""
 import ast
 from pathlib import Path
 
@@ -11,17 +12,20 @@ from bumblebee import registry
 ROOT = Path(__file__).resolve().parents[2]
 FOLDERS = {"bumblebee": "bumblebee", "kernels": "bumblebee.kernels", "primitives": "bumblebee.primitives",
            "baselines": "bumblebee.baselines", "models": "bumblebee.models", "runtime": "bumblebee.runtime",
-           "tools": "bumblebee.tools"}
+           "tools": "bumblebee.tools", "common": "bumblebee.common"}
 # folder -> subpackages of bumblebee it must not import
 FORBIDDEN = {
     "kernels": None,  # nothing of ours at all
+    # a slot's parameters and plain steps that its primitive and its twin both import: as low as
+    # the baselines, and never the twin or the primitive itself
+    "common": ("kernels", "primitives", "baselines", "models", "runtime", "benchmarks", "tools"),
     "baselines": ("kernels", "primitives", "models", "runtime", "benchmarks"),
     "primitives": ("baselines", "models", "runtime", "benchmarks"),
-    "models": ("kernels", "primitives", "baselines", "runtime", "benchmarks"),
+    "models": ("kernels", "primitives", "baselines", "common", "runtime", "benchmarks"),
     "runtime": ("benchmarks", "tools"),
     "tools": ("benchmarks",),
     # the core: below the models and what uses them
-    "bumblebee": ("benchmarks", "models", "runtime", "tools"),
+    "bumblebee": ("benchmarks", "common", "models", "runtime", "tools"),
 }
 # the package's facade (`bb.models`, `bb.pair`) and the adapters to outside frameworks sit above everything
 ABOVE_ALL = ("bumblebee/__init__.py", "bumblebee/integrations/")
@@ -65,6 +69,15 @@ def test_import_direction(folder, path):
             continue
         if len(parts) > 1 and parts[1] in FORBIDDEN[folder]:
             pytest.fail(f"{path}: {folder}/ must not import bumblebee.{parts[1]} ({name})")
+
+
+def test_common_holds_only_files_named_after_a_slot():
+    """common/ is no second core: each file serves one slot's pair and carries its name."""
+    slots = registry.slots()
+    for path in sorted((ROOT / "common").rglob("*.py")):
+        if path.name != "__init__.py":
+            assert any(path.stem == s or path.stem.startswith(f"{s}_") for s in slots), \
+                f"{path.name}: name it <slot>_*.py after the slot whose primitive and twin use it"
 
 
 LOOKUPS = {"get", "resolve", "build", "choose", "code_on", "record", "spec"}  # bumblebee.registry's

@@ -60,3 +60,37 @@ def test_help_names_the_command(capsys):
     with pytest.raises(SystemExit):
         cli.main(["results", "--help"])
     assert "commit unknown" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("path", [p for p in FILES if p.suffix == ".json"],
+                         ids=lambda p: str(p.relative_to(results.RESULTS_DIR)))
+def test_every_result_file_names_a_commit(path):
+    """Stamped by benchmarks/stamp.py, or (written before the stamp) the commit that recorded it."""
+    stamp = results.render_file(path).splitlines()[1]
+    assert not stamp.strip().startswith("commit unknown") or "(recorded in " in stamp, stamp
+
+
+def test_older_runs_are_lines_of_a_history_file():
+    histories = [p for p in FILES if p.name == results.HISTORY]
+    assert histories
+    for path in histories:
+        for entry in results.load(path)["rows"]:
+            assert list(entry) == ["file", "recorded_in_commit", "note", "result"], path
+            assert entry["recorded_in_commit"] and entry["note"] and entry["result"], (path, entry["file"])
+            assert not (path.parent / entry["file"]).exists(), f"{entry['file']} is both a file and a history line"
+    rel = [p.relative_to(results.RESULTS_DIR) for p in FILES]
+    assert not [p for p in rel if any(part.startswith("before_") for part in p.parts)], "older runs go to history.jsonl"
+
+
+def test_history_prints_each_older_run_with_its_tables(tmp_path, capsys):
+    (tmp_path / "demo" / "results").mkdir(parents=True)
+    entry = {"file": "history/before_run_B/demo.json", "recorded_in_commit": "abc1234", "note": "run A, before B",
+             "result": {"device": "X", "rows": [{"impl": "a", "median_ms": 2.5}]}}
+    (tmp_path / "demo" / "results" / "history.jsonl").write_text(json.dumps(entry) + "\n")
+    assert cli.main(["results", "demo", "--dir", str(tmp_path)]) == 0
+    listing = capsys.readouterr().out
+    assert "history/before_run_B/demo.json" in listing and "median_ms" not in listing
+    assert cli.main(["results", "demo", "--dir", str(tmp_path), "--history"]) == 0
+    out = capsys.readouterr().out
+    assert "== demo/results/history.jsonl: history/before_run_B/demo.json" in out
+    assert "commit unknown (recorded in abc1234) | device X" in out and "run A, before B" in out and "2.50" in out

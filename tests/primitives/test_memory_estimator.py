@@ -143,10 +143,23 @@ def test_deepseek_terms():
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
+def _result(slot, path):
+    """A result file of benchmarks/<slot>/results; a path no longer there is an older run's, read from
+    the entry of results/history.jsonl that names the file it was kept in."""
+    results = BENCHMARKS / slot / "results"
+    if (results / path).is_file():
+        return json.loads((results / path).read_text())
+    for line in (results / "history.jsonl").read_text().splitlines():
+        entry = json.loads(line)
+        if entry["file"] == path:
+            return entry["result"]
+    raise FileNotFoundError(f"{path}: neither in {results} nor an entry of its history.jsonl")
+
+
 def _rows(slot, *paths):
     """(run header, row) of every measured row of the given result files of benchmarks/<slot>/results."""
     for path in paths:
-        run = json.loads((BENCHMARKS / slot / "results" / path).read_text())
+        run = _result(slot, path)
         for row in run.get("rows", run.get("results", [])):
             yield pytest.param(run, row, id=f"{Path(path).parent.name or path}-{row.get('seq_len', row.get('impl'))}")
 

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from bumblebee import moe_permute as mp_
+from bumblebee.common import moe_dispatch_permute as mp_
 from bumblebee import registry
 from bumblebee.primitives import moe_dispatch as chunked_mod
 from bumblebee.primitives.moe_dispatch_options import AUTO_MIN_TOKENS, ChunkedDispatch, by_ep, min_tokens

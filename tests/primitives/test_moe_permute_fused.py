@@ -1,5 +1,5 @@
 """kernels/moe_dispatch_permute.py (fused un-permute, its gradients, sum over copies) against float64
-references and against the torch functions of bumblebee/moe_permute.py, and the chunked primitive
+references and against the torch functions of common/moe_dispatch_permute.py, and the chunked primitive
 with FUSED_PERMUTE = "on" against its twin.
 
 The Triton kernels run under TRITON_INTERPRET=1 in fp32 and fp16 (this file run as a script in a
@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from bumblebee import moe_permute as ref_mod
+from bumblebee.common import moe_dispatch_permute as ref_mod
 from bumblebee.kernels import moe_dispatch_permute as fused
 from bumblebee.primitives.moe_dispatch_options import ChunkedDispatch, permute_fns
 from tests.interpreter import interpreted_fixture
@@ -74,7 +74,7 @@ def check(name, got, torch_got, want, dtype, fails):
 
 
 def kernel_cases(fails, dtypes=(torch.float32, torch.float16)):
-    """Every case; the torch functions of bumblebee/moe_permute.py beside the fused ones."""
+    """Every case; the torch functions of common/moe_dispatch_permute.py beside the fused ones."""
     errs = {}
     cases = [(13, 1, 37), (7, 2, 100), (9, 8, 45), (1, 8, 3), (5, 2, 64)]
     for dtype in dtypes:

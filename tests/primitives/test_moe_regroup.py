@@ -1,5 +1,5 @@
 """kernels/moe_dispatch_regroup.py (the chunked dispatch's row indices from the received counts, one launch)
-and its torch path (bumblebee/moe_permute.py:regroup_rows) against a plain-Python reference built
+and its torch path (common/moe_dispatch_permute.py:regroup_rows) against a plain-Python reference built
 block by block.
 
 The Triton kernel runs under TRITON_INTERPRET=1 (this file run as a script in a subprocess,
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from bumblebee.kernels import moe_dispatch_regroup as rg
-from bumblebee.moe_permute import regroup_rows
+from bumblebee.common.moe_dispatch_permute import regroup_rows
 from tests.interpreter import interpreted_fixture
 
 

@@ -3,7 +3,7 @@ the MLA attention core: 128 heads, q/k head dim 192, v head dim 128, causal, bf1
 
 Checks first (T = 2048): output, dq, dk, dv of both against an fp32 reference built from the same bf16
 inputs; packed (varlen, two sequences) FA4 against FA4 on each sequence alone. Then times forward and
-forward + backward at 4K, 16K and 32K tokens. Useful causal FLOPs as in `mla/bench.py`:
+forward + backward at 4K, 16K and 32K tokens. Useful causal FLOPs as in `mla/run_config.py`:
 3 * H * T^2 * (d_qk + d_v) for forward + backward, H * T^2 * (d_qk + d_v) for the forward alone.
 Prints one JSON line per case.
 

@@ -1,4 +1,4 @@
-"""Probe: where `core_primitive_fused` spends its time above `core_cudnn` (mla/bench.py's core
+"""Probe: where `core_primitive_fused` spends its time above `core_cudnn` (mla/core_sweep.py's core
 variants at DeepSeek-V3 head sizes, 16K tokens, bf16): one profiled forward + backward of each after
 warm-up, the CUDA kernels with the most time. Prints one JSON line per variant.
 
@@ -13,8 +13,7 @@ import json
 import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # benchmarks/: stamp, timing, siblings
 from siblings import load
-mla_bench = load("mla")
-_core_fn = mla_bench._core_fn
+core_fn = load("mla", "core_sweep").core_fn
 
 
 def top_kernels(fn, n=12):
@@ -36,7 +35,7 @@ def top_kernels(fn, n=12):
 
 def main():
     for variant in ("core_cudnn", "core_primitive", "core_primitive_fused"):
-        total, top = top_kernels(_core_fn(variant, 16384))
+        total, top = top_kernels(core_fn(variant, 16384))
         print(json.dumps({"variant": variant, "tokens": 16384, "kernel_ms": total, "top": top}), flush=True)
 
 

@@ -26,7 +26,7 @@ inputs, layer_step, step_times = moe_dispatch_bench.inputs, moe_dispatch_bench.l
 from probe_auto_chunks import setup
 
 CONFIGS = (("twin", "all_to_all", None), ("c1", "chunked", 1), ("auto", "chunked", "auto"))
-OURS = ("moe_dispatch", "moe_permute")  # primitives/ and kernels/moe_dispatch*, bumblebee/moe_permute, the bench
+OURS = ("moe_dispatch",)  # primitives/, kernels/ and common/moe_dispatch*, the bench
 
 
 def profiled_step(step, path, stack):
