@@ -160,7 +160,7 @@ def fused_recompute_case(g, rank, world):
     """The models' recompute through the chunked dispatch (expert-side weighting in the fused SwiGLU
     backward) against the same call without recompute and against the twin."""
     from tests.primitives import test_moe_dispatch as tmd
-    from tests.primitives.test_moe_fused_recompute import run
+    from tests.primitives.test_moe_dispatch_fused_recompute import run
     E, K, N = 4 * world, 2, 19 + 2 * rank
     gen = torch.Generator().manual_seed(7 + rank)
     x, w = torch.randn(N, tmd.D, generator=gen), torch.rand(N, K, generator=gen)
