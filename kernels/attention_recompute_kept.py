@@ -11,19 +11,17 @@ go through the checkpoint (recomputed), in both passes in the same order, as che
 The kernels are PyTorch's: cuDNN's fused attention on CUDA (the backend the SDPA path picks first),
 the CPU flash kernel on the CPU, each with its own backward; a call either would not serve runs
 plain SDPA in both passes. `KeptBudget` caps the bytes kept at once across layers, so long sequences
-fall back to recomputing.
+fall back to recomputing. The attention primitive decides per call and hands over between the passes
+(`primitives/attention.py`, `bumblebee/recompute.py`).
 """
 from __future__ import annotations
 
 import weakref
 
 import torch
-from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention import SDPBackend
 
-from bumblebee import recompute
-from bumblebee.kernels import attention_sdpa_cudnn_first as _sdpa
-
-_CUDNN, _CPU_FLASH = "cudnn", "cpu_flash"
+CUDNN, CPU_FLASH = "cudnn", "cpu_flash"
 
 
 class KeptBudget:
@@ -51,24 +49,18 @@ def kept_bytes(q: torch.Tensor, v: torch.Tensor) -> int:
     return B * H * T * (v.shape[-1] * v.element_size() + 4)
 
 
-def _kernel(q, k, v, scale) -> str | None:
-    """The fused kernel PyTorch's SDPA would run for this call under the SDPA path's order, when it is
-    one whose forward and backward are called here."""
-    gqa = k.shape[1] != q.shape[1]
+def kernel_for(q: torch.Tensor, choice: int) -> str | None:
+    """The kept kernel matching SDPA's backend `choice` (torch._fused_sdp_choice) on q's device, if any."""
     if q.is_cuda:
-        _sdpa._init_default_order(q)
-        with sdpa_kernel(_sdpa.CUDA_ORDER, set_priority=True):
-            choice = torch._fused_sdp_choice(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
-        return _CUDNN if choice == SDPBackend.CUDNN_ATTENTION.value else None
+        return CUDNN if choice == SDPBackend.CUDNN_ATTENTION.value else None
     if q.device.type == "cpu":
-        choice = torch._fused_sdp_choice(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
-        return _CPU_FLASH if choice == SDPBackend.FLASH_ATTENTION.value else None
+        return CPU_FLASH if choice == SDPBackend.FLASH_ATTENTION.value else None
     return None
 
 
 def _forward(kernel, q, k, v, scale):
     """(output, saved for the backward)."""
-    if kernel == _CUDNN:
+    if kernel == CUDNN:
         out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = torch.ops.aten._scaled_dot_product_cudnn_attention(
             q, k, v, None, True, 0.0, True, False, scale=scale)
         return out, (out, lse, seed, offset, cum_q, cum_k, max_q, max_k)
@@ -77,7 +69,7 @@ def _forward(kernel, q, k, v, scale):
 
 
 def _backward(kernel, dout, q, k, v, kept, scale):
-    if kernel == _CUDNN:
+    if kernel == CUDNN:
         out, lse, seed, offset, cum_q, cum_k, max_q, max_k = kept
         return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
             dout, q, k, v, out, lse, seed, offset, None, cum_q, cum_k, max_q, max_k, 0.0, True, scale=scale)
@@ -86,7 +78,10 @@ def _backward(kernel, dout, q, k, v, kept, scale):
         dout.contiguous(), q, k, v, out, lse, 0.0, True, scale=scale)
 
 
-class _KeptAttention(torch.autograd.Function):
+class KeptAttention(torch.autograd.Function):
+    """apply(q, k, v, scale, kernel, handover, nbytes, taken): the first forward (taken None) runs the
+    kernel and keeps {"kernel", "out"} in `handover`; the recompute passes the kept output as `taken`."""
+
     @staticmethod
     def forward(ctx, q, k, v, scale, kernel, handover, nbytes, taken):
         ctx.save_for_backward(q, k, v)  # recomputed by the checkpoint, in both passes
@@ -109,27 +104,3 @@ class _KeptAttention(torch.autograd.Function):
         kept, ctx.kept = ctx.kept, None  # released here, not when the graph is
         dq, dk, dv = _backward(ctx.kernel, dout, q, k, v, kept, ctx.scale)
         return dq, dk, dv, None, None, None, None, None
-
-
-def causal_attention(q, k, v, scale, limit_bytes: int):
-    """Causal attention [B, H, T, D] (GQA: fewer k/v heads) inside a full-recompute region: the first
-    forward keeps its output (while `limit_bytes` allows) for the recompute, which then skips the kernel.
-    Outside a region, or where no kept kernel serves, plain SDPA (cuDNN first)."""
-    handover = recompute.region()
-    if handover is None or not torch.is_grad_enabled():
-        return _plain(q, k, v, scale)
-    if recompute.phase() == "recompute":
-        plan = handover.take()
-        if plan is None:
-            return _plain(q, k, v, scale)
-        return _KeptAttention.apply(q, k, v, scale, plan["kernel"], handover, 0, plan["out"])
-    kernel = _kernel(q, k, v, scale)
-    nbytes = kept_bytes(q, v)
-    if kernel is None or not KEPT.reserve(nbytes, limit_bytes):
-        handover.keep(None)  # the recompute runs plain SDPA too: both passes save the same tensors
-        return _plain(q, k, v, scale)
-    return _KeptAttention.apply(q, k, v, scale, kernel, handover, nbytes, None)
-
-
-def _plain(q, k, v, scale):
-    return _sdpa.causal_sdpa(q, k, v, scale, enable_gqa=k.shape[1] != q.shape[1])

@@ -29,6 +29,15 @@ def _init_default_order(q: torch.Tensor) -> None:
         _default_order_ready = True
 
 
+def choice(q, k, v, scale, enable_gqa: bool = False) -> int:
+    """The backend (SDPBackend value) `causal_sdpa` would run for these inputs; no kernel runs."""
+    if not q.is_cuda:
+        return torch._fused_sdp_choice(q, k, v, is_causal=True, scale=scale, enable_gqa=enable_gqa)
+    _init_default_order(q)
+    with sdpa_kernel(CUDA_ORDER, set_priority=True):
+        return torch._fused_sdp_choice(q, k, v, is_causal=True, scale=scale, enable_gqa=enable_gqa)
+
+
 def causal_sdpa(q, k, v, scale, enable_gqa: bool = False):
     """F.scaled_dot_product_attention(is_causal=True); on CUDA cuDNN, flash, memory-efficient, math
     in that order for this call only, the process-wide order left as it was."""

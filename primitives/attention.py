@@ -20,7 +20,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from bumblebee import packing
+from bumblebee import recompute
 from bumblebee.checks import check_attention_inputs
 from bumblebee.kernels import attention_fa4 as _fa4
 from bumblebee.kernels import attention_recompute_kept as _kept
@@ -83,8 +86,8 @@ def sdpa_attention_with(config: SDPA, q, k, v, *, scale=None, cu_seqlens=None):
             return _fa4.causal_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale).transpose(1, 2)
         return _packed_call(_fa4.causal_attention, q, k, v, scale, cu_seqlens, spans)
     if spans is None:
-        if config.recompute_keep_bytes:
-            return _kept.causal_attention(q, k, v, scale, config.recompute_keep_bytes)
+        if config.recompute_keep_bytes and recompute.region() is not None and torch.is_grad_enabled():
+            return _kept_through_recompute(q, k, v, scale, config.recompute_keep_bytes)
         return _sdpa(q, k, v, scale)
     if config.varlen and _varlen.serves(q, k, v, spans):
         return _packed_call(_varlen.causal_attention, q, k, v, scale, cu_seqlens, spans)
@@ -102,6 +105,24 @@ def _packed_call(kernel, q, k, v, scale, cu_seqlens, spans):
     flat = [t.transpose(1, 2).reshape(B * T, t.shape[1], t.shape[-1]) for t in (q, k, v)]
     o = kernel(*flat, scale, cu_seqlens=cu_seqlens, max_seqlen=max(b - a for a, b in spans))
     return o.view(B, T, q.shape[1], -1).transpose(1, 2)
+
+
+def _kept_through_recompute(q, k, v, scale, limit_bytes: int):
+    """Inside a full-recompute region: the first forward keeps the output of the kernel SDPA would pick
+    (while `limit_bytes` allows) and the recompute takes it instead of running attention; otherwise both
+    passes run plain SDPA (they must save the same tensors)."""
+    handover = recompute.region()
+    if recompute.phase() == "recompute":
+        plan = handover.take()
+        if plan is None:
+            return _sdpa(q, k, v, scale)
+        return _kept.KeptAttention.apply(q, k, v, scale, plan["kernel"], handover, 0, plan["out"])
+    kernel = _kept.kernel_for(q, _sdpa_cudnn.choice(q, k, v, scale, enable_gqa=k.shape[1] != q.shape[1]))
+    nbytes = _kept.kept_bytes(q, v)
+    if kernel is None or not _kept.KEPT.reserve(nbytes, limit_bytes):
+        handover.keep(None)
+        return _sdpa(q, k, v, scale)
+    return _kept.KeptAttention.apply(q, k, v, scale, kernel, handover, nbytes, None)
 
 
 def _sdpa(q, k, v, scale):
