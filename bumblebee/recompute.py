@@ -8,6 +8,9 @@ passes (they must match: checkpoint compares them) and skip, in the recompute, w
 nothing saved depends on; its output there is discarded, so it must feed nothing that saves
 tensors. The chunked expert-parallel dispatch uses this to skip fc2 and the combine; MLA's lean
 backward to cache its attention outputs in the recompute instead of the first forward.
+
+`region()` is the running region's `Handover`: values its first forward keeps for its recompute, taken
+back in the same order (the attention slot keeps its output there, so the recompute skips attention).
 """
 from __future__ import annotations
 
@@ -31,6 +34,50 @@ def _running(name: str):
         _STATE.phase = prev
 
 
+def region() -> "Handover | None":
+    return getattr(_STATE, "region", None)
+
+
+class Handover:
+    """What one checkpointed region's first forward hands to its recompute: `keep` in call order there,
+    `take` in the same order in the recompute. A taken value is dropped here (its consumer holds it),
+    so a second recompute of the same region (a backward through a retained graph) finds nothing."""
+
+    def __init__(self):
+        self._kept, self._next = [], 0
+
+    def keep(self, value) -> None:
+        self._kept.append(value)
+
+    def take(self):
+        if self._next >= len(self._kept):
+            raise RuntimeError("a recomputed layer asked for a value its first forward did not keep, or asked "
+                               "twice: a backward through a retained graph of a full-recompute layer that keeps "
+                               "attention outputs is not supported (turn the attention option off for it)")
+        value, self._kept[self._next] = self._kept[self._next], None
+        self._next += 1
+        return value
+
+
+class _Pass:
+    """One pass's context: sets the phase and the region's handover, restores both on exit. A class,
+    not a generator, so a second backward through a retained graph can enter it again."""
+
+    def __init__(self, name: str, handover: Handover):
+        self.name, self.handover, self._prev = name, handover, []
+
+    def __enter__(self):
+        self._prev.append((phase(), region()))
+        _STATE.phase, _STATE.region = self.name, self.handover
+        return self
+
+    def __exit__(self, *exc):
+        _STATE.phase, _STATE.region = self._prev.pop()
+        return False
+
+
 def contexts():
-    """checkpoint's `context_fn`: (the first forward's context, the recompute's context)."""
-    return _running("forward"), _running("recompute")
+    """checkpoint's `context_fn`: (the first forward's context, the recompute's context), sharing
+    one `Handover`."""
+    handover = Handover()
+    return _Pass("forward", handover), _Pass("recompute", handover)

@@ -9,6 +9,9 @@ dim 256 (Qwen3.5's full attention) 0.91-1.04x (`benchmarks/attention/results/pro
 batches take FA4 for head dims up to `FA4_MAX_HEAD_DIM`, packed batches (one varlen launch instead of
 one SDPA call per sequence) for every head dim it runs (`benchmarks/attention/bench.py`). Option
 `SDPA.fa4` ("auto"; "on" for every shape FA4 runs, "off" for SDPA).
+Inside a model's full recompute, the SDPA path keeps each layer's attention output and log-sum-exp from
+its first forward so the recompute skips attention (`kernels/attention_recompute_kept.py`), while the
+outputs kept at once fit `SDPA.recompute_keep_bytes`.
 Packed batches without FA4 run PyTorch's FlashAttention 2 varlen kernel in one launch while sequences
 are short on average (`kernels/attention_varlen.py`; 11x one SDPA call per sequence at 64 x 512 tokens),
 else one SDPA call per sequence. Option `SDPA.varlen` (False for the per-sequence calls).
@@ -20,9 +23,10 @@ from dataclasses import dataclass
 from bumblebee import packing
 from bumblebee.checks import check_attention_inputs
 from bumblebee.kernels import attention_fa4 as _fa4
+from bumblebee.kernels import attention_recompute_kept as _kept
 from bumblebee.kernels import attention_sdpa_cudnn_first as _sdpa_cudnn
 from bumblebee.kernels import attention_varlen as _varlen
-from bumblebee.options import Bound, check_bool, check_choice, option
+from bumblebee.options import Bound, check_bool, check_choice, check_int, option
 from bumblebee.registry import register
 
 FA4_MAX_HEAD_DIM = 128  # dense batches: FA4 up to this head dim under fa4="auto"
@@ -42,10 +46,16 @@ class SDPA:
     varlen: bool = option(True, "packed batches without FA4: one launch of PyTorch's FlashAttention 2 varlen "
                           "kernel while sequences are short on average (CUDA, 16-bit); False: one SDPA call "
                           "per sequence")
+    recompute_keep_bytes: int = option(
+        6 << 30, "dense SDPA inside a model's full recompute: keep each layer's attention output and log-sum-exp "
+        "(16-bit [T, H*D] + fp32 [H, T]) from its first forward, so the recompute skips attention (a quarter "
+        "of attention's kernel time), while the bytes kept at once across layers stay within this budget; "
+        "past it a layer recomputes attention. 0: always recompute")
 
     def __post_init__(self):
         check_choice(self, "fa4", FA4_CHOICES)
         check_bool(self, "varlen")
+        check_int(self, "recompute_keep_bytes", 0)
 
 
 def _use_fa4(config: SDPA, q, v, packed: bool) -> bool:
@@ -73,6 +83,8 @@ def sdpa_attention_with(config: SDPA, q, k, v, *, scale=None, cu_seqlens=None):
             return _fa4.causal_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale).transpose(1, 2)
         return _packed_call(_fa4.causal_attention, q, k, v, scale, cu_seqlens, spans)
     if spans is None:
+        if config.recompute_keep_bytes:
+            return _kept.causal_attention(q, k, v, scale, config.recompute_keep_bytes)
         return _sdpa(q, k, v, scale)
     if config.varlen and _varlen.serves(q, k, v, spans):
         return _packed_call(_varlen.causal_attention, q, k, v, scale, cu_seqlens, spans)

@@ -34,7 +34,8 @@ unit reduced before.
 
 Activations, per token, from what autograd keeps in the code (primitives/, models/, fla):
   recompute: one [N, D] input per layer (MLA's lean backward caches its attention outputs only in the
-  recompute, see primitives/mla.py), plus one rebuilt layer: its saved tensors and the
+  recompute, see primitives/mla.py), the attention slot's kept outputs and log-sum-exps of the first
+  layers that fit `Parallel.attention_keep_bytes` (SDPA.recompute_keep_bytes), plus one rebuilt layer: its saved tensors and the
   buffers of its backward, the largest layer type; without recompute every layer's saved tensors;
   the head: the final norm's saved tensors and the loss input; the MTP depth: its two pre-fc norms
   (DeepSeek: enorm, hnorm), the concatenation and its block's input, kept until its block's backward;
@@ -59,6 +60,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from bumblebee.primitives.attention import SDPA
 from bumblebee.primitives.cross_entropy import MIN_CHUNK_COLUMNS, LinearCE
 from bumblebee.primitives.mla import FlashMLAConfig
 
@@ -94,6 +96,8 @@ class Parallel:
     moe_group_rows: int = 65536    # ChunkedDispatch.group_rows
     compiled_norms: bool = True    # RMSNorm and RoPE compiled (bumblebee.fused); False for runs before it
     mla_fused_rope: bool = FlashMLAConfig.fused_rope  # the mla slot's flash option fused_rope (on CUDA)
+    attention_keep_bytes: int = SDPA.recompute_keep_bytes  # the attention slot's budget of outputs kept
+                                                           # through the recompute (0 for runs before it)
 
 
 @dataclass
@@ -578,8 +582,17 @@ def _activation_terms(est: Estimate, cfg, g: dict, par: Parallel, b: int, mtp: b
 
     def kept(ts):  # what the forward keeps of these layers: their inputs (recompute) or every saved tensor
         return sum(b * d + (0 if par.recompute else per_type[t][0]) for t in ts)
+    # the attention slot's outputs kept through the recompute: the first layers that fit the budget; a
+    # rebuilt kept layer's output is the kept one (counted once: its working set holds it)
+    attn = [i for i, t in enumerate(types) if t in ("gqa", "full_attention")] if par.recompute else []
+    out_tok, lse_tok = (b * cfg.num_attention_heads * cfg.head_dim, 4 * cfg.num_attention_heads) if attn else (0, 0)
+    n_keep = min(len(attn), par.attention_keep_bytes // max(1, n_tok * (out_tok + lse_tok)))
+    keep_all = n_tok * n_keep * (out_tok + lse_tok)
+    keep_last = n_tok * (n_keep * (out_tok + lse_tok) - (out_tok if attn and attn[-1] == len(types) - 1
+                                                        and n_keep == len(attn) else 0))
+    keep_first = n_tok * lse_tok if n_keep and attn[0] == 0 and worst in ("gqa", "full_attention") else 0
     head = norm + b * d + 25  # final norm; the loss input (a copy of the valid rows); labels, lse, etc.
-    est.activations = int(n_tok * (kept(types) + head))
+    est.activations = int(n_tok * (kept(types) + head) + keep_all)
     mtp_block = mtp_head = main_saved = 0
     if mtp:
         # the pre-fc norms of embedding and hidden (DeepSeek's enorm, hnorm), their concatenation (fc's,
@@ -597,9 +610,9 @@ def _activation_terms(est: Estimate, cfg, g: dict, par: Parallel, b: int, mtp: b
         "loss": est.activations + est.mtp_activations + n_tok * mtp_head + main_saved + est.loss_buffers,
         # the first rebuilt block: every layer input, and with MTP the head's and the depth's tensors
         "first_block": n_tok * (kept(types) + (head + mtp_block if mtp else 0) + per_type[first_type][1])
-        + main_saved + wgrad_extra,
+        + main_saved + wgrad_extra + keep_last,
         # the first layer: its input (or saved tensors) only; the largest layer type
-        "last_block": n_tok * (kept([worst]) + per_type[worst][1]) + wgrad_extra,
+        "last_block": n_tok * (kept([worst]) + per_type[worst][1]) + wgrad_extra + keep_first,
     }
     if mtp:  # the main head's loss backward, after the depth's: the hidden's gradient from the depth
         acts["loss_after_mtp"] = est.activations + n_tok * b * d + est.loss_buffers

@@ -1,0 +1,135 @@
+"""Causal attention that keeps its output through a model's full recompute, so the recompute skips it.
+
+Under full recompute (`bumblebee.recompute`) a decoder layer runs attention twice: in its first forward
+and again in the recompute just before its backward, a quarter of attention's kernel time (forward
+1 + recompute 1 + backward ~2.5 forwards). Here the first forward runs the fused kernel with its
+log-sum-exp and keeps both (16-bit [B, H, T, D] and fp32 [B, H, T]); the recompute takes the kept
+output instead of running the kernel (the layer's o_proj still needs it), and the backward calls the
+kernel's own backward on the recomputed q, k, v with the kept output and log-sum-exp. Only q, k and v
+go through the checkpoint (recomputed), in both passes in the same order, as checkpoint requires.
+
+The kernels are PyTorch's: cuDNN's fused attention on CUDA (the backend the SDPA path picks first),
+the CPU flash kernel on the CPU, each with its own backward; a call either would not serve runs
+plain SDPA in both passes. `KeptBudget` caps the bytes kept at once across layers, so long sequences
+fall back to recomputing.
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from bumblebee import recompute
+from bumblebee.kernels import attention_sdpa_cudnn_first as _sdpa
+
+_CUDNN, _CPU_FLASH = "cudnn", "cpu_flash"
+
+
+class KeptBudget:
+    """Bytes of attention outputs kept and not yet released by their backward, in this process."""
+
+    def __init__(self):
+        self.live = 0
+
+    def reserve(self, nbytes: int, limit: int) -> bool:
+        if self.live + nbytes > limit:
+            return False
+        self.live += nbytes
+        return True
+
+    def release(self, nbytes: int) -> None:
+        self.live -= nbytes
+
+
+KEPT = KeptBudget()  # bookkeeping of what is held (a fact, not a switch)
+
+
+def kept_bytes(q: torch.Tensor, v: torch.Tensor) -> int:
+    """Bytes one call keeps: the output [B, H, T, Dv] in the input dtype and the fp32 log-sum-exp [B, H, T]."""
+    B, H, T = q.shape[:3]
+    return B * H * T * (v.shape[-1] * v.element_size() + 4)
+
+
+def _kernel(q, k, v, scale) -> str | None:
+    """The fused kernel PyTorch's SDPA would run for this call under the SDPA path's order, when it is
+    one whose forward and backward are called here."""
+    gqa = k.shape[1] != q.shape[1]
+    if q.is_cuda:
+        _sdpa._init_default_order(q)
+        with sdpa_kernel(_sdpa.CUDA_ORDER, set_priority=True):
+            choice = torch._fused_sdp_choice(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+        return _CUDNN if choice == SDPBackend.CUDNN_ATTENTION.value else None
+    if q.device.type == "cpu":
+        choice = torch._fused_sdp_choice(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+        return _CPU_FLASH if choice == SDPBackend.FLASH_ATTENTION.value else None
+    return None
+
+
+def _forward(kernel, q, k, v, scale):
+    """(output, saved for the backward)."""
+    if kernel == _CUDNN:
+        out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = torch.ops.aten._scaled_dot_product_cudnn_attention(
+            q, k, v, None, True, 0.0, True, False, scale=scale)
+        return out, (out, lse, seed, offset, cum_q, cum_k, max_q, max_k)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True, scale=scale)
+    return out, (out, lse)
+
+
+def _backward(kernel, dout, q, k, v, kept, scale):
+    if kernel == _CUDNN:
+        out, lse, seed, offset, cum_q, cum_k, max_q, max_k = kept
+        return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+            dout, q, k, v, out, lse, seed, offset, None, cum_q, cum_k, max_q, max_k, 0.0, True, scale=scale)
+    out, lse = kept
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dout.contiguous(), q, k, v, out, lse, 0.0, True, scale=scale)
+
+
+class _KeptAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, scale, kernel, handover, nbytes, taken):
+        ctx.save_for_backward(q, k, v)  # recomputed by the checkpoint, in both passes
+        ctx.scale, ctx.kernel, ctx.kept = scale, kernel, None
+        if taken is not None:  # the recompute: its graph is discarded, the first forward's node runs the backward
+            return taken.detach()
+        out, kept = _forward(kernel, q, k, v, scale)
+        ctx.kept = kept
+        weakref.finalize(kept[1], KEPT.release, nbytes)  # the log-sum-exp dies with the backward
+        handover.keep({"kernel": kernel, "out": out})
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v = ctx.saved_tensors  # runs the region's recompute, which takes the kept output
+        if ctx.kept is None:
+            raise RuntimeError("attention kept through a recompute was differentiated twice: a retained graph "
+                               "of a full-recompute layer is not supported with the attention option "
+                               "recompute_keep_bytes > 0")
+        kept, ctx.kept = ctx.kept, None  # released here, not when the graph is
+        dq, dk, dv = _backward(ctx.kernel, dout, q, k, v, kept, ctx.scale)
+        return dq, dk, dv, None, None, None, None, None
+
+
+def causal_attention(q, k, v, scale, limit_bytes: int):
+    """Causal attention [B, H, T, D] (GQA: fewer k/v heads) inside a full-recompute region: the first
+    forward keeps its output (while `limit_bytes` allows) for the recompute, which then skips the kernel.
+    Outside a region, or where no kept kernel serves, plain SDPA (cuDNN first)."""
+    handover = recompute.region()
+    if handover is None or not torch.is_grad_enabled():
+        return _plain(q, k, v, scale)
+    if recompute.phase() == "recompute":
+        plan = handover.take()
+        if plan is None:
+            return _plain(q, k, v, scale)
+        return _KeptAttention.apply(q, k, v, scale, plan["kernel"], handover, 0, plan["out"])
+    kernel = _kernel(q, k, v, scale)
+    nbytes = kept_bytes(q, v)
+    if kernel is None or not KEPT.reserve(nbytes, limit_bytes):
+        handover.keep(None)  # the recompute runs plain SDPA too: both passes save the same tensors
+        return _plain(q, k, v, scale)
+    return _KeptAttention.apply(q, k, v, scale, kernel, handover, nbytes, None)
+
+
+def _plain(q, k, v, scale):
+    return _sdpa.causal_sdpa(q, k, v, scale, enable_gqa=k.shape[1] != q.shape[1])
