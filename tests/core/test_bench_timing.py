@@ -111,8 +111,8 @@ def test_interleaved_median_ms_spreads_iters_over_rounds_in_one_order(timing):
 
 def test_interleaved_median_ms_in_one_round_is_one_after_the_other(timing):
     log = []
-    res = timing.interleaved_median_ms({"a": FakeWork([9, 9, 1, 2, 3], log, "a"), "b": FakeWork([9, 9, 4, 5, 6], log, "b")},
-                                       iters=3, warmup=2, cuda=False)
+    fns = {"a": FakeWork([9, 9, 1, 2, 3], log, "a"), "b": FakeWork([9, 9, 4, 5, 6], log, "b")}
+    res = timing.interleaved_median_ms(fns, iters=3, warmup=2, cuda=False)
     assert log == ["a"] * 5 + ["b"] * 5 and res == pytest.approx({"a": 2, "b": 5})
 
 
