@@ -26,7 +26,10 @@ from pathlib import Path
 
 import pytest
 import torch
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: stamp, timing, siblings
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))  # benchmarks/: stamp, timing, siblings
+from timing import do_bench_ms, matmul_tflops, synced  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -35,7 +38,7 @@ SWEEP = {f"sweep-{n // 1024}K": (n, 2048, 248320) for n in (4096, 8192, 32768, 6
 SWEEP_IMPLS = ("linear_ce", "linear_ce_lean", "linear_ce_fwdgrad", "materialized_ce", "liger", "cce")  # B is the 16K point of the sweep
 IMPLS = ("linear_ce", "linear_ce_lean", "linear_ce_fwdgrad", "materialized_ce", "liger", "cce", "cce_exact",
          "compiled_chunks")
-OUT = Path(os.environ.get("BENCH_OUT", Path(__file__).parent / "results"))
+OUT = Path(os.environ.get("BENCH_OUT", HERE / "results"))
 GiB = 1024 ** 3
 RESULTS: dict = {"cases": []}
 
@@ -76,11 +79,8 @@ def _impl(name):
 
 
 def _matmul_tflops():
-    if "matmul_tflops" not in RESULTS:
-        import triton
-        a, b = (torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-        ms = triton.testing.do_bench(lambda: a @ b, warmup=100, rep=500, return_mode="median")
-        RESULTS["matmul_tflops"] = 2 * 8192 ** 3 / ms / 1e9
+    if "matmul_tflops" not in RESULTS:  # triton's do_bench, as the committed floors were measured
+        RESULTS["matmul_tflops"] = matmul_tflops(8192, timer=lambda f: do_bench_ms(f, warmup_ms=100, rep_ms=500))
     return RESULTS["matmul_tflops"]
 
 
@@ -126,9 +126,7 @@ def test_cross_entropy(benchmark, impl, shape, dims):
     def setup():
         hidden.grad = weight.grad = None
 
-    def step():
-        fn(hidden, weight, labels).backward()
-        torch.cuda.synchronize()
+    step = synced(lambda: fn(hidden, weight, labels).backward())
 
     oom = False
     try:

@@ -29,8 +29,6 @@ import argparse
 import datetime
 import json
 import os
-import statistics
-import time
 import sys
 from pathlib import Path
 
@@ -41,7 +39,10 @@ from bumblebee import registry
 from bumblebee.models.moe import GroupedExperts
 from bumblebee import options
 from bumblebee.primitives.moe_dispatch_options import AUTO_CHUNKS, AUTO_MIN_TOKENS, ChunkedDispatch
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: stamp, timing, siblings
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))  # benchmarks/: stamp, timing, siblings
+from timing import interleaved_median_ms, step_median_ms, step_times_ms  # noqa: E402
 
 D, E, K, I = 2048, 256, 8, 512
 TOKENS = [4096, 8192, 16384, 24576, 32768, 65536]
@@ -89,41 +90,26 @@ def chunked(sm):
     return ChunkedDispatch() if sm is None else ChunkedDispatch(sm_carveout=sm)
 
 
+def _barrier(group):
+    """Run before every timed call (warm-ups too) by the timers below (CUDA events through timing.py;
+    perf_counter on the CPU), which the probes reuse."""
+    return lambda: dist.barrier(group=group)
+
+
 def timed(step, group):
     """Median ms of `step` over ITERS after WARMUP; every rank runs the same count."""
-    return statistics.median(step_times(step, group, WARMUP, ITERS))
+    return step_median_ms(step, ITERS, WARMUP, before=_barrier(group))
 
 
 def interleaved(steps: dict, group, rounds: int) -> dict:
     """{name: median ms} of several steps timed in `rounds` rounds, every step once per round in the
     same order (ITERS spread over the rounds), so that run order and allocator state weigh on all alike."""
-    times = {name: [] for name in steps}
-    per_round = -(-ITERS // rounds)
-    for r in range(rounds):
-        for name, step in steps.items():
-            times[name] += step_times(step, group, WARMUP if r == 0 else 1, per_round)
-    return {name: statistics.median(t) for name, t in times.items()}
+    return interleaved_median_ms(steps, ITERS, WARMUP, rounds, before=_barrier(group))
 
 
 def step_times(step, group, warmup, iters):
     """ms of each of `iters` calls of `step` after `warmup` calls; every rank runs the same count."""
-    times = []
-    for i in range(warmup + iters):
-        dist.barrier(group=group)
-        if torch.cuda.is_available():
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            step()
-            b.record()
-            torch.cuda.synchronize()
-            ms = a.elapsed_time(b)
-        else:  # --smoke on the CPU
-            t = time.perf_counter()
-            step()
-            ms = 1e3 * (time.perf_counter() - t)
-        if i >= warmup:
-            times.append(ms)
-    return times
+    return step_times_ms(step, iters, warmup, before=_barrier(group))
 
 
 def layer_step(name, x, w, idx, experts, chunks=None, recompute=False):
@@ -301,7 +287,7 @@ def trace_picture(trace_json: Path, png: Path, title: str):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+    ap.add_argument("--out", default=str(HERE / "results"))
     ap.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     ap.add_argument("--no-megatron", action="store_true")
     ap.add_argument("--rounds", type=int, default=1,

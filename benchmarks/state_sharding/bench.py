@@ -21,21 +21,18 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import json
 import os
-import statistics
-import time
 import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: stamp, timing, siblings
 
-
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))  # benchmarks/: stamp, timing, siblings
+from timing import step_median_ms, sync, synced  # noqa: E402
 
 
 def _allocated(device) -> int:
@@ -81,27 +78,33 @@ def run_one(impl: str, args, mesh, ep_mesh, device, rank: int, world: int) -> di
     vocab = hf["vocab_size"]
     batches = [torch.randint(0, vocab, (args.micro_batch, args.seq_len), device=device, generator=g)
                for _ in range(4)]
-    times, static = [], 0
-    _sync(device)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    for i in range(args.warmup + args.steps):
-        ids = batches[i % len(batches)]
+    data = itertools.cycle(batches)  # call i trains on batches[i % 4]
+    cur, static = {}, 0
+
+    def before():  # outside the timed region: the batch, then every rank starts together on an idle device
+        cur["ids"] = next(data)
         dist.barrier()
-        _sync(device)
-        t0 = time.perf_counter()
-        state.model(ids, labels=ids).loss.backward()
-        ok, norm, _ = state.step()
-        _sync(device)
-        dt = time.perf_counter() - t0
+        sync(device)
+
+    def train_step():
+        state.model(cur["ids"], labels=cur["ids"]).loss.backward()
+        cur["ok"], cur["norm"], _ = state.step()
+
+    def after(i):  # outside the timed region too
+        nonlocal static
         if i == args.warmup:  # every state is allocated by now
             static = _allocated(device)
         state.zero_grad()
-        if i >= args.warmup:
-            times.append(dt * 1e3)
+
+    sync(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    # host clock: perf_counter around the step and the device sync after it
+    ms = step_median_ms(synced(train_step, device), args.steps, args.warmup, before=before, after=after, cuda=False)
+    ok, norm = cur["ok"], cur["norm"]
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 1
     # the slowest rank's median and the largest rank's memory (one all-reduce, every rank)
-    stats = torch.tensor([statistics.median(times), static, peak], dtype=torch.float64, device=device)
+    stats = torch.tensor([ms, static, peak], dtype=torch.float64, device=device)
     dist.all_reduce(stats, op=dist.ReduceOp.MAX)
     ms, static, peak = float(stats[0]), int(stats[1]), int(stats[2])
     est = memory.estimate(hf, memory.Parallel(dp=world, ep=args.ep, sharding=impl, mixed_precision=args.mixed_precision,
@@ -142,7 +145,7 @@ def main() -> None:
     ap.add_argument("--dispatch", default="chunked", help="moe_dispatch implementation when --ep > 1")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    ap.add_argument("--out", default=str(HERE / "results"))
     ap.add_argument("--cpu-smoke", action="store_true",
                     help="gloo on the CPU, memory not measured: checks the script, not the numbers")
     args = ap.parse_args()
