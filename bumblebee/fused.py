@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 
 import torch
-from torch.utils._python_dispatch import _get_current_dispatch_mode
+from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode
 
 
 def fused(fn):
@@ -22,14 +22,22 @@ def fused(fn):
     @functools.wraps(fn)
     def run(x, *args, **kwargs):
         nonlocal compiled
-        # eager inside another compile, and under a dispatch mode (selective activation checkpointing
-        # decides per aten op what to keep: a compiled region would hide its ops from it)
-        if not x.is_cuda or torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
+        if not x.is_cuda or torch.compiler.is_compiling():  # eager inside another compile
+            return fn(x, *args, **kwargs)
+        moded = _get_current_dispatch_mode() is not None
+        if moded and type(x) is not torch.Tensor:  # fake or subclass tensors under their mode
             return fn(x, *args, **kwargs)
         if compiled is None:
             # not fullgraph: past dynamo's recompile limit (a process that runs many dtypes and ranks,
             # a test session) a fullgraph function raises, this one runs eagerly
             compiled = torch.compile(fn, dynamic=True)
+        if moded:
+            # Compiled under a dispatch mode too, the mode not seeing the chain's ops: a full recompute
+            # compares what each pass saves, and a mode active in one pass only (an op observer around
+            # the backward) would otherwise switch the recompute to the eager chain, which saves other
+            # tensors. Selective checkpointing then treats the chain alike in both passes (recomputed).
+            with _disable_current_modes():
+                return compiled(x, *args, **kwargs)
         return compiled(x, *args, **kwargs)
     run.eager = fn
     return run
