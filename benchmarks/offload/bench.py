@@ -15,6 +15,7 @@ carrying the commit (BENCH_COMMIT when set).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -48,6 +49,8 @@ def run_one(impl: str, args, mesh, device) -> dict:
 
     from bumblebee import registry
     from bumblebee.runtime import Batch, Runtime
+    gc.collect()  # the previous twin's cycles: freed now, not by this twin's offload (which collects)
+    torch.cuda.empty_cache()
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated(device)
     model, hf = build_on_device(args.model, args.layers, {"cross_entropy": "linear_ce"}, device)
