@@ -8,6 +8,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from bumblebee import checkpoint
+from bumblebee.primitives.attention import SDPA
 
 META = {"impl": "test", "params": {"w": [5, 3]}, "model_type": "toy"}
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -145,7 +146,8 @@ def test_the_json_and_the_hf_export_record_the_models_impl_configs(tmp_path):
         dist.destroy_process_group()
     meta = json.loads((tmp_path / "ckpt" / checkpoint.MARKER).read_text())
     assert meta["impl_configs"] == model.impl_configs()
-    assert meta["impl_configs"]["attention"] == {"impl": "sdpa", "fa4": "off", "varlen": False}
+    assert meta["impl_configs"]["attention"] == {"impl": "sdpa", "fa4": "off", "varlen": False,
+                                                  "recompute_keep_bytes": SDPA.recompute_keep_bytes}
     assert meta["impl_configs"]["cross_entropy"]["path"] == "lean"
     record = json.loads((tmp_path / "hf" / hf_io.IMPL_RECORD).read_text())
     assert record == {"impl_configs": model.impl_configs()}

@@ -97,7 +97,8 @@ def test_attention_options_from_a_string_or_an_instance(choice):
 def test_the_models_pass_the_attention_and_mla_configs_to_their_layers():
     m = models.build("qwen3-tiny", {"attention": "sdpa:fa4=off,varlen=off"})
     assert {layer.self_attn.attend.config for layer in m.model.layers} == {SDPA(fa4="off", varlen=False)}
-    assert m.impl_configs()["attention"] == {"impl": "sdpa", "fa4": "off", "varlen": False}
+    assert m.impl_configs()["attention"] == {"impl": "sdpa", "fa4": "off", "varlen": False,
+                                             "recompute_keep_bytes": SDPA.recompute_keep_bytes}
     d = models.build("deepseek-v3-tiny", {"mla": FlashMLAConfig(lean_backward=False, pad_v=True)})
     layers = [mod for mod in d.modules() if isinstance(mod, FlashMLA)]
     assert layers and {mod.options for mod in layers} == {FlashMLAConfig(lean_backward=False, pad_v=True)}

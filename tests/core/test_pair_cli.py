@@ -4,6 +4,7 @@ import subprocess
 import sys
 
 
+from bumblebee.primitives.attention import SDPA
 from bumblebee.tools.cli import main
 
 STEP_KEYS = {"step", "loss_a", "loss_b", "loss_abs_diff", "grad_norm_a", "grad_norm_b", "grad_norm_rel_diff"}
@@ -49,7 +50,6 @@ def test_pair_of_two_configs_records_both_sides_resolved_configs(tmp_path, capsy
     r = json.loads(out.read_text())
     assert (r["a"], r["b"], r["status"]) == ("linear_ce", "materialized_ce", "compared")
     assert r["options"] == {"a": "linear_ce:path=lean,chunk_columns=64", "b": "materialized_ce"}
-    from bumblebee.primitives.attention import SDPA
 
     lean = dataclasses.asdict(LinearCE(path="lean", chunk_columns=64))
     sdpa = {"impl": "sdpa", **dataclasses.asdict(SDPA())}
@@ -72,7 +72,8 @@ def test_pair_parses_attention_and_mla_options(tmp_path, capsys):
     assert "a=sdpa:fa4=off ran its own code" in capsys.readouterr().out
     r = json.loads(out.read_text())
     assert r["options"] == {"a": "sdpa:fa4=off", "b": "eager"} and r["status"] == "compared"
-    assert r["configs"]["a"]["attention"] == {"impl": "sdpa", "fa4": "off", "varlen": True}
+    assert r["configs"]["a"]["attention"] == {"impl": "sdpa", "fa4": "off", "varlen": True,
+                                                  "recompute_keep_bytes": SDPA.recompute_keep_bytes}
     assert r["configs"]["b"]["attention"] == {"impl": "eager"}
     assert all(s["loss_abs_diff"] < 1e-4 for s in r["steps"])
     assert main(["pair", "--model", "deepseek-v3-tiny", "--slot", "mla", "--a", "flash:lean_backward=off,fa4=off",
