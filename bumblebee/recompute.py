@@ -14,7 +14,6 @@ back in the same order (the attention slot keeps its output there, so the recomp
 """
 from __future__ import annotations
 
-import contextlib
 import threading
 
 _STATE = threading.local()  # the recompute runs in autograd's thread: the phase is per thread
@@ -22,16 +21,6 @@ _STATE = threading.local()  # the recompute runs in autograd's thread: the phase
 
 def phase() -> str | None:
     return getattr(_STATE, "phase", None)
-
-
-@contextlib.contextmanager
-def _running(name: str):
-    prev = phase()
-    _STATE.phase = name
-    try:
-        yield
-    finally:
-        _STATE.phase = prev
 
 
 def region() -> "Handover | None":
@@ -63,7 +52,7 @@ class _Pass:
     """One pass's context: sets the phase and the region's handover, restores both on exit. A class,
     not a generator, so a second backward through a retained graph can enter it again."""
 
-    def __init__(self, name: str, handover: Handover):
+    def __init__(self, name: str, handover: "Handover | None" = None):
         self.name, self.handover, self._prev = name, handover, []
 
     def __enter__(self):

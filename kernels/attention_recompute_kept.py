@@ -79,11 +79,11 @@ def _backward(kernel, dout, q, k, v, kept, scale):
 
 
 class KeptAttention(torch.autograd.Function):
-    """apply(q, k, v, scale, kernel, handover, nbytes, taken): the first forward (taken None) runs the
-    kernel and keeps {"kernel", "out"} in `handover`; the recompute passes the kept output as `taken`."""
+    """apply(q, k, v, scale, kernel, nbytes, taken): the first forward (taken None) runs the kernel and
+    holds its output and log-sum-exp until the backward; the recompute passes that output as `taken`."""
 
     @staticmethod
-    def forward(ctx, q, k, v, scale, kernel, handover, nbytes, taken):
+    def forward(ctx, q, k, v, scale, kernel, nbytes, taken):
         ctx.save_for_backward(q, k, v)  # recomputed by the checkpoint, in both passes
         ctx.scale, ctx.kernel, ctx.kept = scale, kernel, None
         if taken is not None:  # the recompute: its graph is discarded, the first forward's node runs the backward
@@ -91,7 +91,6 @@ class KeptAttention(torch.autograd.Function):
         out, kept = _forward(kernel, q, k, v, scale)
         ctx.kept = kept
         weakref.finalize(kept[1], KEPT.release, nbytes)  # the log-sum-exp dies with the backward
-        handover.keep({"kernel": kernel, "out": out})
         return out
 
     @staticmethod
@@ -103,4 +102,4 @@ class KeptAttention(torch.autograd.Function):
                                "recompute_keep_bytes > 0")
         kept, ctx.kept = ctx.kept, None  # released here, not when the graph is
         dq, dk, dv = _backward(ctx.kernel, dout, q, k, v, kept, ctx.scale)
-        return dq, dk, dv, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None

@@ -12,6 +12,8 @@ by asking torch which backend it would choose (no kernel runs), and only then is
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -29,20 +31,23 @@ def _init_default_order(q: torch.Tensor) -> None:
         _default_order_ready = True
 
 
+def _cuda_order(q):
+    """The SDPA path's backend order for one call on CUDA (torch's default initialized first); nothing
+    elsewhere."""
+    if not q.is_cuda:
+        return contextlib.nullcontext()
+    _init_default_order(q)
+    return sdpa_kernel(CUDA_ORDER, set_priority=True)
+
+
 def choice(q, k, v, scale, enable_gqa: bool = False) -> int:
     """The backend (SDPBackend value) `causal_sdpa` would run for these inputs; no kernel runs."""
-    if not q.is_cuda:
-        return torch._fused_sdp_choice(q, k, v, is_causal=True, scale=scale, enable_gqa=enable_gqa)
-    _init_default_order(q)
-    with sdpa_kernel(CUDA_ORDER, set_priority=True):
+    with _cuda_order(q):
         return torch._fused_sdp_choice(q, k, v, is_causal=True, scale=scale, enable_gqa=enable_gqa)
 
 
 def causal_sdpa(q, k, v, scale, enable_gqa: bool = False):
     """F.scaled_dot_product_attention(is_causal=True); on CUDA cuDNN, flash, memory-efficient, math
     in that order for this call only, the process-wide order left as it was."""
-    if not q.is_cuda:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=enable_gqa)
-    _init_default_order(q)
-    with sdpa_kernel(CUDA_ORDER, set_priority=True):
+    with _cuda_order(q):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=enable_gqa)

@@ -116,13 +116,15 @@ def _kept_through_recompute(q, k, v, scale, limit_bytes: int):
         plan = handover.take()
         if plan is None:
             return _sdpa(q, k, v, scale)
-        return _kept.KeptAttention.apply(q, k, v, scale, plan["kernel"], handover, 0, plan["out"])
+        return _kept.KeptAttention.apply(q, k, v, scale, plan["kernel"], 0, plan["out"])
     kernel = _kept.kernel_for(q, _sdpa_cudnn.choice(q, k, v, scale, enable_gqa=k.shape[1] != q.shape[1]))
     nbytes = _kept.kept_bytes(q, v)
     if kernel is None or not _kept.KEPT.reserve(nbytes, limit_bytes):
         handover.keep(None)
         return _sdpa(q, k, v, scale)
-    return _kept.KeptAttention.apply(q, k, v, scale, kernel, handover, nbytes, None)
+    out = _kept.KeptAttention.apply(q, k, v, scale, kernel, nbytes, None)
+    handover.keep({"kernel": kernel, "out": out.detach()})  # no grad_fn: no cycle through the graph
+    return out
 
 
 def _sdpa(q, k, v, scale):

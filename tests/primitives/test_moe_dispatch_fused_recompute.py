@@ -137,7 +137,7 @@ def test_config_fields_validate_and_select_the_phase():
     with pytest.raises(ValueError, match="group_rows"):
         ChunkedDispatch(group_rows=0)
     assert fused_recompute_phase(ChunkedDispatch()) is None  # outside any recompute region
-    with recompute._running("recompute"):
+    with recompute._Pass("recompute"):
         assert fused_recompute_phase(ChunkedDispatch()) == "recompute"
         assert fused_recompute_phase(ChunkedDispatch(fused_recompute=False)) is None
 
