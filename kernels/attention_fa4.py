@@ -116,3 +116,19 @@ def causal_attention(q, k, v, scale: float, cu_seqlens: Optional[torch.Tensor] =
     if cu_seqlens is not None:
         cu_seqlens = cu_seqlens.to(device=q.device, dtype=torch.int32).contiguous()
     return fa4_causal_fwd(q, k, v, cu_seqlens, int(max_seqlen), float(scale))[0]
+
+
+def kept_forward(q, k, v, scale: float):
+    """Dense causal attention on the callers' [B, H, T, D] views (of [B, T, H, D] memory) -> (out [B, H, T, e],
+    (out, lse)): what a backward needs, for attention kept through a recompute
+    (`kernels/attention_recompute_kept.py`'s `Kernel`)."""
+    out, lse = fa4_causal_fwd(*(_unit_stride(t.transpose(1, 2)) for t in (q, k, v)), None, 0, float(scale))
+    return out.transpose(1, 2), (out, lse)
+
+
+def kept_backward(dout, q, k, v, kept, scale: float):
+    """(dq, dk, dv) [B, H, T, *] of `kept_forward`'s call."""
+    out, lse = kept
+    grads = fa4_causal_bwd(dout.transpose(1, 2), *(_unit_stride(t.transpose(1, 2)) for t in (q, k, v)),
+                           out, lse, None, 0, float(scale))
+    return tuple(g.transpose(1, 2) for g in grads)

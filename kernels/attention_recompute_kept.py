@@ -8,21 +8,20 @@ output instead of running the kernel (the layer's o_proj still needs it), and th
 kernel's own backward on the recomputed q, k, v with the kept output and log-sum-exp. Only q, k and v
 go through the checkpoint (recomputed), in both passes in the same order, as checkpoint requires.
 
-The kernels are PyTorch's: cuDNN's fused attention on CUDA (the backend the SDPA path picks first),
-the CPU flash kernel on the CPU, each with its own backward; a call either would not serve runs
-plain SDPA in both passes. `KeptBudget` caps the bytes kept at once across layers, so long sequences
+A `Kernel` is a fused forward that returns its log-sum-exp and its own backward: PyTorch's cuDNN
+attention on CUDA (the backend the SDPA path picks first) and CPU flash kernel here; the primitive
+adds FlashAttention 4's where it runs FA4. A call none would serve runs its plain path in both passes. `KeptBudget` caps the bytes kept at once across layers, so long sequences
 fall back to recomputing. The attention primitive decides per call and hands over between the passes
 (`primitives/attention.py`, `bumblebee/recompute.py`).
 """
 from __future__ import annotations
 
 import weakref
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch.nn.attention import SDPBackend
-
-CUDNN, CPU_FLASH = "cudnn", "cpu_flash"
-
 
 class KeptBudget:
     """Bytes of attention outputs kept and not yet released by their backward, in this process."""
@@ -49,33 +48,51 @@ def kept_bytes(q: torch.Tensor, v: torch.Tensor) -> int:
     return B * H * T * (v.shape[-1] * v.element_size() + 4)
 
 
-def kernel_for(q: torch.Tensor, choice: int) -> str | None:
+@dataclass(frozen=True)
+class Kernel:
+    """A fused causal attention kernel with its own backward, on the callers' [B, H, T, D] q, k, v.
+    forward(q, k, v, scale) -> (out, kept): kept holds what the backward needs, kept[1] the fp32
+    log-sum-exp; backward(dout, q, k, v, kept, scale) -> (dq, dk, dv)."""
+
+    name: str
+    forward: Callable
+    backward: Callable
+
+
+def _cudnn_forward(q, k, v, scale):
+    out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = torch.ops.aten._scaled_dot_product_cudnn_attention(
+        q, k, v, None, True, 0.0, True, False, scale=scale)
+    return out, (out, lse, seed, offset, cum_q, cum_k, max_q, max_k)
+
+
+def _cudnn_backward(dout, q, k, v, kept, scale):
+    out, lse, seed, offset, cum_q, cum_k, max_q, max_k = kept
+    return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+        dout, q, k, v, out, lse, seed, offset, None, cum_q, cum_k, max_q, max_k, 0.0, True, scale=scale)
+
+
+def _cpu_flash_forward(q, k, v, scale):
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True, scale=scale)
+    return out, (out, lse)
+
+
+def _cpu_flash_backward(dout, q, k, v, kept, scale):
+    out, lse = kept
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dout.contiguous(), q, k, v, out, lse, 0.0, True, scale=scale)
+
+
+CUDNN = Kernel("cudnn", _cudnn_forward, _cudnn_backward)
+CPU_FLASH = Kernel("cpu_flash", _cpu_flash_forward, _cpu_flash_backward)
+
+
+def kernel_for(q: torch.Tensor, choice: int) -> Kernel | None:
     """The kept kernel matching SDPA's backend `choice` (torch._fused_sdp_choice) on q's device, if any."""
     if q.is_cuda:
         return CUDNN if choice == SDPBackend.CUDNN_ATTENTION.value else None
     if q.device.type == "cpu":
         return CPU_FLASH if choice == SDPBackend.FLASH_ATTENTION.value else None
     return None
-
-
-def _forward(kernel, q, k, v, scale):
-    """(output, saved for the backward)."""
-    if kernel == CUDNN:
-        out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = torch.ops.aten._scaled_dot_product_cudnn_attention(
-            q, k, v, None, True, 0.0, True, False, scale=scale)
-        return out, (out, lse, seed, offset, cum_q, cum_k, max_q, max_k)
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True, scale=scale)
-    return out, (out, lse)
-
-
-def _backward(kernel, dout, q, k, v, kept, scale):
-    if kernel == CUDNN:
-        out, lse, seed, offset, cum_q, cum_k, max_q, max_k = kept
-        return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-            dout, q, k, v, out, lse, seed, offset, None, cum_q, cum_k, max_q, max_k, 0.0, True, scale=scale)
-    out, lse = kept
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        dout.contiguous(), q, k, v, out, lse, 0.0, True, scale=scale)
 
 
 class KeptAttention(torch.autograd.Function):
@@ -88,7 +105,7 @@ class KeptAttention(torch.autograd.Function):
         ctx.scale, ctx.kernel, ctx.kept = scale, kernel, None
         if taken is not None:  # the recompute: its graph is discarded, the first forward's node runs the backward
             return taken.detach()
-        out, kept = _forward(kernel, q, k, v, scale)
+        out, kept = kernel.forward(q, k, v, scale)
         ctx.kept = kept
         weakref.finalize(kept[1], KEPT.release, nbytes)  # the log-sum-exp dies with the backward
         return out
@@ -101,5 +118,5 @@ class KeptAttention(torch.autograd.Function):
                                "of a full-recompute layer is not supported with the attention option "
                                "recompute_keep_bytes > 0")
         kept, ctx.kept = ctx.kept, None  # released here, not when the graph is
-        dq, dk, dv = _backward(ctx.kernel, dout, q, k, v, kept, ctx.scale)
+        dq, dk, dv = ctx.kernel.backward(dout, q, k, v, kept, ctx.scale)
         return dq, dk, dv, None, None, None, None

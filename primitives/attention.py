@@ -9,9 +9,9 @@ dim 256 (Qwen3.5's full attention) 0.91-1.04x (`benchmarks/attention/results/pro
 batches take FA4 for head dims up to `FA4_MAX_HEAD_DIM`, packed batches (one varlen launch instead of
 one SDPA call per sequence) for every head dim it runs (`benchmarks/attention/bench.py`). Option
 `SDPA.fa4` ("auto"; "on" for every shape FA4 runs, "off" for SDPA).
-Inside a model's full recompute, the SDPA path keeps each layer's attention output and log-sum-exp from
-its first forward so the recompute skips attention (`kernels/attention_recompute_kept.py`), while the
-outputs kept at once fit `SDPA.recompute_keep_bytes`.
+Inside a model's full recompute, dense batches (FA4 or SDPA) keep each layer's attention output and
+log-sum-exp from its first forward so the recompute skips attention (`kernels/attention_recompute_kept.py`),
+while the outputs kept at once fit `SDPA.recompute_keep_bytes`.
 Packed batches without FA4 run PyTorch's FlashAttention 2 varlen kernel in one launch while sequences
 are short on average (`kernels/attention_varlen.py`; 11x one SDPA call per sequence at 64 x 512 tokens),
 else one SDPA call per sequence. Option `SDPA.varlen` (False for the per-sequence calls).
@@ -50,8 +50,8 @@ class SDPA:
                           "kernel while sequences are short on average (CUDA, 16-bit); False: one SDPA call "
                           "per sequence")
     recompute_keep_bytes: int = option(
-        6 << 30, "dense SDPA inside a model's full recompute: keep each layer's attention output and log-sum-exp "
-        "(16-bit [T, H*D] + fp32 [H, T]) from its first forward, so the recompute skips attention (a quarter "
+        6 << 30, "dense batches (FA4 or SDPA) inside a model's full recompute: keep each layer's attention "
+        "output and log-sum-exp (16-bit [T, H*D] + fp32 [H, T]) from its first forward, so the recompute skips attention (a quarter "
         "of attention's kernel time), while the bytes kept at once across layers stay within this budget; "
         "past it a layer recomputes attention. 0: always recompute")
 
@@ -81,14 +81,13 @@ def sdpa_attention_with(config: SDPA, q, k, v, *, scale=None, cu_seqlens=None):
     B, T = q.shape[0], q.shape[2]
     spans = None if cu_seqlens is None else packing.segments(cu_seqlens, B * T)
     # FA4 takes [B, T, H, D]: the callers' [B, H, T, D] are transposed views of it
-    if _use_fa4(config, q, v, spans is not None):
-        if spans is None:
-            return _fa4.causal_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale).transpose(1, 2)
-        return _packed_call(_fa4.causal_attention, q, k, v, scale, cu_seqlens, spans)
+    fa4 = _use_fa4(config, q, v, spans is not None)
     if spans is None:
         if config.recompute_keep_bytes and recompute.region() is not None and torch.is_grad_enabled():
-            return _kept_through_recompute(q, k, v, scale, config.recompute_keep_bytes)
-        return _sdpa(q, k, v, scale)
+            return _kept_through_recompute(q, k, v, scale, config.recompute_keep_bytes, fa4)
+        return _fa4_dense(q, k, v, scale) if fa4 else _sdpa(q, k, v, scale)
+    if fa4:
+        return _packed_call(_fa4.causal_attention, q, k, v, scale, cu_seqlens, spans)
     if config.varlen and _varlen.serves(q, k, v, spans):
         return _packed_call(_varlen.causal_attention, q, k, v, scale, cu_seqlens, spans)
     return packing.per_sequence(lambda *qkv: _sdpa(*qkv, scale), q, k, v, spans)
@@ -107,24 +106,35 @@ def _packed_call(kernel, q, k, v, scale, cu_seqlens, spans):
     return o.view(B, T, q.shape[1], -1).transpose(1, 2)
 
 
-def _kept_through_recompute(q, k, v, scale, limit_bytes: int):
-    """Inside a full-recompute region: the first forward keeps the output of the kernel SDPA would pick
-    (while `limit_bytes` allows) and the recompute takes it instead of running attention; otherwise both
-    passes run plain SDPA (they must save the same tensors)."""
+def _kept_through_recompute(q, k, v, scale, limit_bytes: int, fa4: bool):
+    """Inside a full-recompute region: the first forward keeps the output of the kernel that runs (FA4, or
+    the one SDPA would pick) while `limit_bytes` allows, and the recompute takes it instead of running
+    attention; otherwise both passes run the plain path (they must save the same tensors)."""
+    plain = _fa4_dense if fa4 else _sdpa
     handover = recompute.region()
     if recompute.phase() == "recompute":
         plan = handover.take()
         if plan is None:
-            return _sdpa(q, k, v, scale)
+            return plain(q, k, v, scale)
         return _kept.KeptAttention.apply(q, k, v, scale, plan["kernel"], 0, plan["out"])
-    kernel = _kept.kernel_for(q, _sdpa_cudnn.choice(q, k, v, scale, enable_gqa=k.shape[1] != q.shape[1]))
+    if fa4:
+        kernel = _FA4_KEPT
+    else:
+        kernel = _kept.kernel_for(q, _sdpa_cudnn.choice(q, k, v, scale, enable_gqa=k.shape[1] != q.shape[1]))
     nbytes = _kept.kept_bytes(q, v)
     if kernel is None or not _kept.KEPT.reserve(nbytes, limit_bytes):
         handover.keep(None)
-        return _sdpa(q, k, v, scale)
+        return plain(q, k, v, scale)
     out = _kept.KeptAttention.apply(q, k, v, scale, kernel, nbytes, None)
     handover.keep({"kernel": kernel, "out": out.detach()})  # no grad_fn: no cycle through the graph
     return out
+
+
+_FA4_KEPT = _kept.Kernel("fa4", _fa4.kept_forward, _fa4.kept_backward)
+
+
+def _fa4_dense(q, k, v, scale):
+    return _fa4.causal_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale).transpose(1, 2)
 
 
 def _sdpa(q, k, v, scale):

@@ -5,6 +5,8 @@ skips the kernel: the gradients must equal those of the same computation without
 the CPU, where the CPU flash kernel plays cuDNN's part; bitwise in bf16 on a GPU against the plain
 recompute, which runs the same cuDNN kernels on the same inputs).
 """
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -45,15 +47,17 @@ def _grads(config, x, ws, region: bool, count=None):
     return out
 
 
-def _count_forwards(monkeypatch):
+def _count_forwards(monkeypatch, owner=kept, names=("CUDNN", "CPU_FLASH")):
+    """Counts the kept kernels' forwards (the kernels `owner.<name>` that the primitive picks)."""
     calls = []
-    real = kept._forward
+    for name in names:
+        real = getattr(owner, name)
 
-    def counted(*a):
-        calls.append(1)
-        return real(*a)
+        def counted(*a, real=real):
+            calls.append(1)
+            return real.forward(*a)
 
-    monkeypatch.setattr(kept, "_forward", counted)
+        monkeypatch.setattr(owner, name, kept.Kernel(real.name, counted, real.backward))
     return calls
 
 
@@ -137,15 +141,49 @@ def test_config_checks_and_parses_the_budget():
     assert parse(SDPA, "recompute_keep_bytes=1GiB").recompute_keep_bytes == 1 << 30
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cudnn_kept_output_is_bitwise_the_plain_recompute(monkeypatch):
+def _bitwise_on_gpu(config, monkeypatch, owner, names):
     x = torch.randn(1, 2048, 512, device="cuda", dtype=torch.bfloat16)
     ws = _weights(torch.bfloat16, "cuda", D=512, d=128, heads=4, kv_heads=2, seed=4)
-    want = _grads(SDPA(recompute_keep_bytes=0), x, ws, region=True)  # plain SDPA, attention recomputed
-    calls = _count_forwards(monkeypatch)
-    got = _grads(SDPA(), x, ws, region=True)
+    plain = dataclasses.replace(config, recompute_keep_bytes=0)
+    want = _grads(plain, x, ws, region=True)  # the same kernel, attention recomputed
+    calls = _count_forwards(monkeypatch, owner, names)
+    got = _grads(config, x, ws, region=True)
     assert len(calls) == 1
     for a, b in zip(got, want):
         assert torch.equal(a, b)
+    assert kept.KEPT.live == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cudnn_kept_output_is_bitwise_the_plain_recompute(monkeypatch):
+    _bitwise_on_gpu(SDPA(fa4="off"), monkeypatch, kept, ("CUDNN",))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fa4_kept_output_is_bitwise_the_plain_recompute(monkeypatch):
+    from bumblebee.kernels import attention_fa4
+    from bumblebee.primitives import attention
+    if not attention_fa4.supports(torch.device("cuda"), torch.bfloat16, 128, 128):
+        pytest.skip("flash-attn-4 is not installed or does not run on this GPU")
+    _bitwise_on_gpu(SDPA(fa4="on"), monkeypatch, attention, ("_FA4_KEPT",))
+
+
+def test_where_fa4_serves_its_kernel_is_the_kept_one(monkeypatch):
+    """The FA4 branch keeps FA4's output (a CPU stand-in plays FA4 here; the GPU test runs FA4 itself)."""
+    from bumblebee.primitives import attention
+    monkeypatch.setattr(attention._fa4, "available", lambda q, v: True)
+    stand_in = kept.Kernel("fa4", kept.CPU_FLASH.forward, kept.CPU_FLASH.backward)
+    monkeypatch.setattr(attention, "_FA4_KEPT", stand_in)
+    monkeypatch.setattr(attention, "_fa4_dense", attention._sdpa)
+    x = torch.randn(2, 24, 32, dtype=torch.float64)
+    ws = _weights(torch.float64, seed=5)
+    want = _grads(SDPA(recompute_keep_bytes=0), x, ws, region=False)
+    sdpa_calls = _count_forwards(monkeypatch)
+    fa4_calls = _count_forwards(monkeypatch, attention, ("_FA4_KEPT",))
+    got = _grads(SDPA(fa4="on"), x, ws, region=True)
+    assert len(fa4_calls) == 1 and sdpa_calls == []
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
     assert kept.KEPT.live == 0
