@@ -20,7 +20,10 @@ from typing import Optional
 
 import torch
 
-HEAD_DIMS_SM90 = range(8, 257)  # FA4's SM90 kernels: 8 <= head dim <= 256, multiples of 8
+# FA4's SM90 head dims in both directions: its forward accepts 8..256 (multiples of 8), but its backward
+# failed to build at v head dim 16 (flash-attn-4 4.0.0b36, an H200: the dO tile's swizzled shared-memory
+# layout); FA3's own head dims, which its SM90 tile table is written for, build both ways
+HEAD_DIMS_SM90 = (64, 96, 128, 192, 256)
 
 
 @functools.cache
@@ -35,7 +38,7 @@ def _interface():
 
 def supports(device: torch.device, dtype: torch.dtype, d: int, e: int) -> bool:
     """True when FA4 can run attention with q/k head dim d and v head dim e here: installed, CUDA on
-    compute capability 9.x or 10.x, 16-bit dtype, head dims FA4 supports (SM90: 8..256, multiples of 8;
+    compute capability 9.x or 10.x, 16-bit dtype, head dims FA4 runs forward and backward (SM90: HEAD_DIMS_SM90;
     SM100: up to 128, or 192/128)."""
     if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16) or d % 8 or e % 8:
         return False

@@ -30,6 +30,18 @@ def test_not_available_on_cpu_or_fp32():
     assert not fa4.available(q.double(), q[..., :128].double())
 
 
+@pytest.mark.parametrize("dims,sm90,sm100", [((128, 128), True, True), ((192, 128), True, True),
+                                             ((256, 256), True, False), ((24, 16), False, True),
+                                             ((16, 16), False, True), ((136, 136), False, False)])
+def test_head_dims_served_forward_and_backward(monkeypatch, dims, sm90, sm100):
+    """SM90 serves the head dims its backward builds for (FA3's; v head dim 16 failed to build on an
+    H200), SM100 its own range; the capability and the installed package are stand-ins here."""
+    monkeypatch.setattr(fa4, "_interface", lambda: object())
+    for major, want in ((9, sm90), (10, sm100), (8, False)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, major=major: (major, 0))
+        assert fa4.supports(torch.device("cuda"), torch.bfloat16, *dims) is want, (major, dims)
+
+
 def _fa4_cuda():
     return torch.cuda.is_available() and fa4.available(torch.empty(1, 1, 1, 192, device="cuda", dtype=torch.bfloat16),
                                                        torch.empty(1, 1, 1, 128, device="cuda", dtype=torch.bfloat16))
