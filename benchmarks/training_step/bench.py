@@ -27,7 +27,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -35,6 +34,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # benchmarks/: stamp, timing, siblings
 from stamp import commit, stamp  # noqa: E402  (benchmarks/ is not a package)
+from timing import step_times_ms, sync  # noqa: E402
 
 STACKS = ("transformers+liger", "bumblebee")  # the peer first: its kernels autotune once
 CATEGORIES = [  # first match wins; kernel names lower-cased
@@ -101,12 +101,16 @@ def classify(name: str) -> str:
 def profile_step(stack, ids) -> dict:
     from torch.profiler import ProfilerActivity, profile
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ids.is_cuda else [])
-    torch.cuda.synchronize() if ids.is_cuda else None
-    t0 = time.perf_counter()
-    with profile(activities=acts, record_shapes=True) as prof:
-        stack.step(ids)
-        torch.cuda.synchronize() if ids.is_cuda else None
-    wall = (time.perf_counter() - t0) * 1e3
+    sync(ids.device)
+    profiled = []
+
+    def run():
+        with profile(activities=acts, record_shapes=True) as prof:
+            stack.step(ids)
+            sync(ids.device)
+        profiled.append(prof)
+    wall = step_times_ms(run, 1, 0, cuda=False)[0]
+    prof = profiled[0]
     kernels, attention_ops = {}, {}
     for e in prof.events():
         dev = getattr(e, "device_type", None)
@@ -138,6 +142,22 @@ def batch(i: int, seq_len: int, vocab: int, device) -> torch.Tensor:
     return torch.randint(0, vocab, (1, seq_len), generator=g).to(device)
 
 
+ANCHOR_PACKAGES = ("transformers", "liger-kernel", "flash-attn-4", "fla-core", "flash-linear-attention")
+
+
+def packages() -> dict:
+    """Versions of the packages that change what either stack runs (None: not installed): with
+    flash-attn-4 installed ours runs FA4 for head dims up to 128."""
+    from importlib import metadata
+    out = {}
+    for name in ANCHOR_PACKAGES:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
 def sdpa_backend_now(device) -> str | None:
     """The backend a plain causal SDPA call picks now (Qwen3's attention shape, bf16)."""
     if device.type != "cuda":
@@ -166,7 +186,7 @@ def worker(args) -> None:
     hf = json.loads((Path(args.init) / "config.json").read_text())
     row = {"stack": args.worker, "model": args.model, "layers": args.layers, "gpus": world,
            "seq_len": args.seq_len, "device": torch.cuda.get_device_name(device) if not cpu else "cpu",
-           **commit(), "sdpa_backend_at_start": None}
+           **commit(), "packages": packages(), "sdpa_backend_at_start": None}
     fits = True
     try:
         stack = step_stacks.build(args.worker, args.init, device, mesh, ep=world if hf.get("num_experts") else 1,
@@ -175,27 +195,31 @@ def worker(args) -> None:
         if not cpu:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
-        losses, norms, times, static, phases = [], [], [], 0, []
-        for i in range(args.warmup + args.steps):
+        losses, norms, phases, static, ids = [], [], [], 0, [None]
+        count = iter(range(args.warmup + args.steps))
+
+        def before():  # the next batch, every rank at the barrier, the device idle: outside the timed step
+            i = next(count)
             short = i < args.warmup and args.warmup_len  # the optimizer state exists before the step at seq_len
-            ids = batch(i, args.warmup_len if short else args.seq_len, hf["vocab_size"], device)
+            ids[0] = batch(i, args.warmup_len if short else args.seq_len, hf["vocab_size"], device)
             dist.barrier()
-            torch.cuda.synchronize() if not cpu else None
-            t0 = time.perf_counter()
-            loss = stack.forward_backward(ids)
-            if i < 2 and not cpu:  # where the peak falls: forward + backward, or the optimizer step
-                phases.append({"step": i, "fwd_bwd_peak": torch.cuda.max_memory_allocated()})
-            norm = stack.optimizer_step()
-            torch.cuda.synchronize() if not cpu else None
-            dt = (time.perf_counter() - t0) * 1e3
+            sync(device)
+
+        def step():  # one training step, timed on the host clock up to the device's end
+            losses.append(stack.forward_backward(ids[0]))
+            if len(losses) <= 2 and not cpu:  # where the peak falls: forward + backward, or the optimizer step
+                phases.append({"step": len(losses) - 1, "fwd_bwd_peak": torch.cuda.max_memory_allocated()})
+            norms.append(stack.optimizer_step())
+            sync(device)
+
+        def after(i):
+            nonlocal static
             if i < 2 and not cpu:
                 phases[-1]["step_peak"] = torch.cuda.max_memory_allocated()
             if i == 0 and not cpu:
                 static = torch.cuda.memory_allocated()
-            losses.append(loss)
-            norms.append(norm)
-            if i >= args.warmup:
-                times.append(dt)
+
+        times = step_times_ms(step, args.steps, args.warmup, before=before, after=after, cuda=False)
         peak = torch.cuda.max_memory_allocated() if not cpu else 0
         ms = statistics.median(times)
         stats = torch.tensor([ms, static, peak], dtype=torch.float64, device=device)
@@ -240,8 +264,10 @@ def launch(args, stack: str, seq_len: int, steps: int, profile: bool, tmp: Path,
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(29500 + seq_len % 997), "RANK": "0",
            "WORLD_SIZE": "1", "LOCAL_RANK": "0", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
            "TRITON_CACHE_AUTOTUNING": "1"}
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    procs = []
+    process_ms = step_times_ms(lambda: procs.append(subprocess.run(cmd, env=env, capture_output=True, text=True)),
+                               1, 0, cuda=False)[0]
+    proc = procs[0]
     if row_out.exists():
         row = json.loads(row_out.read_text())
     else:
@@ -249,7 +275,7 @@ def launch(args, stack: str, seq_len: int, steps: int, profile: bool, tmp: Path,
         oom = "OutOfMemory" in tail or "out of memory" in tail
         row = {"stack": stack, "model": args.model, "gpus": args.gpus, "seq_len": seq_len, "fits": not oom and None,
                "error": tail[-1500:], **commit()}
-    row["process_s"] = time.perf_counter() - t0
+    row["process_s"] = process_ms / 1e3
     short = {k: row.get(k) for k in ("stack", "seq_len", "fits", "median_ms", "tokens_per_s", "peak_bytes")}
     print(json.dumps(short), flush=True)
     return row

@@ -17,7 +17,6 @@ CLOCKS = {"perf_counter", "perf_counter_ns", "monotonic", "monotonic_ns", "time_
           "elapsed_time", "do_bench", "Timer", "timeit"}
 # scripts whose clocks have not moved onto timing.py yet, and why; an entry must go once its script is clean
 NOT_YET = {
-    "training_step/bench.py": "its step loop, the profiled step's wall time and each stack's process time",
     "composed_step/bench.py": "its step loop",
     "linear_attention/bench.py": "the run's time budget (--budget-s) and its total wall time, no measurement",
 }
