@@ -13,7 +13,11 @@ token at Qwen3-30B-A3B's sizes) puts the backward's peak far above the parameter
   (the recompute's work, moved here), the fc2 dgrad, the weighted SwiGLU gradient, both weight
   gradients of the group's experts, and its dx rows, added at once into the [N, D] fp32 input
   gradient (a sorted, deterministic accumulation); then every group's buffers are free;
-- the first forward runs the same groups, into one [M, D] buffer that the un-permute reads.
+- the first forward, which keeps nothing per row, runs groups of about `forward_group_rows` rows (4x by
+  default): one group at up to 32K tokens of Qwen3-30B-A3B, whose fc2 output is itself the [M, D]
+  buffer that the un-permute reads; several groups are copied into one (16 copies of 60K-92K rows, ~9 ms
+  of a 32K step's kernels, before). Its transient, ~12.8 KiB per routed row at those sizes (3.4 GB for
+  262144 rows), stays below the backward's working set, which holds the peak.
 
 The backward's working set is then the [N, D] fp32 input gradient plus one group's tensors: about
 8 + 168 / G KiB per token at those sizes (an [M, D] dx buffer summed over K at the end would add 24).
@@ -58,7 +62,8 @@ class LocalGroupedExperts(torch.autograd.Function):
     """One rank, inside a recompute region (`phase` "forward" or "recompute"); see the module doc."""
 
     @staticmethod
-    def forward(ctx, x_ND, weights_NK, w1_E2ID, w2_EDI, indices_NK, E, phase, mode, group_rows, permute, swiglu):
+    def forward(ctx, x_ND, weights_NK, w1_E2ID, w2_EDI, indices_NK, E, phase, mode, group_rows, permute, swiglu,
+                forward_group_rows=None):
         K = indices_NK.shape[1]
         order_M, inv_M, plan, recv_CSL, _ = exchange_counts(x_ND, weights_NK, indices_NK, E, (1,), None, 1,
                                                             float("inf"))
@@ -68,12 +73,16 @@ class LocalGroupedExperts(torch.autograd.Function):
         out_ND = torch.zeros_like(x_ND)
         if phase != "recompute" and groups:  # the recompute's output is discarded: it computes nothing
             token_M = order_M // K
-            y_MD = x_ND.new_empty(order_M.shape[0], x_ND.shape[1])
-            for e0, e1, r0, r1 in groups:
+            forward_groups = expert_groups(tpe, forward_group_rows or group_rows)
+            y_MD = None if len(forward_groups) == 1 else x_ND.new_empty(order_M.shape[0], x_ND.shape[1])
+            for e0, e1, r0, r1 in forward_groups:
                 x_g = x_ND.index_select(0, token_M[r0:r1])
                 y_g, _ = expert_forward(x_g, _group_tpe(counts_E, tpe, e0, e1), w1_E2ID[e0:e1], w2_EDI[e0:e1],
                                         mode, swiglu=swiglu[0])
-                y_MD[r0:r1] = y_g
+                if y_MD is None:  # one group: fc2's output is the whole buffer
+                    y_MD = y_g
+                else:
+                    y_MD[r0:r1] = y_g
                 del x_g, y_g
             permute[0](y_MD, weights_NK, inv_M, out=out_ND)
         ctx.K, ctx.tpe, ctx.groups, ctx.mode, ctx.permute, ctx.swiglu = K, tpe, groups, mode, permute, swiglu
@@ -112,4 +121,4 @@ class LocalGroupedExperts(torch.autograd.Function):
         gw_NK = None
         if ctx.needs_input_grad[1]:
             gw_NK = gw_M.index_select(0, inv_M).view_as(weights_NK).to(weights_NK.dtype)
-        return gx_ND.to(g_ND.dtype), gw_NK, dw1, dw2, None, None, None, None, None, None, None
+        return gx_ND.to(g_ND.dtype), gw_NK, dw1, dw2, None, None, None, None, None, None, None, None

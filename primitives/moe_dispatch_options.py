@@ -54,6 +54,9 @@ class ChunkedDispatch:
                                    "the combine, the backward weights the experts' rows itself")
     group_rows: int = option(65536, "one rank under the models' recompute: routed rows per expert group of "
                              "the backward (primitives/moe_dispatch_local.py); fewer rows, less memory")
+    forward_group_rows: int = option(262144, "one rank under the models' recompute: routed rows per expert group "
+                                     "of the first forward, which keeps nothing per row (one group copies no "
+                                     "rows: up to 32K tokens at top-8); fewer rows, less transient memory")
 
     def __post_init__(self):
         chunk_spec(self.chunks)  # raises on a malformed value
@@ -63,6 +66,7 @@ class ChunkedDispatch:
         for name in ("fused_permute", "fused_swiglu", "fused_recompute"):
             check_bool(self, name)
         check_int(self, "group_rows", 1)
+        check_int(self, "forward_group_rows", 1)
 
 
 def by_ep(table, EP: int) -> int:

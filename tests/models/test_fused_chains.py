@@ -3,7 +3,7 @@ checked against float64 with the eager ops' own bf16 error as the yardstick."""
 import pytest
 import torch
 
-from bumblebee.models.components import apply_rope
+from bumblebee.models.components import apply_rope, rms_norm_rope
 from bumblebee.norms import rms_norm
 
 
@@ -35,14 +35,19 @@ def test_cpu_runs_the_eager_ops():
     x, w, cos, sin = _cases("cpu", torch.float32)
     assert torch.equal(rms_norm(x, w, 1e-6), rms_norm.eager(x, w, 1e-6))
     assert torch.equal(apply_rope(x, cos, sin), apply_rope.eager(x, cos, sin))
+    x_bthd = x.transpose(1, 2)
+    assert torch.equal(rms_norm_rope(x_bthd, w, 1e-6, cos, sin),  # the two eager chains, one after the other
+                       apply_rope(rms_norm(x_bthd, w, 1e-6).transpose(1, 2), cos, sin))
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("which", ["rms_norm", "rope"])
+@pytest.mark.parametrize("which", ["rms_norm", "rope", "rms_norm_rope"])
 def test_compiled_chain_within_eager_error(which):
     x, w, cos, sin = _cases("cuda", torch.bfloat16)
-    fn = rms_norm if which == "rms_norm" else apply_rope
-    args = (x, w, 1e-6) if which == "rms_norm" else (x, cos, sin)
+    fn = {"rms_norm": rms_norm, "rope": apply_rope, "rms_norm_rope": rms_norm_rope}[which]
+    if which == "rms_norm_rope":  # [B, T, H, D] in
+        x = x.transpose(1, 2).contiguous()
+    args = {"rms_norm": (x, w, 1e-6), "rope": (x, cos, sin), "rms_norm_rope": (x, w, 1e-6, cos, sin)}[which]
     xt = (x.transpose(1, 2).contiguous().transpose(1, 2),) + args[1:]  # a strided view, as the model passes
     for a in (args, xt):
         ref = _grads(fn.eager, *[t.double() if isinstance(t, torch.Tensor) else t for t in a])

@@ -67,8 +67,9 @@ def scenarios(group, device="cpu", dtype=torch.float32):
             shard = local_shard(full_experts(E, s, "never", D, I).to(device, dtype), group)
             twin = run("twin", x, w, idx, shard, E, None, g_out)
             for chunks in CHUNKS:
-                for wgrad, rows in (("gather", 65536), ("add", 7)):  # rows: one expert group / several at one rank
-                    cfg = ChunkedDispatch(wgrad=wgrad, group_rows=rows)
+                # rows: one expert group / several at one rank, in the backward and in the first forward
+                for wgrad, rows, forward_rows in (("gather", 65536, 262144), ("add", 7, 5)):
+                    cfg = ChunkedDispatch(wgrad=wgrad, group_rows=rows, forward_group_rows=forward_rows)
                     plain = run("plain", x, w, idx, shard, E, chunks, g_out, cfg)
                     calls.clear()
                     fused = run("fused", x, w, idx, shard, E, chunks, g_out, cfg)
@@ -136,6 +137,8 @@ def test_config_fields_validate_and_select_the_phase():
         ChunkedDispatch(chunks="1/x")
     with pytest.raises(ValueError, match="group_rows"):
         ChunkedDispatch(group_rows=0)
+    with pytest.raises(ValueError, match="forward_group_rows"):
+        ChunkedDispatch(forward_group_rows=0)
     assert fused_recompute_phase(ChunkedDispatch()) is None  # outside any recompute region
     with recompute._Pass("recompute"):
         assert fused_recompute_phase(ChunkedDispatch()) == "recompute"
