@@ -10,6 +10,8 @@ do_bench_ms            triton's do_bench (budgets in ms, L2 flushed before each 
 matmul_tflops          the bf16 matmul rate that floors are read against
 sync, synced           a device synchronize (none on the CPU); fn then one: for pytest-benchmark and
                        the host clock
+Stopwatch              seconds since a start on the host clock: a run's time budget and total wall
+                       time (bookkeeping, not a measurement)
 """
 from __future__ import annotations
 
@@ -116,3 +118,17 @@ def synced(fn, device=None):
         fn()
         sync(device)
     return run
+
+
+class Stopwatch:
+    """Seconds since it was made (or last `restart`), on the host clock: a run's time budget and its total
+    wall time. Bookkeeping, not a measurement: time work with the functions above."""
+
+    def __init__(self):
+        self.restart()
+
+    def restart(self) -> None:
+        self._t0 = time.perf_counter()
+
+    def seconds(self) -> float:
+        return time.perf_counter() - self._t0

@@ -39,7 +39,6 @@ import gc
 import json
 import os
 import statistics
-import time
 from pathlib import Path
 
 import torch
@@ -48,9 +47,9 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: stamp, timing, siblings
 from siblings import load
 state_sharding_bench = load("state_sharding")
-_sync, build_on_device = state_sharding_bench._sync, state_sharding_bench.build_on_device
+build_on_device = state_sharding_bench.build_on_device
 from stamp import stamp
-from timing import matmul_tflops
+from timing import matmul_tflops, step_times_ms, sync
 
 MODEL = "qwen3.5-35b-a3b"
 IMPL = {"linear_attention": "fla", "attention": "sdpa", "cross_entropy": "linear_ce", "moe_dispatch": "chunked"}
@@ -82,23 +81,29 @@ def measure(state, seq_len, args, device, rank, world) -> dict:
                for _ in range(2)]
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    times, static, loss = [], 0, None
-    for i in range(args.warmup + args.steps):
-        ids = batches[i % len(batches)]
+    static, last = 0, {}
+    count = iter(range(args.warmup + args.steps))
+
+    def before():  # every rank at the barrier, the device idle: outside the timed step
+        last["ids"] = batches[next(count) % len(batches)]
         dist.barrier()
-        _sync(device)
-        t0 = time.perf_counter()
-        out = state.model(ids, labels=ids).loss
+        sync(device)
+
+    def step():  # one training step, timed on the host clock up to the device's end
+        out = state.model(last["ids"], labels=last["ids"]).loss
         out.backward()
-        ok, norm, _ = state.step()
-        _sync(device)
-        dt = time.perf_counter() - t0
+        last["ok"], last["norm"], _ = state.step()
+        sync(device)
+        last["loss"] = out.detach()
+
+    def after(i):
+        nonlocal static
         if i == 0 and device.type == "cuda":
             static = torch.cuda.memory_allocated(device)  # params, grads, optimizer state all exist now
         state.zero_grad()
-        loss = float(out.detach())
-        if i >= args.warmup:
-            times.append(dt * 1e3)
+
+    times = step_times_ms(step, args.steps, args.warmup, before=before, after=after, cuda=False)
+    loss, norm, ok = float(last["loss"]), last["norm"], last["ok"]
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
     reserved = torch.cuda.max_memory_reserved(device) if device.type == "cuda" else 0
     stats = torch.tensor([statistics.median(times), static, peak, reserved], dtype=torch.float64, device=device)
@@ -120,7 +125,7 @@ def profile_step(state, seq_len, device, rank, n=30) -> dict:
     with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
         state.model(ids, labels=ids).loss.backward()
         state.step()
-        _sync(device)
+        sync(device)
     state.zero_grad()
     rows = [(e.key, (e.self_device_time_total if cuda else e.self_cpu_time_total) / 1e3, e.count)
             for e in prof.key_averages()]

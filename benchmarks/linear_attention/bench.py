@@ -26,13 +26,12 @@ import argparse
 import datetime
 import json
 import os
-import time
 from pathlib import Path
 
 import pytest
 import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: stamp, timing, siblings
-from timing import median_ms
+from timing import Stopwatch, median_ms
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -235,13 +234,13 @@ def main(argv=None):
     elif not torch.cuda.is_available():
         raise SystemExit("needs CUDA (or --smoke)")
     RESULTS["twin_max_tokens"] = args.twin_max_tokens
-    t0 = time.perf_counter()
+    clock = Stopwatch()
 
     def run(kind, case, impl, T):
         why = None
         if impl == "torch_chunked" and T > args.twin_max_tokens:
             why = f"twin not run past --twin-max-tokens {args.twin_max_tokens} (time and memory)"
-        elif time.perf_counter() - t0 > args.budget_s:
+        elif clock.seconds() > args.budget_s:
             why = f"time budget --budget-s {args.budget_s:.0f} spent"
         if why:
             RESULTS["skipped"].append({"part": kind, "impl": impl, "tokens": T, "why": why})
@@ -258,7 +257,7 @@ def main(argv=None):
     for T, _, kind, case in cases:
         for impl in IMPLS:
             run(kind, case, impl, T)
-    RESULTS["wall_s"] = time.perf_counter() - t0
+    RESULTS["wall_s"] = clock.seconds()
     for c in RESULTS["layer"] + RESULTS["step"] + RESULTS["parts"] + RESULTS["skipped"]:
         print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in c.items()})
     print("written", write_results(Path(args.out) / "linear_attention.json"))

@@ -1,0 +1,30 @@
+"""Benchmarks whose full runs need GPUs still run end to end on the CPU (their smoke modes), so a change
+to a shared helper (timing.py, a sibling benchmark) cannot break them unseen."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+BENCH = ROOT / "benchmarks"
+
+
+def _run(args, tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    p = subprocess.run(args, capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
+    assert p.returncode == 0, (p.stdout[-2000:], p.stderr[-3000:])
+    return p.stdout
+
+
+def test_composed_step_smoke_trains_on_two_gloo_ranks(tmp_path):
+    out = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                str(BENCH / "composed_step" / "bench.py"), "--cpu-smoke", "--out", str(tmp_path)], tmp_path)
+    rows = [json.loads(line) for line in out.splitlines() if line.startswith('{"seq_len"')]
+    assert rows and all(r["last_step_ok"] and r["median_ms"] > 0 and len(r["step_times_ms"]) > 0 for r in rows)
+
+
+def test_linear_attention_smoke_writes_its_results(tmp_path):
+    _run([sys.executable, str(BENCH / "linear_attention" / "bench.py"), "--smoke", "--out", str(tmp_path)], tmp_path)
+    report = json.loads((tmp_path / "linear_attention.json").read_text())
+    assert report["wall_s"] > 0 and report["layer"] and all(r.get("median_ms", 0) > 0 for r in report["layer"])
