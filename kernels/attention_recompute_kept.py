@@ -10,8 +10,8 @@ go through the checkpoint (recomputed), in both passes in the same order, as che
 
 A `Kernel` is a fused forward that returns its log-sum-exp and its own backward: PyTorch's cuDNN
 attention on CUDA (the backend the SDPA path picks first) and CPU flash kernel here; the primitive
-adds FlashAttention 4's where it runs FA4. A call none would serve runs its plain path in both passes. `KeptBudget` caps the bytes kept at once across layers, so long sequences
-fall back to recomputing. The attention primitive decides per call and hands over between the passes
+adds FlashAttention 4's where it runs FA4. A call none would serve runs its plain path in both passes.
+`KeptBudget` caps the bytes kept at once across layers, so long sequences fall back to recomputing. The attention primitive decides per call and hands over between the passes
 (`primitives/attention.py`, `bumblebee/recompute.py`).
 """
 from __future__ import annotations
@@ -22,6 +22,7 @@ from typing import Callable
 
 import torch
 from torch.nn.attention import SDPBackend
+
 
 class KeptBudget:
     """Bytes of attention outputs kept and not yet released by their backward, in this process."""

@@ -341,8 +341,8 @@ def chunked_dispatch_with(config: ChunkedDispatch, x_ND, weights_NK, indices_NK,
         w1, w2 = w1.to(x_ND.dtype), w2.to(x_ND.dtype)
         if group is None and phase is not None:  # one rank under recompute: grouped, nothing saved
             return LocalGroupedExperts.apply(x_ND, weights_NK, w1, w2, indices_NK, num_experts, phase, mode,
-                                             config.group_rows, permute_fns(config, x_ND), swiglu_fns(config, x_ND),
-                                             config.forward_group_rows)
+                                             config.group_rows, config.forward_group_rows, permute_fns(config, x_ND),
+                                             swiglu_fns(config, x_ND))
         return _ChunkedEP.apply(x_ND, weights_NK, w1, w2, indices_NK, num_experts, spec, group, mode, auto, config)
     if getattr(experts, "accepts_with_weights", False):  # GroupedExperts: run inside its forward (FSDP2 hooks)
         return experts(x_ND, with_weights=run)

@@ -62,8 +62,8 @@ class LocalGroupedExperts(torch.autograd.Function):
     """One rank, inside a recompute region (`phase` "forward" or "recompute"); see the module doc."""
 
     @staticmethod
-    def forward(ctx, x_ND, weights_NK, w1_E2ID, w2_EDI, indices_NK, E, phase, mode, group_rows, permute, swiglu,
-                forward_group_rows=None):
+    def forward(ctx, x_ND, weights_NK, w1_E2ID, w2_EDI, indices_NK, E, phase, mode, group_rows, forward_group_rows,
+                permute, swiglu):
         K = indices_NK.shape[1]
         order_M, inv_M, plan, recv_CSL, _ = exchange_counts(x_ND, weights_NK, indices_NK, E, (1,), None, 1,
                                                             float("inf"))
@@ -73,7 +73,7 @@ class LocalGroupedExperts(torch.autograd.Function):
         out_ND = torch.zeros_like(x_ND)
         if phase != "recompute" and groups:  # the recompute's output is discarded: it computes nothing
             token_M = order_M // K
-            forward_groups = expert_groups(tpe, forward_group_rows or group_rows)
+            forward_groups = expert_groups(tpe, forward_group_rows)
             y_MD = None if len(forward_groups) == 1 else x_ND.new_empty(order_M.shape[0], x_ND.shape[1])
             for e0, e1, r0, r1 in forward_groups:
                 x_g = x_ND.index_select(0, token_M[r0:r1])

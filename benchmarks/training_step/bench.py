@@ -34,7 +34,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # benchmarks/: stamp, timing, siblings
 from stamp import commit, stamp  # noqa: E402  (benchmarks/ is not a package)
-from timing import step_times_ms, sync  # noqa: E402
+from timing import Stopwatch, step_times_ms, sync  # noqa: E402
 
 STACKS = ("transformers+liger", "bumblebee")  # the peer first: its kernels autotune once
 CATEGORIES = [  # first match wins; kernel names lower-cased
@@ -102,15 +102,11 @@ def profile_step(stack, ids) -> dict:
     from torch.profiler import ProfilerActivity, profile
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ids.is_cuda else [])
     sync(ids.device)
-    profiled = []
-
-    def run():
-        with profile(activities=acts, record_shapes=True) as prof:
-            stack.step(ids)
-            sync(ids.device)
-        profiled.append(prof)
-    wall = step_times_ms(run, 1, 0, cuda=False)[0]
-    prof = profiled[0]
+    clock = Stopwatch()
+    with profile(activities=acts, record_shapes=True) as prof:
+        stack.step(ids)
+        sync(ids.device)
+    wall = clock.seconds() * 1e3
     kernels, attention_ops = {}, {}
     for e in prof.events():
         dev = getattr(e, "device_type", None)
@@ -264,10 +260,8 @@ def launch(args, stack: str, seq_len: int, steps: int, profile: bool, tmp: Path,
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(29500 + seq_len % 997), "RANK": "0",
            "WORLD_SIZE": "1", "LOCAL_RANK": "0", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
            "TRITON_CACHE_AUTOTUNING": "1"}
-    procs = []
-    process_ms = step_times_ms(lambda: procs.append(subprocess.run(cmd, env=env, capture_output=True, text=True)),
-                               1, 0, cuda=False)[0]
-    proc = procs[0]
+    clock = Stopwatch()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if row_out.exists():
         row = json.loads(row_out.read_text())
     else:
@@ -275,7 +269,7 @@ def launch(args, stack: str, seq_len: int, steps: int, profile: bool, tmp: Path,
         oom = "OutOfMemory" in tail or "out of memory" in tail
         row = {"stack": stack, "model": args.model, "gpus": args.gpus, "seq_len": seq_len, "fits": not oom and None,
                "error": tail[-1500:], **commit()}
-    row["process_s"] = process_ms / 1e3
+    row["process_s"] = clock.seconds()
     short = {k: row.get(k) for k in ("stack", "seq_len", "fits", "median_ms", "tokens_per_s", "peak_bytes")}
     print(json.dumps(short), flush=True)
     return row

@@ -1,12 +1,13 @@
-"""Probe: where a training step's copies and casts come from, per stack (kernel ms by the Python line that
-launched them).
+"""Probe: where a training step's copies and casts come from, per stack: kernel ms by the operator that
+launched them and its input shapes.
 
-The profiled 32K step of the Qwen3-30B-A3B slice spends ~85 ms in copies, casts and device-to-device
-memcpys against the peer's ~39 (benchmarks/training_step/NOTES.md); the op shapes alone do not say
-which code issues them. One profiled step with Python stacks; each copy-like kernel's time is charged
-to its launching operator's innermost frames outside torch. One JSON object: the top origins.
+The profiled 32K step of the Qwen3-30B-A3B slice spent ~85 ms in copies, casts and device-to-device
+memcpys against the peer's ~39 (benchmarks/training_step/NOTES.md); the category totals do not say which
+tensors they move. One profiled step; each copy-like operator's own kernel time is charged to its name
+and input shapes (a [V, H] shape is the embedding or head, [rows, D] a MoE group). One JSON object: the
+top entries.
 
-    python benchmarks/training_step/probes/probe_copies_by_origin.py --stack bumblebee --seq-len 32768
+    python benchmarks/training_step/probes/probe_copies_by_op.py --stack bumblebee --seq-len 32768
 """
 from __future__ import annotations
 
@@ -25,12 +26,6 @@ sys.path.insert(0, str(HERE.parents[1]))  # benchmarks/: stamp, timing
 
 COPY_WORDS = ("copy", "cast", "cat", "memcpy", "fill", "gather", "index", "scatter", "comms", "all_gather",
               "reduce_scatter", "_to")
-
-
-def origin(stack_frames) -> str:
-    """The innermost frames outside torch's own files (the caller that asked for the op)."""
-    mine = [f for f in stack_frames if "/torch/" not in f and "site-packages" not in f and "<built-in" not in f]
-    return " <- ".join(mine[:3]) or " <- ".join(stack_frames[:2])
 
 
 def main():
@@ -58,21 +53,20 @@ def main():
     for i in range(2):
         stack.step(bench.batch(i, args.seq_len, hf["vocab_size"], device))
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True,
-                 record_shapes=True) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
         stack.step(bench.batch(2, args.seq_len, hf["vocab_size"], device))
         torch.cuda.synchronize()
-    by_origin = {}
+    by_op = {}
     for e in prof.events():
         if getattr(e, "device_type", None) == torch.autograd.DeviceType.CPU:
             ms = getattr(e, "self_device_time_total", 0) / 1e3  # its own kernels, not its children's
             if ms <= 0 or not any(w in e.name.lower() for w in COPY_WORDS):
                 continue
-            key = f"{e.name} {str(e.input_shapes)[:80]} @ {origin(list(e.stack or []))}"
-            by_origin[key] = by_origin.get(key, 0.0) + ms
-    top = sorted(by_origin.items(), key=lambda kv: -kv[1])[:40]
-    report = {"stack": args.stack, "seq_len": args.seq_len, "copy_like_ms": sum(by_origin.values()),
-              "top": [{"ms": round(ms, 3), "op_origin": k} for k, ms in top]}
+            key = f"{e.name} {str(e.input_shapes)[:80]}"
+            by_op[key] = by_op.get(key, 0.0) + ms
+    top = sorted(by_op.items(), key=lambda kv: -kv[1])[:40]
+    report = {"stack": args.stack, "seq_len": args.seq_len, "copy_like_ms": sum(by_op.values()),
+              "top": [{"ms": round(ms, 3), "op_shapes": k} for k, ms in top]}
     text = json.dumps(report, indent=1)
     print(text)
     if args.out:
