@@ -319,6 +319,7 @@ def _vocab_parallel_worker(rank, world, init_file, seed):
         full = run(lean, hidden, weight, labels, torch.Generator().manual_seed(seed), **kw)
         shard[2], full[2] = shard[2][lo:hi], full[2][lo:hi]
         assert_close(shard, full, floor=1e-5)
+        dist.barrier()  # every rank done before any tears its gloo pairs down (a rank leaving early can abort in C++)
     finally:
         dist.destroy_process_group()
 

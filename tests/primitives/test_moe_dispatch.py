@@ -341,6 +341,7 @@ def process_group(backend, rank, world, port):
         dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
     try:
         yield dist.group.WORLD
+        dist.barrier()  # every rank done before any tears its gloo pairs down (a rank leaving early can abort in C++)
     finally:
         dist.destroy_process_group()
 

@@ -152,6 +152,7 @@ def _ep_worker(rank, world, port, out_dir):
                     tmd.compare_case(g, "random", [3, 0][rank], 4 * world, 2, [2], seed=2).items()})
         res.update(fused_recompute_case(g, rank, world))
         torch.save({"errs": res, "calls": calls}, Path(out_dir) / f"fused-ep-{rank}.pt")
+        dist.barrier()  # every rank done before any tears its gloo pairs down (a rank leaving early can abort in C++)
     finally:
         dist.destroy_process_group()
 

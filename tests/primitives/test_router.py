@@ -252,6 +252,7 @@ def _bias_update_rank(rank, world, init_file, out):
     loads = update_router_bias(model, rate=1e-3, group=dist.group.WORLD, recenter=True)
     if rank == 0:
         torch.save({"bias": r.e_score_correction_bias, "load": loads["gate"]}, out)
+    dist.barrier()  # every rank done before any tears its gloo pairs down (a rank leaving early can abort in C++)
     dist.destroy_process_group()
 
 

@@ -88,6 +88,7 @@ def _worker(rank, world, port, scenario, out_dir, module, backend):
         import importlib
         result = getattr(importlib.import_module(module), scenario)(mesh, Path(out_dir))
         torch.save(result, Path(out_dir) / f"{scenario}-{world}-{rank}.pt")
+        dist.barrier()  # every rank done before any tears its gloo pairs down (a rank leaving early can abort in C++)
     finally:
         dist.destroy_process_group()
 
