@@ -28,6 +28,7 @@ from bumblebee.primitives.moe_dispatch_options import AUTO_MIN_TOKENS, ChunkedDi
 from bumblebee.models.moe import GroupedExperts, MoEBlock, hf_to_ours_sources
 from bumblebee.parallelize import shard_experts
 from bumblebee.kernels.moe_dispatch_expert_gemm import WgradStore, swiglu_experts
+from tests.ranks import leave_group
 
 TOL_TWIN = 1e-6
 TOL_LOCAL = 1e-5
@@ -341,9 +342,10 @@ def process_group(backend, rank, world, port):
         dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
     try:
         yield dist.group.WORLD
-        dist.barrier()  # every rank done before any tears its gloo pairs down (a rank leaving early can abort in C++)
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    leave_group()  # the with-block ends its worker
 
 
 def _worker(rank, world, port, out_dir, with_model):

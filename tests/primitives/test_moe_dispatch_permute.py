@@ -28,6 +28,7 @@ from bumblebee.common import moe_dispatch_permute as ref_mod
 from bumblebee.kernels import moe_dispatch_permute as fused
 from bumblebee.primitives.moe_dispatch_options import ChunkedDispatch, permute_fns
 from tests.interpreter import interpreted_fixture
+from tests.ranks import leave_group
 
 FLOOR = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}
 
@@ -152,9 +153,10 @@ def _ep_worker(rank, world, port, out_dir):
                     tmd.compare_case(g, "random", [3, 0][rank], 4 * world, 2, [2], seed=2).items()})
         res.update(fused_recompute_case(g, rank, world))
         torch.save({"errs": res, "calls": calls}, Path(out_dir) / f"fused-ep-{rank}.pt")
-        dist.barrier()  # every rank done before any tears its gloo pairs down (a rank leaving early can abort in C++)
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    leave_group()
 
 
 def fused_recompute_case(g, rank, world):

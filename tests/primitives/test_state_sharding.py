@@ -21,6 +21,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from bumblebee import checkpoint, models, registry
+from tests.ranks import leave_group
 
 CFG, MOE, TIED, Q35, ODD, DSV3 = ("qwen3-tiny", "qwen3-moe-tiny", "tied", "qwen3.5-moe-tiny", "odd-vocab",
                                   "deepseek-v3-mtp-tiny")
@@ -88,9 +89,10 @@ def _worker(rank, world, port, scenario, out_dir, module, backend):
         import importlib
         result = getattr(importlib.import_module(module), scenario)(mesh, Path(out_dir))
         torch.save(result, Path(out_dir) / f"{scenario}-{world}-{rank}.pt")
-        dist.barrier()  # every rank done before any tears its gloo pairs down (a rank leaving early can abort in C++)
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    leave_group()
 
 
 def spawn(world: int, scenario: str, out_dir: Path, module: str = __name__, backend: str = "gloo") -> list:
