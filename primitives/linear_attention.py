@@ -16,6 +16,10 @@ fla 0.6 refuses its gated backward on Hopper with Triton in [3.4, 3.7.1): one of
 pattern never appears) into fla's backend registry, so fla's backward runs unchanged otherwise.
 
 The rule's inputs keep their activation dtype (bf16 in training); the kernels accumulate in fp32.
+
+Inside a model's full recompute, `FLAConfig.recompute_keep_bytes` > 0 keeps each layer's rule output
+from its first forward (with fla's WY matrix and gate cumsum), so the recompute skips the rule and the
+backward runs the rule's own backward (`bumblebee.kernels.linear_attention_recompute_kept`).
 """
 from __future__ import annotations
 
@@ -23,14 +27,19 @@ import functools
 import importlib.util
 import os
 import warnings
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from bumblebee import recompute
 from bumblebee.checks import check_cu_seqlens, check_gdn_config
+from bumblebee.kernels import linear_attention_recompute_kept as _kept
+from bumblebee.kernels.attention_recompute_kept import KeptBudget
 from bumblebee.norms import GatedRMSNorm, to_acc
 from bumblebee.primitives.linear_attention_torch import causal_conv1d_silu_taps, chunk_gated_delta_rule_torch
+from bumblebee.options import check_int, option
 from bumblebee.registry import register
 
 
@@ -127,14 +136,59 @@ def fla_falls_back(device, dtype=None, training=True):
     return None
 
 
-@register("linear_attention", "fla", kind="primitive", twin="torch_chunked", default=True, falls_back=fla_falls_back)
+@dataclass(frozen=True)
+class FLAConfig:
+    """Options of fla: `impl={"linear_attention": FLAConfig(recompute_keep_bytes=4 << 30)}`, or the string
+    "fla:recompute_keep_bytes=4294967296" (CLI: `--a fla:recompute_keep_bytes=4294967296`)."""
+
+    impl_name = "fla"  # not a field: the implementation these options configure
+    recompute_keep_bytes: int = option(
+        0, "inside a model's full recompute: keep each layer's rule output (16-bit [T, HV*V]) and, on fla, its "
+        "WY matrix (16-bit [T, HV, 64]) and gate cumsum from the first forward, so the recompute skips the "
+        "chunked rule (about a third of its forward + backward), while the bytes kept at once across layers "
+        "stay within this budget; past it a layer recomputes the rule. 0: always recompute")
+
+    def __post_init__(self):
+        check_int(self, "recompute_keep_bytes", 0)
+
+
+KEPT = KeptBudget()  # bytes of DeltaNet rule outputs kept and not yet released by their backward
+
+
+def _torch_rule(q, k, v, g, beta, scale, cu_seqlens):
+    return chunk_gated_delta_rule_torch(q, k, v, g, beta, scale=scale, cu_seqlens=cu_seqlens)
+
+
+def _torch_kept_forward(q, k, v, g, beta, scale, cu_seqlens):
+    with torch.no_grad():
+        return _torch_rule(q, k, v, g, beta, scale, cu_seqlens), ()
+
+
+def _torch_kept_backward(do, q, k, v, g, beta, kept, scale, cu_seqlens):
+    """fla's algorithm in torch has no backward of its own: autograd through it, run again here."""
+    with torch.enable_grad():
+        ins = [t.detach().requires_grad_() for t in (q, k, v, g, beta)]
+        return torch.autograd.grad(_torch_rule(*ins, scale, cu_seqlens), ins, do)
+
+
+_TORCH_KEPT = _kept.RuleKernel("torch", _torch_kept_forward, _torch_kept_backward,
+                               lambda q, v: v.numel() * v.element_size())
+
+
+@register("linear_attention", "fla", kind="primitive", twin="torch_chunked", default=True, falls_back=fla_falls_back,
+          config=FLAConfig)
 class FLAGatedDeltaNet(nn.Module):
     """Gated DeltaNet on flash-linear-attention's chunked kernels (CUDA); their algorithm in torch elsewhere."""
 
-    def __init__(self, hidden_size, num_k_heads, num_v_heads, head_k_dim, head_v_dim, *, conv_kernel_size=4,
-                 eps=1e-6):
+    def __init__(self, config: FLAConfig, hidden_size, num_k_heads, num_v_heads, head_k_dim, head_v_dim, *,
+                 conv_kernel_size=4, eps=1e-6):
+        """`config` first (what `registry.resolve("linear_attention", choice)` binds), then the twin's
+        arguments."""
+        if not isinstance(config, FLAConfig):
+            raise TypeError(f"FLAGatedDeltaNet's first argument must be an FLAConfig, got {config!r}")
         super().__init__()
         check_gdn_config(hidden_size, num_k_heads, num_v_heads, head_k_dim, head_v_dim, conv_kernel_size)
+        self.options = config
         self.num_k_heads, self.num_v_heads = num_k_heads, num_v_heads
         self.head_k_dim, self.head_v_dim = head_k_dim, head_v_dim
         self.key_dim, self.value_dim = num_k_heads * head_k_dim, num_v_heads * head_v_dim
@@ -170,7 +224,7 @@ class FLAGatedDeltaNet(nn.Module):
         else:  # fla's algorithm in torch (its kernels need a GPU)
             qkv = causal_conv1d_silu_taps(qkv, self.conv1d.weight[:, 0], cu_seqlens)
             q, k, v = self._heads(qkv, B, T)
-            o = chunk_gated_delta_rule_torch(q, k, v, g, beta, scale=self.head_k_dim ** -0.5, cu_seqlens=cu_seqlens)
+            o = self._rule(_torch_rule, _TORCH_KEPT, q, k, v, g, beta, cu_seqlens)
         z = self.in_proj_z(x_BTD).reshape(B, T, self.num_v_heads, self.head_v_dim)
         return self.out_proj(self.norm(o, z).reshape(B, T, self.value_dim))
 
@@ -188,6 +242,33 @@ class FLAGatedDeltaNet(nn.Module):
         qkv, _ = causal_conv1d(qkv.contiguous(), weight=self.conv1d.weight[:, 0].to(qkv.dtype), activation="silu",
                                cu_seqlens=cu)
         q, k, v = self._heads(qkv, *qkv.shape[:2])
-        o, _ = chunk_gated_delta_rule(q, k, v, g.float(), beta.to(q.dtype), scale=self.head_k_dim ** -0.5,
-                                      use_qk_l2norm_in_kernel=True, cu_seqlens=cu)
+
+        def plain(q, k, v, g, beta, scale, cu_seqlens):
+            return chunk_gated_delta_rule(q, k, v, g, beta, scale=scale, use_qk_l2norm_in_kernel=True,
+                                          cu_seqlens=cu_seqlens)[0]
+
+        kernel = _kept.FLA if _kept.fla_available() else None
+        o = self._rule(plain, kernel, q, k, v, g.float(), beta.to(q.dtype), cu)
         return o.reshape(B, T, self.num_v_heads, self.head_v_dim)
+
+    def _rule(self, plain, kernel, q, k, v, g, beta, cu_seqlens):
+        """The chunked rule; inside a full-recompute region its first forward keeps the output while
+        `recompute_keep_bytes` allows, and the recompute takes it (both passes decide alike: the
+        recompute follows what its first forward handed over)."""
+        scale = self.head_k_dim ** -0.5
+        limit = self.options.recompute_keep_bytes
+        if not limit or recompute.phase() not in ("forward", "recompute"):
+            return plain(q, k, v, g, beta, scale, cu_seqlens)
+        handover = recompute.region()
+        if recompute.phase() == "recompute":
+            plan = handover.take()
+            if plan is None:
+                return plain(q, k, v, g, beta, scale, cu_seqlens)
+            return _kept.KeptRule.apply(q, k, v, g, beta, scale, cu_seqlens, plan["kernel"], None, plan["out"])
+        nbytes = kernel.kept_bytes(q, v) if kernel is not None else 0
+        if kernel is None or not KEPT.reserve(nbytes, limit):
+            handover.keep(None)
+            return plain(q, k, v, g, beta, scale, cu_seqlens)
+        out = _kept.KeptRule.apply(q, k, v, g, beta, scale, cu_seqlens, kernel, lambda: KEPT.release(nbytes), None)
+        handover.keep({"kernel": kernel, "out": out.detach()})  # no grad_fn: no cycle through the graph
+        return out

@@ -132,7 +132,7 @@ class TransformersLiger(Stack):
 def build(stack: str, path, device, mesh, *, ep: int = 1, mixed_precision="bf16") -> Stack:
     """`bumblebee`, `bumblebee:slot=impl,slot=impl` (a swap), `transformers+liger` or `transformers`."""
     if stack.split(":")[0] == "bumblebee":
-        swaps = dict(kv.split("=") for kv in stack.split(":", 1)[1].split(",")) if ":" in stack else {}
+        swaps = dict(kv.split("=", 1) for kv in stack.split(":", 1)[1].split(",")) if ":" in stack else {}
         s = Bumblebee(path, device, mesh, ep=ep, impl=swaps, mixed_precision=mixed_precision)
         s.name = stack
         return s

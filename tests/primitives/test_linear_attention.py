@@ -7,9 +7,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from bumblebee import registry
 from bumblebee.baselines.linear_attention import (ChunkedGatedDeltaNet, causal_conv1d_silu,
                                                   chunked_gated_delta_rule, recurrent_gated_delta_rule)
-from bumblebee.primitives.linear_attention import FLAGatedDeltaNet, fla_backward_ok, fla_ops
+from bumblebee.primitives.linear_attention import FLAConfig, FLAGatedDeltaNet, fla_backward_ok, fla_ops
 from bumblebee.primitives.linear_attention_torch import (causal_conv1d_silu_taps, chunk_gated_delta_rule_torch,
                                                          solve_tril)
 
@@ -92,7 +93,7 @@ def _pair(seed=0, **kw):
     with torch.no_grad():
         for p in twin.parameters():
             p.add_(torch.randn_like(p) * 0.3)
-    prim = FLAGatedDeltaNet(*pos, **args)
+    prim = FLAGatedDeltaNet(FLAConfig(), *pos, **args)
     prim.load_state_dict(twin.state_dict())
     return prim, twin
 
@@ -192,7 +193,7 @@ def test_layer_packed_equals_padded_rows():
     assert rel_err(torch.cat([out[i, :len(s)] for i, s in enumerate(seqs)]), want) < 1e-12
 
 
-@pytest.mark.parametrize("cls", [ChunkedGatedDeltaNet, FLAGatedDeltaNet])
+@pytest.mark.parametrize("cls", [ChunkedGatedDeltaNet, registry.resolve("linear_attention", "fla")])
 def test_bad_input(cls):
     with pytest.raises(ValueError, match="must divide value heads"):
         cls(24, 3, 4, 8, 6)

@@ -257,7 +257,7 @@ def test_fla_gated_backward_runs_this_kernel_gpu(monkeypatch):
     calls = []
     real = gb.chunk_bwd_dqkwg
     monkeypatch.setattr(gb, "chunk_bwd_dqkwg", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    layer = la.FLAGatedDeltaNet(256, 2, 4, 64, 64).cuda().bfloat16()
+    layer = la.FLAGatedDeltaNet(la.FLAConfig(), 256, 2, 4, 64, 64).cuda().bfloat16()
     x = torch.randn(1, 300, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     layer(x).sum().backward()
     assert calls == [1] and torch.isfinite(x.grad).all()
