@@ -31,6 +31,7 @@ import torch
 import torch.nn as nn
 
 from bumblebee import hf_io
+from bumblebee.fused import fused
 from bumblebee.models import moe
 from bumblebee.models.causal_lm import CausalLM, DecoderStack
 from bumblebee.models.components import SwiGLU, mlp_residual, packed, rope_inv_freq, rotate_half
@@ -172,10 +173,18 @@ class ZeroCenteredRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x):
-        acc = torch.promote_types(x.dtype, torch.float32)  # fp32 (fp64 stays fp64)
-        h = x.to(acc)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (h * (1.0 + self.weight.to(acc))).type_as(x)
+        return zero_centered_rms_norm(x, self.weight, self.eps)
+
+
+# The elementwise chains below run compiled on CUDA (one kernel each way, bumblebee/fused.py), as
+# Qwen3's RMSNorm and RoPE do; eagerly each op is a pass over the activation in the first forward,
+# the recompute and the backward.
+@fused
+def zero_centered_rms_norm(x, weight, eps: float):
+    acc = torch.promote_types(x.dtype, torch.float32)  # fp32 (fp64 stays fp64)
+    h = x.to(acc)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (h * (1.0 + weight.to(acc))).type_as(x)
 
 
 class PartialRotaryEmbedding(nn.Module):
@@ -192,11 +201,25 @@ class PartialRotaryEmbedding(nn.Module):
         return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
 
 
+@fused
 def apply_partial_rope(x_BHTD, cos_BTR, sin_BTR):
     r = cos_BTR.shape[-1]
     x_rot, x_pass = x_BHTD[..., :r], x_BHTD[..., r:]
     cos, sin = cos_BTR[:, None], sin_BTR[:, None]
     return torch.cat([x_rot * cos + rotate_half(x_rot) * sin, x_pass], dim=-1)
+
+
+@fused
+def zero_centered_norm_partial_rope(x_BTHD, weight, eps: float, cos_BTR, sin_BTR):
+    """Per-head zero-centred norm then partial RoPE, [B, T, H, D] in, [B, H, T, D] out (a view): one
+    compiled chain each way on CUDA (as models/components.py rms_norm_rope), the two eager chains elsewhere."""
+    return apply_partial_rope.eager(zero_centered_rms_norm.eager(x_BTHD, weight, eps).transpose(1, 2),
+                                    cos_BTR, sin_BTR)
+
+
+@fused
+def sigmoid_gated(x, gate):
+    return x * torch.sigmoid(gate)
 
 
 class GatedAttention(nn.Module):
@@ -220,12 +243,12 @@ class GatedAttention(nn.Module):
     def forward(self, x_BTD, cos, sin, cu_seqlens=None):
         B, T, _ = x_BTD.shape
         q, gate = self.q_proj(x_BTD).view(B, T, self.n_heads, 2 * self.head_dim).chunk(2, dim=-1)
-        q = apply_partial_rope(self.q_norm(q).transpose(1, 2), cos, sin)
-        k = self.k_norm(self.k_proj(x_BTD).view(B, T, self.n_kv_heads, self.head_dim))
-        k = apply_partial_rope(k.transpose(1, 2), cos, sin)
+        q = zero_centered_norm_partial_rope(q, self.q_norm.weight, self.q_norm.eps, cos, sin)
+        k = self.k_proj(x_BTD).view(B, T, self.n_kv_heads, self.head_dim)
+        k = zero_centered_norm_partial_rope(k, self.k_norm.weight, self.k_norm.eps, cos, sin)
         v = self.v_proj(x_BTD).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         o = self.attend(q, k, v, scale=self.head_dim ** -0.5, **packed(cu_seqlens))  # [B, H, T, Dh]
-        o = o.transpose(1, 2).reshape(B, T, -1) * torch.sigmoid(gate.reshape(B, T, -1))
+        o = sigmoid_gated(o.transpose(1, 2).reshape(B, T, -1), gate.reshape(B, T, -1))
         return self.o_proj(o)
 
 

@@ -193,7 +193,9 @@ def _rms_norm(d: int, b: int) -> int:
 
 def _zc_norm(d: int, b: int) -> int:
     """Qwen3.5's zero-centred RMSNorm computes in fp32 and keeps two [*, d] fp32 tensors: the input's
-    fp32 copy (the input itself when computing in fp32) and the normalized rows (the (1 + w) operand)."""
+    fp32 copy (the input itself when computing in fp32) and the normalized rows (the (1 + w) operand).
+    The eager chain's: compiled on CUDA (models/qwen3_5.py) it keeps less, so on CUDA this and the
+    gated norm's term in `_deltanet` bound the layer from above until a GPU run measures them."""
     return 8 * d if b < 4 else 4 * d
 
 
