@@ -71,7 +71,7 @@ def test_kept_rule_gives_the_gradients_of_no_recompute_and_skips_the_rule_in_the
 def test_over_the_budget_or_off_both_passes_run_the_rule(monkeypatch):
     x = torch.randn(1, 16, 24, dtype=torch.float64)
     want = _grads(_layer(FLAConfig(), seed=1), x, region=False)
-    for config in (FLAConfig(recompute_keep_bytes=8), FLAConfig()):  # 8 bytes: less than one output
+    for config in (FLAConfig(recompute_keep_bytes=8), FLAConfig(recompute_keep_bytes=0)):  # 8 bytes: less than one output
         seen = _phases(monkeypatch)
         got = _grads(_layer(config, seed=1), x, region=True)
         assert seen == ["forward", "recompute"], seen
@@ -98,26 +98,26 @@ def test_a_second_backward_through_a_retained_graph_is_refused():
         y.backward()
 
 
-def test_model_with_kept_rule_trains_like_the_default(monkeypatch):
+def test_model_with_the_default_kept_rule_trains_like_the_plain_recompute(monkeypatch):
     config = bb.models.NAMED["qwen3.5-moe-tiny"]
     ids = torch.randint(0, config["vocab_size"], (2, 33), generator=torch.Generator().manual_seed(0))
     out, phases = {}, {}
-    for name, impl in (("default", "fla"), ("kept", FLAConfig(recompute_keep_bytes=1 << 30))):
+    for name, impl in (("plain", FLAConfig(recompute_keep_bytes=0)), ("kept", "fla")):
         phases[name] = _phases(monkeypatch)
         model = bb.models.build(config, impl={"linear_attention": impl}, seed=0, dtype=torch.float64)
         model.set_recompute(True)
         loss = model(ids, labels=ids).loss
         loss.backward()
         out[name] = [loss.detach()] + [p.grad for p in model.parameters()]
-    for a, b in zip(out["kept"], out["default"]):
+    for a, b in zip(out["kept"], out["plain"]):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
-    assert "recompute" in phases["default"] and "recompute" not in phases["kept"], phases
+    assert "recompute" in phases["plain"] and "recompute" not in phases["kept"], phases
     assert la.KEPT.live == 0
 
 
 def test_config_is_typed_and_reported():
     assert registry.spec("linear_attention", "fla:recompute_keep_bytes=4096") == "fla:recompute_keep_bytes=4096"
-    assert registry.record("linear_attention", "fla")["recompute_keep_bytes"] == 0
+    assert registry.record("linear_attention", "fla")["recompute_keep_bytes"] == 4 << 30
     with pytest.raises(ValueError, match="recompute_keep_bytes"):
         FLAConfig(recompute_keep_bytes=-1)
     with pytest.raises(TypeError, match="FLAConfig"):
