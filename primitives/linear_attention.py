@@ -143,7 +143,7 @@ class FLAConfig:
 
     impl_name = "fla"  # not a field: the implementation these options configure
     recompute_keep_bytes: int = option(
-        6 << 30, "inside a model's full recompute: keep each layer's rule output (16-bit [T, HV*V]) and, on fla, its "
+        4 << 30, "inside a model's full recompute: keep each layer's rule output (16-bit [T, HV*V]) and, on fla, its "
         "WY matrix (16-bit [T, HV, 64]) and gate cumsum from the first forward, so the recompute skips the "
         "chunked rule (about a third of its forward + backward), while the bytes kept at once across layers "
         "stay within this budget; past it a layer recomputes the rule. 0: always recompute")

@@ -117,7 +117,7 @@ def test_model_with_the_default_kept_rule_trains_like_the_plain_recompute(monkey
 
 def test_config_is_typed_and_reported():
     assert registry.spec("linear_attention", "fla:recompute_keep_bytes=4096") == "fla:recompute_keep_bytes=4096"
-    assert registry.record("linear_attention", "fla")["recompute_keep_bytes"] == 6 << 30
+    assert registry.record("linear_attention", "fla")["recompute_keep_bytes"] == 4 << 30
     with pytest.raises(ValueError, match="recompute_keep_bytes"):
         FLAConfig(recompute_keep_bytes=-1)
     with pytest.raises(TypeError, match="FLAConfig"):
