@@ -94,7 +94,8 @@ class Parallel:
     moe_dispatch: str = "chunked"  # at EP = 1: "chunked" (its grouped path under the fused recompute) or
                                    # "local" (the twin's rows; also runs measured before that path)
     moe_group_rows: int = 65536    # ChunkedDispatch.group_rows
-    compiled_norms: bool = True    # RMSNorm and RoPE compiled (bumblebee.fused); False for runs before it
+    compiled_norms: bool = True    # RMSNorm and RoPE compiled (bumblebee.fused); Qwen3.5's chains too (its
+                                   # zero-centred and gated norms, q/k norm + RoPE); False for runs before it
     mla_fused_rope: bool = FlashMLAConfig.fused_rope  # the mla slot's flash option fused_rope (on CUDA)
     attention_keep_bytes: int = SDPA.recompute_keep_bytes  # the attention slot's budget of outputs kept
                                                            # through the recompute (0 for runs before it)
@@ -191,18 +192,22 @@ def _rms_norm(d: int, b: int) -> int:
     return 4 * d + b * d
 
 
-def _zc_norm(d: int, b: int) -> int:
-    """Qwen3.5's zero-centred RMSNorm computes in fp32 and keeps two [*, d] fp32 tensors: the input's
-    fp32 copy (the input itself when computing in fp32) and the normalized rows (the (1 + w) operand).
-    The eager chain's: compiled on CUDA (models/qwen3_5.py) it keeps less, so on CUDA this and the
-    gated norm's term in `_deltanet` bound the layer from above until a GPU run measures them."""
+def _zc_norm(d: int, b: int, compiled: bool = False) -> int:
+    """Qwen3.5's zero-centred RMSNorm computes in fp32. Eager it keeps two [*, d] fp32 tensors: the
+    input's fp32 copy (the input itself when computing in fp32) and the normalized rows (the (1 + w)
+    operand). Compiled (models/qwen3_5.py on CUDA) it keeps its input in compute dtype and the fp32
+    rsqrt of each row (what torch.compile's partitioner saves: 2 bytes an element plus 4 a row in bf16)."""
+    if compiled:
+        return b * d + 4
     return 8 * d if b < 4 else 4 * d
 
 
-def _gated_attention(cfg, b: int) -> int:
+def _gated_attention(cfg, b: int, compiled: bool = False) -> int:
     """Qwen3.5 full-attention mixer (models/qwen3_5.py GatedAttention, SDPA) beyond its normed input."""
     H, K, dh = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    return (_zc_norm(H * dh, b) + _zc_norm(K * dh, b) + 4 * (H + K)  # q/k norms (fp32 rows, rsqrt)
+    # q/k norms: eager, the fp32 rows and rsqrt; compiled with the partial RoPE, the input and rsqrt
+    qk_norms = b * (H + K) * dh if compiled else _zc_norm(H * dh, b) + _zc_norm(K * dh, b)
+    return (qk_norms + 4 * (H + K)
             + b * (H + 2 * K) * dh           # rotated q and k, v: SDPA's inputs
             + b * H * dh + 4 * H             # SDPA's output and log-sum-exp
             + 3 * b * H * dh                 # output copied to [T, H*dh], sigmoid(gate), gated product
@@ -215,16 +220,19 @@ def _gated_attention_backward(cfg, b: int) -> int:
     return b * H * dh + b * (H + 2 * K) * dh + 4 * H * dh
 
 
-def _deltanet(cfg, b: int) -> int:
+def _deltanet(cfg, b: int, compiled: bool = False) -> int:
     """Gated DeltaNet mixer (primitives/linear_attention.py on fla) beyond its normed input."""
     Hk, Hv, dk, dv = (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
                       cfg.linear_value_head_dim)
     key, value = Hk * dk, Hv * dv
+    # eager: fp32 o and z, normed o, w * o, silu(z) in fp32; compiled (bumblebee/norms.py on CUDA): o and z
+    # in compute dtype, the rsqrt
+    gated_norm = (2 * b * value if compiled else (12 + 2 * b) * value) + 4 * Hv
     return (b * Hv + 8 * Hv                  # beta (sigmoid output); softplus input and output (fp32)
             + b * (2 * key + value)          # causal_conv1d keeps its input, the qkv projection
             + b * (2 * key + value)          # chunk_gated_delta_rule: l2-normed q and k, contiguous v
             + b * Hv * FLA_CHUNK + 4 * Hv + 8 * Hk  # its A [T, H_v, 64], fp32 cumulative gate, q/k rstd
-            + (12 + 2 * b) * value + 4 * Hv  # GatedRMSNorm: fp32 o and z, normed o, w * o, silu(z) in fp32
+            + gated_norm                     # GatedRMSNorm's saved tensors
             + b * value)                     # out_proj's input
 
 
@@ -249,23 +257,25 @@ def _shared_expert(cfg, b: int) -> int:
     return 4 * s * b + b * cfg.hidden_size + b if s else 0
 
 
-def _hybrid_layer(cfg, layer_type: str, b: int, dispatch: tuple[int, int], recompute: bool) -> tuple[int, int]:
+def _hybrid_layer(cfg, layer_type: str, b: int, dispatch: tuple[int, int], recompute: bool,
+                  compiled: bool = False) -> tuple[int, int]:
     """(saved, peak) bytes per token of one Qwen3.5 decoder layer: what its forward saves (its input
     apart; dispatch rows included), and its peak during the backward beyond what is kept without
-    recompute. dispatch = (saved, backward) bytes per token of the MoE dispatch (0, 0 for dense)."""
+    recompute. dispatch = (saved, backward) bytes per token of the MoE dispatch (0, 0 for dense);
+    compiled: its elementwise chains compiled (CUDA)."""
     d = cfg.hidden_size
     if layer_type == "linear_attention":
-        mixer, mixer_bwd = _deltanet(cfg, b), _deltanet_backward(cfg, b)
+        mixer, mixer_bwd = _deltanet(cfg, b, compiled), _deltanet_backward(cfg, b)
     else:
-        mixer, mixer_bwd = _gated_attention(cfg, b), _gated_attention_backward(cfg, b)
-    front = _zc_norm(d, b) + b * d + mixer           # input norm, its output (the projections' input), mixer
+        mixer, mixer_bwd = _gated_attention(cfg, b, compiled), _gated_attention_backward(cfg, b)
+    front = _zc_norm(d, b, compiled) + b * d + mixer           # input norm, its output (the projections' input), mixer
     if getattr(cfg, "num_experts", 0):
         mlp = _moe_router(cfg) + _shared_expert(cfg, b) + dispatch[0]
         mlp_bwd = dispatch[1] - _shared_expert(cfg, b)
     else:
         f = cfg.intermediate_size
         mlp, mlp_bwd = 4 * f * b, 3 * f * b + b * d  # gate, silu, up, product; their gradients, dx
-    saved = front + _zc_norm(d, b) + b * d + mlp      # post norm, its output
+    saved = front + _zc_norm(d, b, compiled) + b * d + mlp      # post norm, its output
     grads = 2 * b * d  # the layer output's gradient (held for the residual), the MLP input's accumulating one
     # the MLP's backward runs first with every saved tensor alive; then the mixer's, the MLP's freed
     peak = max(saved + mlp_bwd, front + mixer_bwd) + grads
@@ -555,8 +565,9 @@ def _activation_terms(est: Estimate, cfg, g: dict, par: Parallel, b: int, mtp: b
     if family == "hybrid":  # Qwen3.5: per layer type, (saved, peak) per token
         types = list(cfg.layer_types)[:local_layers]
         first_type = "full_attention" if mtp else types[-1]  # Qwen3.5's MTP block: full attention
-        per_type = {t: _hybrid_layer(cfg, t, b, dispatch, par.recompute) for t in set(types) | {first_type}}
-        norm = _zc_norm(d, b)
+        compiled = par.device == "cuda" and par.compiled_norms
+        per_type = {t: _hybrid_layer(cfg, t, b, dispatch, par.recompute, compiled) for t in set(types) | {first_type}}
+        norm = _zc_norm(d, b, compiled)
         mtp_norms = 2 * norm
     elif family == "mla":  # DeepSeek-V3: dense layers first, then MoE; its MTP blocks are MoE layers too
         def kind(i):

@@ -177,7 +177,8 @@ def test_composed_step_peak(run, row):
     # runs without the key predate the chunked dispatch's fused recompute (it saves less)
     fused = impl.get("moe_fused_recompute", False)
     est = memory.estimate(config, memory.Parallel(dp=run["world_size"], ep=run["ep"], seq_len=row["seq_len"],
-                                                  moe_fused_recompute=fused, adamw=run.get("adamw", "foreach")))
+                                                  moe_fused_recompute=fused, adamw=run.get("adamw", "foreach"),
+                                                  compiled_norms=False))  # every run predates Qwen3.5's compiled chains
     _, cfg = memory._model_on_meta(config)
     assert list(cfg.layer_types) == run["layer_types"] and cfg.mtp_num_hidden_layers == 1
     static, peak = row["static_GiB"] * 2**30, row["peak_GiB"] * 2**30
@@ -209,9 +210,13 @@ def test_hybrid_layer_terms():
     delta = memory._hybrid_layer(cfg, "linear_attention", 2, dispatch, True)
     gated = memory._hybrid_layer(cfg, "full_attention", 2, dispatch, True)
     assert delta[0] > gated[0] and delta[1] > gated[1]
-    short, long = (memory.estimate(config, memory.Parallel(dp=2, ep=2, seq_len=s, moe_fused_recompute=False))
-                   for s in (32768, 196608))
-    fused = memory.estimate(config, memory.Parallel(dp=2, ep=2, seq_len=196608))
+    for kind in ("linear_attention", "full_attention"):  # compiled chains keep 16-bit inputs, not fp32 rows
+        eager, compiled = (memory._hybrid_layer(cfg, kind, 2, dispatch, True, c) for c in (False, True))
+        assert compiled[0] < eager[0] and compiled[1] < eager[1], kind
+    # the eager chains' terms, as the composed-step runs measured them
+    short, long = (memory.estimate(config, memory.Parallel(dp=2, ep=2, seq_len=s, moe_fused_recompute=False,
+                                                           compiled_norms=False)) for s in (32768, 196608))
+    fused = memory.estimate(config, memory.Parallel(dp=2, ep=2, seq_len=196608, compiled_norms=False))
     assert fused.peak < long.peak  # the fused recompute keeps the routing weights, not [R, D] outputs
     assert max(short.phases, key=short.phases.get) == "last_block"
     assert max(long.phases, key=long.phases.get) == "first_block"
@@ -223,7 +228,9 @@ def test_hybrid_layer_terms():
 
 
 @pytest.mark.parametrize("run,row", [p for p in _rows("training_step", "training_step_qwen3-30b-a3b_h200_x1.json",
-                                                      "training_step_qwen3-30b-a3b_h200_x1_long.json")
+                                                      "training_step_qwen3-30b-a3b_h200_x1_long.json",
+                                                      "training_step_qwen3.5-35b-a3b_h200_x1.json",
+                                                      "training_step_qwen3.5-35b-a3b_h200_x1_long.json")
                                      if p.values[1]["stack"] == "bumblebee"])
 def test_training_step_peak(run, row):
     """benchmarks/training_step/bench.py, our stack: the defaults on one rank (linear_ce, chunked dispatch
