@@ -260,6 +260,8 @@ def launch(args, stack: str, seq_len: int, steps: int, profile: bool, tmp: Path,
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(29500 + seq_len % 997), "RANK": "0",
            "WORLD_SIZE": "1", "LOCAL_RANK": "0", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
            "TRITON_CACHE_AUTOTUNING": "1"}
+    # before the worker: a first run at a new shape can autotune Triton kernels for minutes in silence
+    print(f"running {stack} at {seq_len} tokens", file=sys.stderr, flush=True)
     clock = Stopwatch()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if row_out.exists():
