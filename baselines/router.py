@@ -2,6 +2,7 @@
 
 - `softmax_topk` (Qwen3-MoE, Qwen3.5-MoE): softmax in fp32 over the router logits, sorted top-k,
   optional renormalization, weights cast back to the logits' dtype (transformers' order of ops).
+  The twin of `bumblebee.primitives.router.softmax_topk_fused` (one fused Triton kernel).
 - `aux_free_topk` (DeepSeek-V3, auxiliary-loss-free balancing): sigmoid of fp32 logits, a bias
   added for the selection only, group-limited top-k (group score = sum of the top-2 biased scores,
   dropped groups masked to -inf as in the DeepSeek-V3 reference), weights gathered from the
@@ -27,7 +28,7 @@ def expert_counts(indices_TK, num_experts):
     return torch.bincount(indices_TK.reshape(-1), minlength=num_experts)
 
 
-@register("router", "softmax_topk", kind="baseline", default=True)
+@register("router", "softmax_topk", kind="baseline", twin="softmax_fused")
 def softmax_topk(logits, *, top_k, norm_topk_prob=True, routed_experts=None, return_counts=False):
     """Softmax top-k routing in torch (Qwen3-MoE): weights in the logits' dtype, int64 indices."""
     check_router_inputs(logits, top_k, routed_experts=routed_experts)

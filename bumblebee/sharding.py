@@ -212,14 +212,30 @@ class TrainState:
         if not math.isfinite(norm):
             self.skip_reason = "non-finite gradient norm"
             return False, norm, zeros
+        coef = 1.0
         if self.grad_clip is not None:
-            coef = self.grad_clip / (norm + 1e-6)  # torch.nn.utils.clip_grad_norm_'s formula
-            if coef < 1.0:
-                torch._foreach_mul_(grads, coef)
-        self.optimizer.step()
+            coef = min(1.0, self.grad_clip / (norm + 1e-6))  # torch.nn.utils.clip_grad_norm_'s formula
+        self._clipped_step(grads, coef)
         self.after_update()
         self.steps += 1
         return True, norm, zeros
+
+    def _clipped_step(self, grads: list[torch.Tensor], coef: float) -> None:
+        """AdamW on the gradients times `coef`. Fused AdamW takes the clip as its `grad_scale` divisor (the
+        AMP unscale hook): the kernel that reads every gradient anyway scales it, instead of a separate
+        read and write of all gradients first."""
+        if coef == 1.0:
+            self.optimizer.step()
+            return
+        if not self.optimizer.defaults.get("fused"):
+            torch._foreach_mul_(grads, coef)
+            self.optimizer.step()
+            return
+        self.optimizer.grad_scale = torch.full((), 1.0 / coef, dtype=torch.float32, device=grads[0].device)
+        try:
+            self.optimizer.step()
+        finally:
+            del self.optimizer.grad_scale
 
     def state_dict(self) -> dict:
         model, optim = {}, {}

@@ -31,6 +31,14 @@ At 16K tokens/rank, D = 2048, K = 8, bf16 (M D = 0.27 G elements, 0.54 GB): 8.7 
 layer forward + backward. The torch path's broadcast `mul_` is also a slow non-vectorized kernel
 (2 M D elements each way at ~1 TB/s measured), so the time saved may exceed the byte ratio.
 
+`add_group_copies` serves the one-rank grouped backward (`primitives/moe_dispatch_local.py`): for one
+expert group, the sorted rows [r0, r1) (R = r1 - r0 rows of dx), each token's copies there are summed
+in fp32 in k order and added to the fp32 [N, D] input gradient by one read-modify-write of its row;
+a token without a copy in the group reads its K indices and stops. Grid (N, D / BLOCK_D), one program
+per (token, column block): no atomics, deterministic. Bytes per group with bf16 dx: 2 RD + 8 TD for
+the T <= R tokens touched, where an fp32 copy of dx and an accumulating `index_put_` (which also sorts
+its indices) move 6 RD + 12 RD. Its torch path is `add_group_copies_torch` (same order of sums).
+
 On CUDA tensors (or under TRITON_INTERPRET=1) the Triton kernels run; elsewhere `*_torch`, the
 same algorithm (fp32 products and sums) in torch.
 """
@@ -48,6 +56,9 @@ except ImportError:  # pragma: no cover - triton is absent on some CPU-only inst
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 MAX_BLOCK_D = 1024  # 8 bf16 (16 bytes) per thread at 4 warps
+# add_group_copies: a whole 2048-wide row per program at 2 warps ran faster on an H200 than 1024 at 4
+# (D = 2048, K = 8; most programs only read their K indices)
+MAX_BLOCK_D_GROUP = 2048
 
 
 def use_triton(t: torch.Tensor) -> bool:
@@ -71,6 +82,27 @@ if triton is not None:
                 row = row * tl.load(w_ptr + n * stride_wn + k * stride_wk).to(acc.dtype)
             acc += row
         tl.store(out_ptr + n * stride_out + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+    @triton.jit
+    def _add_group_copies_kernel(dx_ptr, inv_ptr, gx_ptr, D, r0, r1, stride_dx, stride_gx,
+                                 K: tl.constexpr, F64: tl.constexpr, BLOCK_D: tl.constexpr):
+        """gx[n, cols] += sum_k dx[inv[n K + k] - r0, cols] over the copies in rows [r0, r1); a token
+        with no copy there leaves its row untouched (neither read nor written)."""
+        n = tl.program_id(0).to(tl.int64)
+        hits = 0
+        for k in tl.static_range(K):
+            src = tl.load(inv_ptr + n * K + k).to(tl.int64)
+            hits += ((src >= r0) & (src < r1)).to(tl.int32)
+        if hits > 0:
+            cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+            ok = cols < D
+            gx = tl.load(gx_ptr + n * stride_gx + cols, mask=ok, other=0.0)
+            acc = tl.zeros([BLOCK_D], dtype=tl.float64 if F64 else tl.float32)
+            for k in tl.static_range(K):
+                src = tl.load(inv_ptr + n * K + k).to(tl.int64)  # again: cached, and no [K] vector to index
+                width = tl.where((src >= r0) & (src < r1), D, 0)  # a copy outside the group reads nothing
+                acc += tl.load(dx_ptr + (src - r0) * stride_dx + cols, mask=cols < width, other=0.0).to(acc.dtype)
+            tl.store(gx_ptr + n * stride_gx + cols, (gx.to(acc.dtype) + acc).to(gx_ptr.dtype.element_ty), mask=ok)
 
     @triton.jit
     def _unpermute_grads_kernel(g_ptr, y_ptr, w_ptr, tok_ptr, gy_ptr, gw_ptr, D, stride_g, stride_y, stride_w,
@@ -159,6 +191,41 @@ def unpermute(y_MD, weights_NK, inv_M, out=None, dtype=None):
 def sum_copies(dx_MD, inv_M, K, out=None):
     """gx[n] = sum_k dx_MD[inv_M[n K + k]], fp32 sum, one rounding to out's dtype (else dx's)."""
     return _gather_sum(dx_MD, None, inv_M, K, out, None)
+
+
+def add_group_copies(gx_ND, dx_RD, inv_M, r0, r1):
+    """gx_ND[n] += sum_k dx_RD[inv_M[n K + k] - r0] over token n's copies whose sorted row lies in
+    [r0, r1) (dx_RD holds those rows), summed in fp32 (fp64 for fp64) in k order, then added with one
+    read-modify-write of gx's row; rows of tokens without a copy there are not touched. No atomics:
+    deterministic. Returns gx_ND (updated in place; any row stride)."""
+    N, D = gx_ND.shape
+    if (inv_M.numel() % N if N else inv_M.numel()) or dx_RD.shape != (r1 - r0, D):
+        raise ValueError(f"gx [N, D], inv_M N K long and dx [r1 - r0, D] expected; got {tuple(gx_ND.shape)}, "
+                         f"{inv_M.numel()}, {tuple(dx_RD.shape)} for rows [{r0}, {r1})")
+    if N == 0 or r1 == r0 or D == 0:
+        return gx_ND
+    if not use_triton(dx_RD):
+        return add_group_copies_torch(gx_ND, dx_RD, inv_M, r0, r1)
+    dx, inv = _rows(dx_RD), inv_M.contiguous()
+    dst = gx_ND if gx_ND.stride(-1) == 1 else gx_ND.contiguous()
+    BLOCK_D = min(MAX_BLOCK_D_GROUP, triton.next_power_of_2(max(D, 16)))
+    warps = 2 if BLOCK_D >= 1024 else 1
+    _add_group_copies_kernel[(N, triton.cdiv(D, BLOCK_D))](
+        dx, inv, dst, D, r0, r1, dx.stride(0), dst.stride(0), K=inv_M.numel() // N, F64=_f64(gx_ND, dx_RD),
+        BLOCK_D=BLOCK_D, num_warps=warps)
+    return gx_ND if dst is gx_ND else gx_ND.copy_(dst)
+
+
+def add_group_copies_torch(gx_ND, dx_RD, inv_M, r0, r1):
+    N, R = gx_ND.shape[0], r1 - r0
+    src_NK = inv_M.view(N, -1) - r0
+    hit_NK = (src_NK >= 0) & (src_NK < R)
+    tok = hit_NK.any(1).nonzero().squeeze(1)  # the touched tokens, each once
+    src, hit = src_NK[tok].clamp(0, R - 1), hit_NK[tok]
+    acc = torch.zeros(tok.numel(), gx_ND.shape[1], dtype=_acc_dtype(gx_ND, dx_RD), device=gx_ND.device)
+    for k in range(src.shape[1]):  # k order, as the kernel
+        acc += torch.where(hit[:, k, None], dx_RD.index_select(0, src[:, k]).to(acc.dtype), 0)
+    return gx_ND.index_copy_(0, tok, (gx_ND.index_select(0, tok).to(acc.dtype) + acc).to(gx_ND.dtype))
 
 
 def unpermute_grads(g_ND, y_MD, w_sorted_M, token_M, need_w=True):

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from bumblebee import registry
 from bumblebee.models.components import CausalLMOutput, SwiGLU
 
-DEFAULT_ROUTER = {"softmax": "softmax_topk", "sigmoid": "aux_free"}
+DEFAULT_ROUTER = {"softmax": "softmax_fused", "sigmoid": "aux_free"}
 
 
 @dataclass

@@ -2,9 +2,10 @@
 
 Features: `decoder_sparse_step` and `mlp_only_layers` (dense SwiGLU layers among the MoE ones),
 `norm_topk_prob`, `output_router_logits` with transformers' load-balancing loss added to the loss
-times `router_aux_loss_coef`. Slots: `attention`, `cross_entropy`, `router` (softmax_topk),
-`moe_dispatch` (local). Module names equal transformers' Qwen3MoeForCausalLM except the experts,
-stored fused (see bumblebee.models.moe); checkpoints hold per-expert keys, as transformers saves.
+times `router_aux_loss_coef`. Slots: `attention`, `cross_entropy`, `router` (softmax_fused |
+softmax_topk), `moe_dispatch` (local). Module names equal transformers' Qwen3MoeForCausalLM except
+the experts, stored fused (see bumblebee.models.moe); checkpoints hold per-expert keys, as
+transformers saves.
 """
 from __future__ import annotations
 

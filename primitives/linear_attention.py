@@ -216,13 +216,12 @@ class FLAGatedDeltaNet(nn.Module):
         B, T, _ = x_BTD.shape
         if cu_seqlens is not None:
             check_cu_seqlens(cu_seqlens, B * T)
-        qkv = self.in_proj_qkv(x_BTD)
         beta = self.in_proj_b(x_BTD).sigmoid()
         g = -to_acc(self.A_log).exp() * F.softplus(to_acc(self.in_proj_a(x_BTD)) + self.dt_bias)
         if self._fast(x_BTD):
-            o = self._fla(qkv, g, beta, cu_seqlens, B, T)
+            o = self._fla(x_BTD, g, beta, cu_seqlens, B, T)
         else:  # fla's algorithm in torch (its kernels need a GPU)
-            qkv = causal_conv1d_silu_taps(qkv, self.conv1d.weight[:, 0], cu_seqlens)
+            qkv = causal_conv1d_silu_taps(self.in_proj_qkv(x_BTD), self.conv1d.weight[:, 0], cu_seqlens)
             q, k, v = self._heads(qkv, B, T)
             o = self._rule(_torch_rule, _TORCH_KEPT, q, k, v, g, beta, cu_seqlens)
         z = self.in_proj_z(x_BTD).reshape(B, T, self.num_v_heads, self.head_v_dim)
@@ -233,15 +232,26 @@ class FLAGatedDeltaNet(nn.Module):
         return (q.reshape(B, T, self.num_k_heads, self.head_k_dim), k.reshape(B, T, self.num_k_heads, self.head_k_dim),
                 v.reshape(B, T, self.num_v_heads, self.head_v_dim))
 
-    def _fla(self, qkv, g, beta, cu_seqlens, B, T):
+    def _fla(self, x_BTD, g, beta, cu_seqlens, B, T):
         causal_conv1d, chunk_gated_delta_rule = fla_ops()
         cu = None
         if cu_seqlens is not None:  # fla reads packed sequences as one row
-            qkv, g, beta = (t.reshape(1, B * T, *t.shape[2:]) for t in (qkv, g, beta))
-            cu = cu_seqlens.to(device=qkv.device, dtype=torch.long)
-        qkv, _ = causal_conv1d(qkv.contiguous(), weight=self.conv1d.weight[:, 0].to(qkv.dtype), activation="silu",
-                               cu_seqlens=cu)
-        q, k, v = self._heads(qkv, *qkv.shape[:2])
+            x_BTD, g, beta = (t.reshape(1, B * T, *t.shape[2:]) for t in (x_BTD, g, beta))
+            cu = cu_seqlens.to(device=x_BTD.device, dtype=torch.long)
+        # q, k and v each projected and convolved on their own (the rows of in_proj_qkv and of the
+        # depthwise conv are per channel): each comes out contiguous, as fla's rule takes it. Split
+        # from one [T, conv_dim] output they were strided views, copied on the way in and their
+        # gradients concatenated on the way out (~12 bytes per channel and token each pass).
+        w_qkv, w_conv = self.in_proj_qkv.weight, self.conv1d.weight[:, 0].to(x_BTD.dtype)
+        parts, lo = [], 0
+        for n, heads, dim in ((self.key_dim, self.num_k_heads, self.head_k_dim),
+                              (self.key_dim, self.num_k_heads, self.head_k_dim),
+                              (self.value_dim, self.num_v_heads, self.head_v_dim)):
+            y, _ = causal_conv1d(F.linear(x_BTD, w_qkv[lo:lo + n]), weight=w_conv[lo:lo + n], activation="silu",
+                                 cu_seqlens=cu)
+            parts.append(y.reshape(*y.shape[:2], heads, dim))
+            lo += n
+        q, k, v = parts
 
         def plain(q, k, v, g, beta, scale, cu_seqlens):
             return chunk_gated_delta_rule(q, k, v, g, beta, scale=scale, use_qk_l2norm_in_kernel=True,

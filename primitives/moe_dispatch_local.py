@@ -11,13 +11,15 @@ token at Qwen3-30B-A3B's sizes) puts the backward's peak far above the parameter
 - the backward walks the experts in G contiguous groups of about `group_rows` routed rows each
   (rows are sorted by expert, so a group is one row range): gather x and g for the group, fc1
   (the recompute's work, moved here), the fc2 dgrad, the weighted SwiGLU gradient, both weight
-  gradients of the group's experts, and its dx rows, added at once into the [N, D] fp32 input
-  gradient (a sorted, deterministic accumulation); then every group's buffers are free;
-- the first forward, which keeps nothing per row, runs groups of about `forward_group_rows` rows (4x by
-  default): one group at up to 32K tokens of Qwen3-30B-A3B, whose fc2 output is itself the [M, D]
-  buffer that the un-permute reads; several groups are copied into one (16 copies of 60K-92K rows, ~9 ms
-  of a 32K step's kernels, before). Its transient, ~12.8 KiB per routed row at those sizes (3.4 GB for
-  262144 rows), stays below the backward's working set, which holds the peak.
+  gradients of the group's experts, and its dx rows, added into the [N, D] fp32 input gradient by
+  `add_group_copies` (`kernels/moe_dispatch_permute.py`: each token's copies in the group summed in
+  fp32 in k order, then one add to its row; no atomics, so deterministic); then every group's
+  buffers are free;
+- the first forward, which keeps nothing per row, runs groups of about `forward_group_rows` rows (16x by
+  default): one group at up to 128K tokens at top-8, whose fc2 output is itself the [M, D] buffer that
+  the un-permute reads; several groups are copied into one (at 128K tokens of Qwen3.5-35B-A3B, 4 groups
+  of 2^18 rows copied ~4.3 GB a layer). Its transient, ~12.8 KiB per routed row at Qwen3-30B-A3B's sizes
+  (13.4 GB for 2^20 rows), comes while the forward holds only the layer inputs, below the backward's peak.
 
 The backward's working set is then the [N, D] fp32 input gradient plus one group's tensors: about
 8 + 168 / G KiB per token at those sizes (an [M, D] dx buffer summed over K at the end would add 24).
@@ -34,6 +36,7 @@ import torch
 
 from bumblebee.kernels.moe_dispatch_expert_gemm import (TokensPerExpert, expert_dgrad_weighted, expert_forward,
                                                         expert_wgrad)
+from bumblebee.kernels.moe_dispatch_permute import add_group_copies
 from bumblebee.primitives.moe_dispatch_plan import exchange_counts
 
 
@@ -98,8 +101,7 @@ class LocalGroupedExperts(torch.autograd.Function):
         token_M = order_M // K
         w_sorted_M = weights_NK.reshape(-1).float().index_select(0, order_M)
         # the input gradient accumulates group by group into [N, D] fp32 (4 D bytes per token instead of
-        # the 2 K D of an [M, D] buffer); index_put_'s accumulation sorts its indices, so the sum over a
-        # token's copies runs in one order on every run (index_add_ would use atomics on CUDA)
+        # the 2 K D of an [M, D] buffer), one owner per row and group: the same sum order on every run
         gx_ND = torch.zeros(g_ND.shape, dtype=torch.float32, device=g_ND.device)
         gw_M = torch.empty(M, dtype=torch.float32, device=g_ND.device)
         dw1, dw2 = torch.zeros_like(w1), torch.zeros_like(w2)  # experts without rows get zeros
@@ -112,7 +114,7 @@ class LocalGroupedExperts(torch.autograd.Function):
             dx_g, gw_g, job = expert_dgrad_weighted(g_ND.index_select(0, tok), saved, w1_g, w2_g, w_sorted_M[r0:r1],
                                                     swiglu_grads_weighted=ctx.swiglu[2])
             del saved, x_g
-            gx_ND.index_put_((tok,), dx_g.float(), accumulate=True)
+            add_group_copies(gx_ND, dx_g, inv_M, r0, r1)
             gw_M[r0:r1] = gw_g
             del dx_g, gw_g
             a1, a2 = expert_wgrad(job)

@@ -5,7 +5,8 @@ float32 on the CPU; the test reruns them in float64 as the reference (floating t
 among the keyword arguments are cast too). A module slot adds "<slot>.init", its constructor
 arguments; the test loads the twin's state_dict into the primitive. A slot applied to a whole model
 (state_sharding) is a `OneRankSteps`. A registered slot without a case here fails the contract
-test, so every new slot brings one.
+test, so every new slot brings one. A pair whose signature differs from the slot's other pairs
+(the softmax router beside the aux-free one) has its own case under "<slot>/<primitive>".
 """
 import torch
 
@@ -32,6 +33,11 @@ def router_case(g):
     logits = torch.randn(T, E, generator=g) * 2
     bias = torch.randn(E, generator=g) * 0.5
     return (logits, bias), {"top_k": 4, "n_group": 4, "topk_group": 2, "scaling_factor": 2.5}, (0,)
+
+
+def softmax_router_case(g):
+    T, E = 37, 60
+    return (torch.randn(T, E, generator=g) * 2,), {"top_k": 6, "norm_topk_prob": True}, (0,)
 
 
 class SwiGLUExpertsCase:
@@ -143,6 +149,7 @@ class OneRankSteps:
 
 CASES = {
     "router": router_case,
+    "router/softmax_fused": softmax_router_case,
     "moe_dispatch": moe_dispatch_case,
     "attention": attention_case,
     "cross_entropy": cross_entropy_case,

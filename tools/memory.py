@@ -294,11 +294,11 @@ def _grouped_dispatch(cfg, n_tok: int, b: int, group_rows: int) -> tuple[int, in
     """(saved, backward) bytes per token of primitives/moe_dispatch_local.py (one rank under the fused
     recompute). Saved: the int64 order and inverse and the [E] counts, nothing per routed row. Backward:
     the [N, D] fp32 input gradient, fp32 sorted weights and gw, the int64 token ids, and one expert
-    group's rows at once: x, fc1's h [2I], g, the fc2 dgrad [I], w a [I], dh [2I], dx, and dx in fp32
-    with index_put_'s sorted indices as it is added in; then the input gradient's compute-dtype copy."""
+    group's rows at once: x, fc1's h [2I], g, the fc2 dgrad [I], w a [I], dh [2I] and dx (added into the
+    input gradient in place by add_group_copies); then the input gradient's compute-dtype copy."""
     d, i, k = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok
     rows = min(k * n_tok, group_rows + k * n_tok // max(1, _num_experts(cfg)))  # an expert is never split
-    group = rows * (b * (3 * d + 6 * i) + 4 * d + 24) // max(1, n_tok)
+    group = rows * (b * (3 * d + 6 * i) + 8) // max(1, n_tok)  # + the group's int64 token ids
     cast = b * d if b < 4 else 0
     return 16 * k, 24 * k + 4 * d + max(group, cast)
 

@@ -1,4 +1,4 @@
-"""Routers and MoE experts on one GPU: fused aux-free kernel vs its torch twin and megatron-core.
+"""Routers and MoE experts on one GPU: fused router kernels vs their torch twins and megatron-core.
 
     python -m pytest benchmarks/router/bench.py -q --benchmark-json bench.json
     python benchmarks/router/bench.py          # writes $BENCH_OUT/router.json (default benchmarks/router/results/)
@@ -7,7 +7,8 @@ Routing cases, forward only, at 16K and 64K tokens:
 - DeepSeek-V3 (256 experts, top-8, 8 groups, 4 kept, fp32 logits as its gate computes them):
   `aux_free` (fused Triton), `aux_free_ref` (torch twin), megatron-core's
   `topk_routing_with_score_function` (sigmoid, expert bias, groups), and the twin under torch.compile.
-- Qwen3.5 (256 experts, top-8 softmax, bf16 logits): `softmax_topk` and megatron-core's softmax.
+- Qwen3.5 (256 experts, top-8 softmax, bf16 logits): `softmax_fused` (fused Triton), `softmax_topk`
+  (torch twin) and megatron-core's softmax.
 Target: the fused kernel >= 5x faster than the twin at 64K tokens, identical indices.
 Experts case: Qwen3-30B-A3B's experts (128 x SwiGLU 2048 -> 768, top-8) on 8K tokens, bf16 forward +
 backward: grouped GEMMs (torch._grouped_mm) vs a per-expert loop.
@@ -32,7 +33,7 @@ TOKENS = (16384, 65536)
 DSV3 = dict(E=256, top_k=8, n_group=8, topk_group=4)
 QWEN35 = dict(E=256, top_k=8)
 ROUTING_IMPLS = {"dsv3": ("aux_free", "aux_free_ref", "megatron", "compiled_ref"),
-                 "qwen35": ("softmax_topk", "megatron")}
+                 "qwen35": ("softmax_fused", "softmax_topk", "megatron")}
 EXPERTS = dict(E=128, D=2048, I=768, top_k=8, tokens=8192)
 OUT = Path(os.environ.get("BENCH_OUT", Path(__file__).parent / "results"))
 RESULTS: dict = {"cases": []}
@@ -59,6 +60,9 @@ def _routing_fn(family, impl, T):
         return lambda: topk_routing_with_score_function(logits, 8, num_groups=8, group_topk=4, scaling_factor=2.5,
                                                         score_function="sigmoid", expert_bias=bias)
     logits = torch.randn(T, QWEN35["E"], device="cuda", generator=g).to(torch.bfloat16)
+    if impl == "softmax_fused":
+        from bumblebee.primitives.router import softmax_topk_fused
+        return lambda: softmax_topk_fused(logits, top_k=8, norm_topk_prob=True)
     if impl == "softmax_topk":
         from bumblebee.baselines.router import softmax_topk
         return lambda: softmax_topk(logits, top_k=8, norm_topk_prob=True)
@@ -165,6 +169,9 @@ def write_results(path=None):
     RESULTS["speedup_fused_vs_twin"] = {f"{T // 1024}K": by[(f"dsv3-{T // 1024}K", "aux_free_ref")]
                                         / by[(f"dsv3-{T // 1024}K", "aux_free")]
                                         for T in TOKENS if (f"dsv3-{T // 1024}K", "aux_free") in by}
+    RESULTS["speedup_softmax_fused_vs_twin"] = {f"{T // 1024}K": by[(f"qwen35-{T // 1024}K", "softmax_topk")]
+                                                / by[(f"qwen35-{T // 1024}K", "softmax_fused")]
+                                                for T in TOKENS if (f"qwen35-{T // 1024}K", "softmax_fused") in by}
     path.write_text(json.dumps(RESULTS, indent=2))
     return path
 

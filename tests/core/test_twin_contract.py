@@ -84,7 +84,7 @@ def test_same_function(slot, name, twin, seed):
         return _same_training_steps(CASES[slot], prim, base)
     if registry.is_module(prim):
         return _same_module_function(slot, prim, base, seed)
-    args, kwargs, grad_idx = CASES[slot](torch.Generator().manual_seed(seed))
+    args, kwargs, grad_idx = CASES.get(f"{slot}/{name}", CASES[slot])(torch.Generator().manual_seed(seed))
     ref = _outputs(base, args, kwargs, grad_idx, torch.float64)
     torch_run = _outputs(base, args, kwargs, grad_idx, torch.float32)
     ours = _outputs(prim, args, kwargs, grad_idx, torch.float32)

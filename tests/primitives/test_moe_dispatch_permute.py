@@ -1,5 +1,5 @@
-"""kernels/moe_dispatch_permute.py (fused un-permute, its gradients, sum over copies) against float64
-references and against the torch functions of common/moe_dispatch_permute.py, and the chunked primitive
+"""kernels/moe_dispatch_permute.py (fused un-permute, its gradients, sum over copies, the grouped
+backward's add_group_copies) against float64 references and against the torch functions of common/moe_dispatch_permute.py, and the chunked primitive
 with FUSED_PERMUTE = "on" against its twin.
 
 The Triton kernels run under TRITON_INTERPRET=1 in fp32 and fp16 (this file run as a script in a
@@ -9,7 +9,9 @@ subprocess spawns 2 gloo ranks (the interpreter covers CPU tensors, so the primi
 kernels there) and runs the chunked primitive with C = 2 and unequal chunks against the all_to_all
 twin, counting the fused calls (the experts' fused SwiGLU of kernels/moe_dispatch_swiglu.py and the
 row indices of kernels/moe_dispatch_regroup.py included). Tolerances: the fused error vs float64 at most 2x the torch path's
-own error plus a small floor. bf16 runs on the GPU only (the interpreter computes bf16 wrongly).
+own error plus a small floor. bf16 runs on the GPU only (the interpreter computes bf16 wrongly), except
+in add_group_copies, which only loads and widens it. add_group_copies is checked against index_add_ in
+float64 within the fp32 rounding bound of its sums (`group_cases`).
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ import torch.multiprocessing as mp
 
 from bumblebee.common import moe_dispatch_permute as ref_mod
 from bumblebee.kernels import moe_dispatch_permute as fused
+from bumblebee.primitives.moe_dispatch_local import expert_groups
 from bumblebee.primitives.moe_dispatch_options import ChunkedDispatch, permute_fns
 from tests.interpreter import interpreted_fixture
 from tests.ranks import leave_group
@@ -124,6 +127,95 @@ def kernel_cases(fails, dtypes=(torch.float32, torch.float16)):
     return errs
 
 
+# ---- add_group_copies: the one-rank grouped backward's input-gradient accumulation ----------------
+
+def routed(N, K, E, seed):
+    """A random routing (K distinct experts per token), its rows sorted by expert: (order, inv, tpe)."""
+    gen = torch.Generator().manual_seed(seed)
+    idx = torch.rand(N, E, generator=gen).argsort(1)[:, :K].reshape(-1)
+    order = idx.argsort(stable=True)
+    inv = torch.empty_like(order).scatter_(0, order, torch.arange(N * K))
+    return order, inv, torch.bincount(idx, minlength=E).tolist()
+
+
+def group_bounds(kind, M, tpe, gen):
+    """Row ranges covering [0, M): one, about three (whole experts, as the backward cuts them), or
+    several cut at random rows with a repeated cut (an empty group)."""
+    if kind == "one":
+        return [(0, M)]
+    if kind == "three":
+        return [(r0, r1) for _, _, r0, r1 in expert_groups(tpe, max(1, -(-M // 3)))]
+    cuts = torch.randint(0, M + 1, (4,), generator=gen).tolist()
+    b = [0] + sorted(cuts + cuts[:1]) + [M]
+    return list(zip(b[:-1], b[1:]))
+
+
+GROUP_CASES = [  # N, K, E, D, groups
+    (1, 1, 4, 64, "one"), (1, 8, 16, 1000, "several"), (37, 2, 4, 1000, "three"), (37, 8, 16, 64, "several"),
+    (37, 1, 16, 2048, "three"), (37, 8, 16, 2048, "several"), (256, 2, 16, 64, "several"),
+    (256, 8, 16, 1000, "one"),
+]
+
+
+def group_cases(fails, dtypes, fn=None, device="cpu", max_n=None):
+    """fn (the wrapper by default) over every group of each case against index_add_ in float64: within
+    the fp32 rounding bound 2 K u sum |terms|; rows of tokens left out stay as they were, bitwise.
+    Covers a skipped group (K <= 2: tokens without any copy stay zero), a gx with a padded row
+    stride, a transposed gx. max_n: only the cases of at most that many tokens."""
+    fn = fn or fused.add_group_copies
+    u = 2.0 ** -24
+    for dtype in dtypes:
+        for i, (N, K, E, D, kind) in enumerate(GROUP_CASES):
+            if max_n is not None and N > max_n:
+                continue
+            tag = f"{str(dtype)[6:]}/N{N}K{K}E{E}D{D}/{kind}"
+            gen = torch.Generator().manual_seed(100 + i)
+            order, inv, tpe = routed(N, K, E, seed=i)
+            bounds = group_bounds(kind, N * K, tpe, gen)
+            dx = torch.randn(N * K, D, generator=gen).to(dtype)
+            token = order // K
+            variants = [("zeros", bounds)]
+            if K <= 2 and len(bounds) > 1:
+                variants.append(("skip", bounds[:1] + bounds[2:]))
+            if i == 3 and dtype == torch.float32:
+                variants += [("padded", bounds), ("transposed", bounds)]
+            for var, groups in variants:
+                gx0 = torch.zeros(N, D) if var in ("zeros", "skip") else torch.randn(N, D, generator=gen)
+                if var == "padded":  # rows D + 5 apart in a NaN-poisoned buffer
+                    buf = torch.full((N, D + 5), float("nan"))
+                    gx = buf[:, 2:2 + D].copy_(gx0)
+                elif var == "transposed":
+                    gx = gx0.t().contiguous().t()
+                else:
+                    gx = gx0.clone()
+                gx, dx_d, inv_d = gx.to(device), dx.to(device), inv.to(device)
+                want, mag = gx0.double(), gx0.double().abs()
+                for r0, r1 in groups:
+                    if fn(gx, dx_d[r0:r1], inv_d, r0, r1) is not gx:
+                        fails.append(f"{tag}/{var}: did not return gx")
+                    want = want.index_add(0, token[r0:r1], dx[r0:r1].double())
+                    mag = mag.index_add(0, token[r0:r1], dx[r0:r1].double().abs())
+                got = gx.cpu().double()
+                if not ((got - want).abs() <= 2 * K * u * mag + 1e-30).all():
+                    fails.append(f"{tag}/{var}: max err {(got - want).abs().max().item():.3g}")
+                touched = torch.zeros(N, dtype=torch.bool)
+                for r0, r1 in groups:
+                    touched[token[r0:r1]] = True
+                if not torch.equal(got[~touched], gx0.double()[~touched]):
+                    fails.append(f"{tag}/{var}: rows of tokens without a copy changed")
+                if var == "padded" and not (buf[:, :2].isnan().all() and buf[:, 2 + D:].isnan().all()):
+                    fails.append(f"{tag}: wrote outside gx's columns")
+    # shape errors and empty inputs
+    try:
+        fn(torch.zeros(3, 4), torch.zeros(2, 4), torch.arange(6), 0, 3)
+        fails.append("dx rows != r1 - r0 accepted")
+    except ValueError:
+        pass
+    empty = torch.zeros(0, 4)
+    if fn(empty, torch.zeros(0, 4), torch.zeros(0, dtype=torch.long), 0, 0) is not empty:
+        fails.append("N = 0")
+
+
 # ---- the chunked primitive with FUSED_PERMUTE = "on" over 2 gloo ranks ----------------------------
 
 def _ep_worker(rank, world, port, out_dir):
@@ -192,9 +284,14 @@ def _interpret_main():
     errs = kernel_cases(fails)
     fused.MAX_BLOCK_D = 1024
     kernel_cases(fails, dtypes=(torch.float32,))  # one block per row
+    group_fails = []
+    group_cases(group_fails, (torch.float32,))
+    fused.MAX_BLOCK_D_GROUP = 512  # several column blocks, a partial last one at D = 1000
+    group_cases(group_fails, (torch.float16, torch.bfloat16), max_n=37)  # bf16 is only loaded and widened
+    fused.MAX_BLOCK_D_GROUP = 2048
     with tempfile.TemporaryDirectory() as d:
         ep = ep_case(d)
-    print(json.dumps({"ok": True, "kernel_failures": fails, "kernel_errs": errs,
+    print(json.dumps({"ok": True, "kernel_failures": fails, "kernel_errs": errs, "group_failures": group_fails,
                       "ep": [r["errs"] for r in ep], "ep_calls": [r["calls"] for r in ep]}))
 
 
@@ -203,6 +300,10 @@ interpreted = interpreted_fixture(__file__)
 
 def test_kernels_under_triton_interpreter(interpreted):
     assert not interpreted["kernel_failures"], interpreted["kernel_failures"]
+
+
+def test_add_group_copies_under_triton_interpreter(interpreted):
+    assert not interpreted["group_failures"], interpreted["group_failures"]
 
 
 def test_chunked_ep2_fused_matches_twin_under_interpreter(interpreted):
@@ -222,6 +323,14 @@ def test_torch_fallback_is_the_same_algorithm():
         pytest.skip("this process runs the interpreter")
     fails = []
     kernel_cases(fails, dtypes=(torch.float32, torch.bfloat16))
+    assert not fails, fails
+
+
+def test_add_group_copies_torch_fallback():
+    if fused.INTERPRET:
+        pytest.skip("this process runs the interpreter")
+    fails = []
+    group_cases(fails, (torch.float32, torch.float16, torch.bfloat16))
     assert not fails, fails
 
 
@@ -257,3 +366,25 @@ def test_cuda_kernels(dtype):
 
 if __name__ == "__main__" and "--interpret" in sys.argv:
     _interpret_main()
+
+
+@pytest.mark.gpu
+def test_cuda_add_group_copies():
+    """The compiled kernel: the small cases in every dtype, then a Qwen3.5-35B-A3B layer's backward in
+    bf16 (N = 131072, K = 8, D = 2048, 16 groups) against index_put_ accumulating in fp32 (two fp32
+    sums in different orders: within 2 x 2 K u sum |terms|)."""
+    fails = []
+    group_cases(fails, (torch.bfloat16, torch.float16, torch.float32), device="cuda")
+    assert not fails, fails
+    N, K, E, D = 131072, 8, 256, 2048
+    order, inv, tpe = (t.cuda() if torch.is_tensor(t) else t for t in routed(N, K, E, seed=0))
+    token = order // K
+    groups = expert_groups(tpe, -(-N * K // 16))
+    assert len(groups) == 16
+    dx = torch.randn(N * K, D, device="cuda", dtype=torch.bfloat16)
+    gx, want, mag = (torch.zeros(N, D, device="cuda") for _ in range(3))
+    for _, _, r0, r1 in groups:
+        fused.add_group_copies(gx, dx[r0:r1], inv, r0, r1)
+        want.index_put_((token[r0:r1],), dx[r0:r1].float(), accumulate=True)
+        mag.index_put_((token[r0:r1],), dx[r0:r1].float().abs(), accumulate=True)
+    assert ((gx - want).abs() <= 4.5 * K * 2.0 ** -24 * mag).all(), (gx - want).abs().max().item()

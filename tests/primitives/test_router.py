@@ -1,7 +1,8 @@
-"""Routers: fused aux-free kernel vs torch twin vs a float64 reference; softmax top-k vs transformers'
-math; megatron-core's routing function; bias update (1 and 2 gloo ranks); replay; bad input.
+"""Routers: fused aux-free kernel vs torch twin vs a float64 reference; softmax top-k (the torch twin
+and the fused primitive) vs transformers' math and a float64 reference; megatron-core's routing
+function; bias update (1 and 2 gloo ranks); replay; bad input.
 
-The Triton kernel runs on the CPU under TRITON_INTERPRET=1 in a subprocess (this file run as a
+The Triton kernels run on the CPU under TRITON_INTERPRET=1 in a subprocess (this file run as a
 script with --interpret); bf16 and large shapes run in the GPU tests.
 """
 import json
@@ -139,13 +140,138 @@ def test_softmax_topk_matches_float64_and_transformers(T, E, k, norm, dtype):
     assert torch.equal(counts, torch.bincount(idx.view(-1), minlength=E))
 
 
-@pytest.mark.parametrize("which", ["softmax", "aux_free_ref", "aux_free"])
+def tied_at_k(logits, k):
+    """Rows whose k-th and (k+1)-th largest logits are equal: either expert is a right choice."""
+    if k == logits.shape[1]:
+        return torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
+    top = logits.double().topk(k + 1, dim=-1).values
+    return top[:, k - 1] == top[:, k]
+
+
+def check_softmax_fused(fn, T, E, k, norm, dtype, seed):
+    """The fused router (kernel, or its algorithm in torch) against the float64 reference, transformers'
+    Qwen3MoeTopKRouter math and the twin: indices in descending probability, lowest index first on
+    ties; weights within the output dtype's rounding; counts exact."""
+    g = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(T, E, generator=g) * 2).to(dtype)
+    w, idx, counts = fn(logits, top_k=k, norm_topk_prob=norm, return_counts=True)
+    assert w.dtype == dtype and idx.dtype == torch.int64 and w.shape == idx.shape == (T, k)
+    assert torch.equal(counts, torch.bincount(idx.view(-1), minlength=E))
+    order = torch.sort(-logits.double(), dim=-1, stable=True).indices[:, :k]  # ties: lowest index first
+    assert torch.equal(idx, order)
+    untied = ~tied_at_k(logits, k)
+    p = torch.softmax(logits, dtype=torch.float, dim=-1)  # transformers' order of operations
+    tw, tidx = torch.topk(p, k, dim=-1)
+    if norm:
+        tw /= tw.sum(dim=-1, keepdim=True)
+    w_base, idx_base = base.softmax_topk(logits, top_k=k, norm_topk_prob=norm)
+    for other in (tidx, idx_base, ref_softmax(logits, k, norm)[1]):
+        assert torch.equal(idx.sort(dim=1).values[untied], other.sort(dim=1).values[untied])
+    rtol, atol = {torch.float32: (2e-6, 1e-8), torch.float16: (1e-3, 1e-7), torch.bfloat16: (8e-3, 1e-6)}[dtype]
+    w64 = ref_softmax(logits, k, norm)[0]  # sorted values: tie-blind
+    torch.testing.assert_close(w.double(), w64, rtol=rtol, atol=atol)
+    torch.testing.assert_close(w.float(), tw.to(dtype).float(), rtol=2 * rtol, atol=atol)
+    torch.testing.assert_close(w.float(), w_base.float(), rtol=2 * rtol, atol=atol)
+
+
+def check_softmax_fused_grad(fn, T, E, k, norm, dtype, seed):
+    """d(sum of weights x an upstream gradient per (token, expert))/d logits equals the twin's."""
+    g = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(T, E, generator=g) * 2).to(dtype)
+    up_TE = torch.randn(T, E, generator=g).to(dtype)
+    grads = []
+    for f in (fn, base.softmax_topk):
+        x = logits.clone().requires_grad_()
+        w, idx = f(x, top_k=k, norm_topk_prob=norm)
+        (w * up_TE.gather(1, idx)).sum().backward()
+        grads.append(x.grad.float())
+    untied = ~tied_at_k(logits, k)
+    ours, twin = grads[0][untied], grads[1][untied]
+    assert (ours - twin).norm() <= (1e-6 if dtype == torch.float32 else 1e-2) * twin.norm()
+
+
+SOFTMAX_CASES = [(T, E, k) for E, T in ((8, 31), (60, 23), (128, 17), (256, 9)) for k in (1, 2, 8)]
+
+
+@pytest.mark.parametrize("T,E,k", SOFTMAX_CASES, ids=str)
+@pytest.mark.parametrize("norm", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_softmax_fused_matches_float64_transformers_and_twin(T, E, k, norm, dtype):
+    check_softmax_fused(prim.softmax_topk_fused, T, E, k, norm, dtype, seed=T * E + k)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("norm", [True, False])
+def test_softmax_fused_matches_transformers_qwen3_moe_router(dtype, norm):
+    hf = pytest.importorskip("transformers.models.qwen3_moe.modeling_qwen3_moe")
+    from transformers import Qwen3MoeConfig
+
+    torch.manual_seed(6)
+    router = hf.Qwen3MoeTopKRouter(Qwen3MoeConfig(hidden_size=24, num_experts=60, num_experts_per_tok=8,
+                                                  norm_topk_prob=norm)).to(dtype)
+    with torch.no_grad():
+        router.weight.normal_(0, 0.5)
+    logits, w_hf, idx_hf = router(torch.randn(3, 11, 24).to(dtype))
+    w, idx = prim.softmax_topk_fused(logits, top_k=8, norm_topk_prob=norm)
+    untied = ~tied_at_k(logits, 8)
+    assert untied.float().mean() > 0.5 and w.dtype == w_hf.dtype
+    assert torch.equal(idx.sort(1).values[untied], idx_hf.sort(1).values[untied])
+    tol = 2e-6 if dtype == torch.float32 else 1.6e-2
+    torch.testing.assert_close(w.float(), w_hf.float(), rtol=tol, atol=1e-6)  # both in descending order
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("norm", [True, False])
+def test_softmax_fused_gradients_match_twin(dtype, norm):
+    check_softmax_fused_grad(prim.softmax_topk_fused, 29, 60, 8, norm, dtype, seed=4)
+    x = (torch.randn(7, 12, dtype=torch.float64, generator=torch.Generator().manual_seed(8)) * 2).requires_grad_()
+    assert torch.autograd.gradcheck(lambda y: prim.softmax_topk_fused(y, top_k=3, norm_topk_prob=norm)[0], (x,))
+
+
+def test_softmax_fused_torch_path_is_its_own_algorithm(monkeypatch):
+    """Off CUDA the primitive runs kernels/router_softmax.py's blocked torch algorithm, not torch.topk;
+    block sizes agree, and float64 stays float64."""
+    from bumblebee.kernels import router_softmax as ks
+
+    logits = torch.randn(45, 60, generator=torch.Generator().manual_seed(13)) * 2
+    w64, idx64 = ref_softmax(logits, 8, True)
+    calls = []
+    real = ks.softmax_topk_torch
+    monkeypatch.setattr(prim, "softmax_topk_torch", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(torch, "topk", lambda *a, **k: 1 / 0)  # the twin's selection
+    w, idx = prim.softmax_topk_fused(logits, top_k=8)
+    assert calls and torch.equal(idx, idx64)
+    torch.testing.assert_close(w.double(), w64, rtol=2e-6, atol=1e-8)
+    w2, idx2, c2 = real(logits, 8, True, block_t=7)
+    w3, idx3, c3 = real(logits, 8, True, block_t=64)
+    assert torch.equal(idx2, idx) and torch.equal(idx3, idx) and torch.equal(w2, w3) and torch.equal(c2, c3)
+    w_d, idx_d, _ = real(logits.double(), 8, True)
+    assert w_d.dtype == torch.float64 and torch.equal(idx_d, idx)
+    torch.testing.assert_close(w_d, w64, rtol=1e-12, atol=1e-15)
+
+
+def test_softmax_is_the_default_for_softmax_scoring():
+    from bumblebee.models.moe import DEFAULT_ROUTER, TopKRouter
+
+    assert registry.get("router").name == DEFAULT_ROUTER["softmax"] == "softmax_fused"
+    impl = registry.get("router", "softmax_fused")
+    assert impl.kind == "primitive" and impl.twin == "softmax_topk" and impl.obj.scoring == "softmax"
+    assert registry.get("router", "softmax_topk").twin == "softmax_fused"
+    assert TopKRouter(8, 16, 2).route is prim.softmax_topk_fused
+    assert TopKRouter(8, 16, 2, router="softmax_topk").route is base.softmax_topk
+    fits = r"accepted here: \['softmax_fused', 'softmax_topk'\]"
+    with pytest.raises(ValueError, match=r"does not compute softmax routing; " + fits):
+        TopKRouter(8, 16, 2, router="aux_free")
+
+
+@pytest.mark.parametrize("which", ["softmax", "softmax_fused", "aux_free_ref", "aux_free"])
 def test_replay_reproduces_routes_and_recomputes_weights(which):
     logits, bias = make_inputs(21, 16, 9)
 
     def route(x, **kw):
-        if which == "softmax":
-            return base.softmax_topk(x, top_k=3, norm_topk_prob=True, **kw)
+        if which in ("softmax", "softmax_fused"):
+            fn = base.softmax_topk if which == "softmax" else prim.softmax_topk_fused
+            return fn(x, top_k=3, norm_topk_prob=True, **kw)
         fn = base.aux_free_topk if which == "aux_free_ref" else prim.aux_free_topk
         return fn(x, bias, top_k=3, n_group=4, topk_group=2, scaling_factor=2.0, **kw)
 
@@ -155,7 +281,7 @@ def test_replay_reproduces_routes_and_recomputes_weights(which):
     x = (logits + torch.randn_like(logits)).requires_grad_()  # other scores: same experts, new weights
     w3, idx3 = route(x, routed_experts=idx)
     assert torch.equal(idx3, idx) and not torch.allclose(w3, w)
-    w3.sum().backward() if which != "softmax" else (w3 * torch.randn_like(w3)).sum().backward()
+    w3.sum().backward() if "softmax" not in which else (w3 * torch.randn_like(w3)).sum().backward()
     assert x.grad is not None and x.grad.abs().sum() > 0
 
 
@@ -185,13 +311,22 @@ def test_bad_input_raises_value_error(fn, kw, msg):
         fn(torch.randn(7, 16), bias, **args)
 
 
-def test_softmax_bad_input_raises_value_error():
+@pytest.mark.parametrize("fn", [base.softmax_topk, prim.softmax_topk_fused], ids=["twin", "primitive"])
+def test_softmax_bad_input_raises_value_error(fn):
     with pytest.raises(ValueError, match=r"top_k must be in \[1, E=4\], got top_k=5"):
-        base.softmax_topk(torch.randn(3, 4), top_k=5)
+        fn(torch.randn(3, 4), top_k=5)
+    with pytest.raises(ValueError, match=r"top_k must be in \[1, E=4\], got top_k=0"):
+        fn(torch.randn(3, 4), top_k=0)
+    with pytest.raises(ValueError, match=r"logits must be a \[T, E\] tensor, got shape \(3,\)"):
+        fn(torch.randn(3), top_k=1)
+    with pytest.raises(ValueError, match=r"logits must be floating point, got torch.int64"):
+        fn(torch.ones(3, 4, dtype=torch.long), top_k=1)
     with pytest.raises(ValueError, match=r"routed_experts hold 4"):
-        base.softmax_topk(torch.randn(3, 4), top_k=2, routed_experts=torch.full((3, 2), 4))
+        fn(torch.randn(3, 4), top_k=2, routed_experts=torch.full((3, 2), 4))
+    with pytest.raises(ValueError, match=r"routed_experts must be \[T=3, k=2\], got shape \(3, 3\)"):
+        fn(torch.randn(3, 4), top_k=2, routed_experts=torch.zeros(3, 3, dtype=torch.long))
     with pytest.raises(ValueError, match=r"repeat an expert within a token: token 0 has \[1, 1\]"):
-        base.softmax_topk(torch.randn(3, 4), top_k=2, routed_experts=torch.tensor([[1, 1], [0, 1], [2, 3]]))
+        fn(torch.randn(3, 4), top_k=2, routed_experts=torch.tensor([[1, 1], [0, 1], [2, 3]]))
 
 
 # ---- bias update -------------------------------------------------------------------------------
@@ -310,7 +445,53 @@ def _interpret_main():
     torch.testing.assert_close(xa.grad, xb.grad, rtol=1e-5, atol=1e-7)
     empty = prim.aux_free_topk(torch.randn(0, 16), torch.zeros(16), top_k=2, n_group=4, topk_group=2)
     assert empty[0].shape == (0, 2)
+    results.append(_interpret_softmax())
     print(json.dumps({"ok": True, "shapes": results}))
+
+
+def _interpret_softmax():
+    """The fused softmax kernel under the interpreter (fp32, fp16): reference, twin, tie rule, persistent
+    loop, a non-contiguous view, the backward, an empty batch."""
+    from bumblebee.kernels.router_softmax import softmax_topk_fwd, softmax_topk_torch
+
+    cases = 0
+    for T, E, k in SOFTMAX_CASES:
+        for norm in (True, False):
+            for dtype in (torch.float32, torch.float16):
+                check_softmax_fused(prim.softmax_topk_fused, T, E, k, norm, dtype, seed=T + E + k)
+                cases += 1
+    ties = torch.tensor([[1.0, 3.0, -0.0, 0.5, 3.0, 0.0, 3.0, -2.0, 1.0]] * 3)  # equal: lowest index first
+    masked = torch.randn(5, 12, generator=torch.Generator().manual_seed(14))
+    masked[:, 3:] = float("-inf")  # experts a token may not take: selected last, by index, weight 0
+    for dtype in (torch.float32, torch.float16):
+        for fn in (softmax_topk_fwd, softmax_topk_torch):
+            w, idx, _ = fn(ties.to(dtype), 7, False)
+            assert idx.tolist() == [[1, 4, 6, 0, 8, 3, 2]] * 3 and w[:, 0].eq(w[:, 2]).all(), (fn, dtype)
+            w, idx, counts = fn(masked.to(dtype), 6, True)
+            assert idx[:, 3:].tolist() == [[3, 4, 5]] * 5 and w[:, 3:].eq(0).all() and counts[3:6].eq(5).all()
+    x = torch.randn(45, 60, generator=torch.Generator().manual_seed(12)) * 2  # several blocks per program
+    for dtype in (torch.float32, torch.float16):
+        w, idx, counts = softmax_topk_fwd(x.to(dtype), 6, True, block_t=4, max_programs=3)
+        assert torch.equal(counts, torch.bincount(idx.view(-1), minlength=60))
+        w2, idx2 = base.softmax_topk(x.to(dtype), top_k=6)
+        untied = ~tied_at_k(x.to(dtype), 6)  # fp16 ties: either expert is right
+        assert torch.equal(idx.sort(1).values[untied], idx2.sort(1).values[untied]), dtype
+        torch.testing.assert_close(w.float(), w2.float(), rtol=2e-3 if dtype == torch.float16 else 2e-6, atol=1e-7)
+        for routes in (idx, idx.int()):  # replay: the selection's arithmetic, bit for bit
+            w3, idx3, counts3 = softmax_topk_fwd(x.to(dtype), 6, True, routes, block_t=4, max_programs=3)
+            assert torch.equal(w3, w) and torch.equal(idx3, idx) and torch.equal(counts3, counts)
+        xg = x.to(dtype).clone().requires_grad_()
+        w4, _ = prim.softmax_topk_fused(xg, top_k=6, routed_experts=idx)
+        w4.float().pow(2).sum().backward()
+        assert torch.equal(w4, w) and xg.grad.abs().sum() > 0
+    view = x[::2].t().contiguous().t()
+    assert torch.equal(prim.softmax_topk_fused(view, top_k=5)[1],
+                       prim.softmax_topk_fused(view.contiguous(), top_k=5)[1])
+    for norm in (True, False):
+        check_softmax_fused_grad(prim.softmax_topk_fused, 29, 60, 8, norm, torch.float32, seed=5)
+    empty = prim.softmax_topk_fused(torch.randn(0, 16), top_k=2, return_counts=True)
+    assert empty[0].shape == (0, 2) and empty[2].eq(0).all()
+    return {"softmax_cases": cases}
 
 
 def test_fused_kernel_under_triton_interpreter():
@@ -335,6 +516,32 @@ def test_fused_kernel_on_gpu_matches_twin(dtype, T, E, k, G, TG):
     w2, idx2 = by_index(w2, idx2)
     assert torch.equal(idx, idx2) and torch.equal(c, c2)
     torch.testing.assert_close(w, w2, rtol=2e-6, atol=1e-7)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("T,E,k", [(131072, 256, 8), (4096, 128, 8), (3001, 60, 2)])
+def test_fused_softmax_on_gpu_matches_twin(dtype, T, E, k):
+    g = torch.Generator(device="cuda").manual_seed(T + E)
+    logits = (torch.randn(T, E, device="cuda", generator=g) * 2).to(dtype)
+    w, idx, c = prim.softmax_topk_fused(logits, top_k=k, return_counts=True)
+    w2, idx2, c2 = base.softmax_topk(logits, top_k=k, return_counts=True)
+    assert w.dtype == dtype and torch.equal(idx, torch.sort(-logits.float(), dim=-1, stable=True).indices[:, :k])
+    untied = ~tied_at_k(logits, k)
+    assert torch.equal(idx.sort(1).values[untied], idx2.sort(1).values[untied])
+    assert torch.equal(c, torch.bincount(idx.view(-1), minlength=E))
+    assert torch.equal(c, c2) or not untied.all()
+    rtol = 1.6e-2 if dtype == torch.bfloat16 else 2e-6  # one bf16 ulp: the kernel's exp is not torch's
+    torch.testing.assert_close(w.float(), w2.float(), rtol=rtol, atol=1e-6)
+    w_replay, _, c_replay = prim.softmax_topk_fused(logits, top_k=k, routed_experts=idx, return_counts=True)
+    assert torch.equal(w_replay, w) and torch.equal(c_replay, c)
+    x, x2 = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+    up = torch.randn(T, E, device="cuda", generator=g).to(dtype)
+    for fn, xi in ((prim.softmax_topk_fused, x), (base.softmax_topk, x2)):
+        wi, ii = fn(xi, top_k=k)
+        (wi * up.gather(1, ii)).sum().backward()
+    ours, twin = x.grad.float()[untied], x2.grad.float()[untied]
+    assert (ours - twin).norm() <= (1e-2 if dtype == torch.bfloat16 else 1e-6) * twin.norm()
 
 
 @pytest.mark.gpu

@@ -372,6 +372,19 @@ def bf16_runs(mesh, out: Path):
     return res
 
 
+def fp32_cuda_runs(mesh, out: Path):
+    """fp32 on CUDA: fused AdamW, which takes the clip as its grad_scale (CPU runs scale the gradients
+    first); the final full weights for the reference comparison."""
+    res = {}
+    for variant in ("fsdp2", "zero1"):
+        state = _apply(variant, mesh=mesh)
+        assert state.optimizer.defaults.get("fused"), "fused AdamW is the CUDA path under test"
+        res[variant] = _train(state, mesh, STEPS)
+        res[variant]["final"] = {k: v.cpu() for k, v in _full(state).items()}
+        res[variant]["grad_scale_left"] = hasattr(state.optimizer, "grad_scale")
+    return res
+
+
 # ---- fixtures: one spawn per world size -------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -636,3 +649,16 @@ def test_bf16_on_cuda(workdir, refs):
     world = min(torch.cuda.device_count(), 2)
     for rank in spawn(world, "bf16_runs", workdir, backend="nccl"):
         _check_bf16(rank, refs)
+
+
+@pytest.mark.gpu
+def test_fp32_on_cuda_clips_inside_fused_adamw(workdir, ref):
+    """The clipped steps on CUDA (coefficient < 1 early on: test_reference_clips) match plain AdamW after
+    clip_grad_norm_ on the CPU: losses, norms and final weights, as the CPU runs do."""
+    world = min(torch.cuda.device_count(), 2)
+    for rank in spawn(world, "fp32_cuda_runs", workdir, backend="nccl"):
+        for variant, run in rank.items():
+            assert all(run["ok"]) and not run["grad_scale_left"], variant
+            _close(run, ref)
+            for k, v in run["final"].items():
+                torch.testing.assert_close(v, ref["state"][k], atol=1e-4, rtol=1e-4, msg=(variant, k))
