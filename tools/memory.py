@@ -245,9 +245,9 @@ def _deltanet_backward(cfg, b: int) -> int:
     return b * (Hv * dv + 3 * Hv * dk + 4 * Hv * dv + 2 * Hv * dk * dv // FLA_CHUNK + 3 * Hk * dk)
 
 
-def _moe_router(cfg) -> int:
-    """The router's fp32 softmax over the experts, its top-k indices (int64) and weights (fp32)."""
-    return 4 * cfg.num_experts + 12 * cfg.num_experts_per_tok
+def _moe_router(cfg, b: int) -> int:
+    """The fused softmax router's saved logits (compute dtype), its top-k indices (int64) and weights."""
+    return b * cfg.num_experts + (8 + b) * cfg.num_experts_per_tok
 
 
 def _shared_expert(cfg, b: int) -> int:
@@ -270,7 +270,7 @@ def _hybrid_layer(cfg, layer_type: str, b: int, dispatch: tuple[int, int], recom
         mixer, mixer_bwd = _gated_attention(cfg, b, compiled), _gated_attention_backward(cfg, b)
     front = _zc_norm(d, b, compiled) + b * d + mixer           # input norm, its output (the projections' input), mixer
     if getattr(cfg, "num_experts", 0):
-        mlp = _moe_router(cfg) + _shared_expert(cfg, b) + dispatch[0]
+        mlp = _moe_router(cfg, b) + _shared_expert(cfg, b) + dispatch[0]
         mlp_bwd = dispatch[1] - _shared_expert(cfg, b)
     else:
         f = cfg.intermediate_size
