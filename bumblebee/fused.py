@@ -5,7 +5,7 @@ rotate-half concatenation); eagerly each is a pass over the activation, forward,
 backward. Inductor fuses each chain into one kernel each way. On a Qwen3-30B-A3B slice at 32K tokens
 the eager chains cost ~57 ms of a ~700 ms step (benchmarks/training_step/NOTES.md). The function is
 the same on every device: `fused(fn)(*args)` runs `fn` eagerly unless its first argument is a CUDA
-tensor, so CPU runs (and tests) execute the plain ops.
+tensor of a training dtype (not float64), so CPU runs (and tests) execute the plain ops.
 """
 from __future__ import annotations
 
@@ -22,7 +22,9 @@ def fused(fn):
     @functools.wraps(fn)
     def run(x, *args, **kwargs):
         nonlocal compiled
-        if not x.is_cuda or torch.compiler.is_compiling():  # eager inside another compile
+        # eager inside another compile, and in float64 (reference runs: Inductor's fp64 reductions do not
+        # compile with Triton 3.6, a loop-carried fp32 accumulator re-assigned in fp64)
+        if not x.is_cuda or x.dtype == torch.float64 or torch.compiler.is_compiling():
             return fn(x, *args, **kwargs)
         moded = _get_current_dispatch_mode() is not None
         if moded and type(x) is not torch.Tensor:  # fake or subclass tensors under their mode
