@@ -46,11 +46,11 @@ Activations, per token, from what autograd keeps in the code (primitives/, model
   output; for DeepSeek-V3 tensor by tensor, `_local_rows`); with EP the `chunked` primitive, which
   keeps every chunk's all-to-all buffers until its backward ends (`_chunked_dispatch`; under the
   models' recompute its fused recompute saves the rows' routing weights instead of the combined
-  outputs: `Parallel.moe_fused_recompute`). Layers: GQA (Qwen3) by the saved-plus-gradient rule
-  (2 x saved); Qwen3.5's gated attention and gated DeltaNet (fla), and DeepSeek-V3's MLA (the `mla`
-  slot's default, flash, with its lean backward) with a dense SwiGLU or the MoE (aux-free router,
-  shared experts), tensor by tensor, the layer's peak being its MoE/MLP backward (everything saved
-  still alive) or its attention's backward.
+  outputs: `Parallel.moe_fused_recompute`). Layers: GQA (Qwen3; with eager chains 2 x saved), Qwen3.5's
+  gated attention and gated DeltaNet (fla), and DeepSeek-V3's MLA (the `mla` slot's default, flash, with
+  its lean backward) with a dense SwiGLU or the MoE (router, aux-free router, shared experts), tensor by
+  tensor, the layer's peak being its MoE/MLP backward (everything saved still alive) or its attention's
+  backward.
 Routing is taken as balanced (each rank receives N*top_k rows).
 """
 from __future__ import annotations
@@ -167,24 +167,53 @@ def _is_expert(name: str) -> bool:
 
 # ---- activations: bytes per token ----------------------------------------------------------------
 
-def _layer_working_set(cfg, n_tok: int, b: int, compiled: bool = False) -> int:
-    """Bytes autograd keeps for one GQA decoder layer's backward (Qwen3; SDPA without a [T, T] matrix).
+def _gqa_attention(cfg, b: int, compiled: bool = False) -> int:
+    """What one GQA decoder layer's attention part keeps for its backward (Qwen3; SDPA without a [T, T]
+    matrix): the input and normed input, q/k/v, the attention output and o_proj's output.
     compiled: RMSNorm and RoPE as `bumblebee.fused` compiles them on CUDA: the norms keep their input
     and rsqrt (no fp32 copy), RoPE keeps nothing, so q and k are kept twice (the projection, the norm's
     input; the rotated rows, SDPA's) instead of three times."""
     d, dh = cfg.hidden_size, cfg.head_dim
     qk, v = (cfg.num_attention_heads + cfg.num_key_value_heads) * dh, cfg.num_key_value_heads * dh
     fp32_copy = 0 if compiled else 4 * d
-    attn = n_tok * (2 * d * b + fp32_copy     # input, normed input; the fp32 copy inside eager RMSNorm
-                    + ((2 if compiled else 3) * qk + (1 if compiled else 3) * v) * b  # q/k/v: projected, normed, rotated
-                    + cfg.num_attention_heads * dh * b + d * b)  # attention output, o_proj output
+    return (2 * d * b + fp32_copy     # input, normed input; the fp32 copy inside eager RMSNorm
+            + ((2 if compiled else 3) * qk + (1 if compiled else 3) * v) * b  # q/k/v: projected, normed, rotated
+            + cfg.num_attention_heads * dh * b + d * b)  # attention output, o_proj output
+
+
+def _gqa_mlp(cfg, b: int, compiled: bool = False) -> int:
+    """What one GQA decoder layer's MLP part keeps beyond the dispatch's rows: the normed input (and eager
+    RMSNorm's fp32 copy), then the router's fp32 logits or the dense SwiGLU's gate, up, silu and product."""
+    d = cfg.hidden_size
+    norm = 2 * d * b + (0 if compiled else 4 * d)
     experts = getattr(cfg, "num_experts", 0)
-    if experts:
-        mlp = n_tok * (2 * d * b + fp32_copy + experts * 4)  # normed input, router logits (fp32)
+    return norm + (experts * 4 if experts else 4 * cfg.intermediate_size * b)
+
+
+def _gqa_attention_backward(cfg, b: int) -> int:
+    """SDPA's backward (FlashAttention and cuDNN alike): the output gradient, dq/dk/dv and an fp32 dq
+    accumulator, plus fp32 log-sum-exp-sized row terms."""
+    H, K, dh = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    return b * H * dh + b * (H + 2 * K) * dh + 4 * H * dh + 8 * H
+
+
+def _gqa_layer(cfg, b: int, dispatch: tuple[int, int], recompute: bool, compiled: bool = False) -> tuple[int, int]:
+    """(saved, peak) bytes per token of one Qwen3 / Qwen3-MoE decoder layer. Compiled chains (CUDA), as
+    `_hybrid_layer` counts Qwen3.5's: the MLP's backward runs first with every saved tensor alive, then
+    the attention's with the MLP's tensors freed; the layer output's gradient and the MLP input's
+    accumulating one throughout. Eager chains (the CPU): their backward's temporaries taken as large as
+    the layer's saved tensors (the rule the CPU tracker's runs fit)."""
+    d = cfg.hidden_size
+    attn, mlp = _gqa_attention(cfg, b, compiled), _gqa_mlp(cfg, b, compiled) + dispatch[0]
+    saved = attn + mlp
+    if not compiled:
+        return saved, saved + max(saved - dispatch[0] if recompute else 0, dispatch[1])
+    if getattr(cfg, "num_experts", 0):
+        mlp_bwd = dispatch[1]
     else:
-        f = cfg.intermediate_size
-        mlp = n_tok * (2 * d * b + fp32_copy + 4 * f * b)  # normed input; gate, up, silu, product
-    return attn + mlp
+        mlp_bwd = 3 * cfg.intermediate_size * b + b * d  # the SwiGLU's gradients, dx
+    peak = max(saved + mlp_bwd, attn + _gqa_attention_backward(cfg, b)) + 2 * b * d
+    return saved, peak - (saved if not recompute else 0)
 
 
 def _rms_norm(d: int, b: int) -> int:
@@ -579,13 +608,10 @@ def _activation_terms(est: Estimate, cfg, g: dict, par: Parallel, b: int, mtp: b
                     for t in set(types) | {first_type}}
         norm = _norm_kept(d, b, False)  # the final norm: its input, the last layer's output, is not kept
         mtp_norms = norm + _norm_kept(d, b, True)  # enorm; hnorm's input is the main loss input, kept
-    else:  # GQA layers: saved tensors, and as much again for their gradients
+    else:  # GQA layers (Qwen3, Qwen3-MoE)
         types, first_type = ["gqa"] * local_layers, "gqa"
-        work = _layer_working_set(cfg, 1, b, compiled=par.device == "cuda" and par.compiled_norms)
-        # the rebuilt layer's saved tensors, then either the MoE backward's working set or the attention
-        # part's gradients (as much again): the MoE backward ends before the attention's begins
-        grads = work if par.recompute else 0
-        per_type = {"gqa": (work + dispatch[0], work + dispatch[0] + max(grads, dispatch[1]))}
+        per_type = {"gqa": _gqa_layer(cfg, b, dispatch, par.recompute,
+                                      compiled=par.device == "cuda" and par.compiled_norms)}
         norm = _rms_norm(d, b)
         mtp_norms = 2 * norm
     worst = max(set(types), key=lambda t: per_type[t][1])  # under recompute one layer is rebuilt at a time

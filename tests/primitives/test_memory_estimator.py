@@ -229,6 +229,7 @@ def test_hybrid_layer_terms():
 
 @pytest.mark.parametrize("run,row", [p for p in _rows("training_step", "training_step_qwen3-30b-a3b_h200_x1.json",
                                                       "training_step_qwen3-30b-a3b_h200_x1_long.json",
+                                                      "training_step_qwen3-30b-a3b_h200_x1_longest_ours.json",
                                                       "training_step_qwen3.5-35b-a3b_h200_x1.json",
                                                       "training_step_qwen3.5-35b-a3b_h200_x1_long.json")
                                      if p.values[1]["stack"] == "bumblebee"])
