@@ -226,7 +226,7 @@ class _ChunkedEP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_ND):
         n, plan, K = ctx.n, ctx.plan, ctx.K
-        _, unpermute_grads_fn, sum_copies_fn, _ = ctx.permute
+        unpermute_grads_fn, sum_copies_fn = ctx.permute[1:3]
         order_M, inv_M, weights_NK, w1, w2, dest_R, src_R, counts_CL, offs_CL, x_cm, *rest = ctx.saved_tensors
         hs, mid, xs = rest[:n], rest[n:2 * n], rest[2 * n:]
         ys, ws = (None, mid) if ctx.fused else (mid, None)  # combined outputs, or the experts' row weights

@@ -12,9 +12,9 @@ token at Qwen3-30B-A3B's sizes) puts the backward's peak far above the parameter
   (rows are sorted by expert, so a group is one row range): gather x and g for the group, fc1
   (the recompute's work, moved here), the fc2 dgrad, the weighted SwiGLU gradient, both weight
   gradients of the group's experts, and its dx rows, added into the [N, D] fp32 input gradient by
-  `add_group_copies` (`kernels/moe_dispatch_permute.py`: each token's copies in the group summed in
-  fp32 in k order, then one add to its row; no atomics, so deterministic); then every group's
-  buffers are free;
+  `add_group_copies` (`kernels/moe_dispatch_permute.py`, where `fused_permute` is on; else its torch
+  twin: each token's copies in the group summed in fp32 in k order, then one add to its row; no
+  atomics, so deterministic); then every group's buffers are free;
 - the first forward, which keeps nothing per row, runs groups of about `forward_group_rows` rows (16x by
   default): one group at up to 128K tokens at top-8, whose fc2 output is itself the [M, D] buffer that
   the un-permute reads; several groups are copied into one (at 128K tokens of Qwen3.5-35B-A3B, 4 groups
@@ -36,7 +36,6 @@ import torch
 
 from bumblebee.kernels.moe_dispatch_expert_gemm import (TokensPerExpert, expert_dgrad_weighted, expert_forward,
                                                         expert_wgrad)
-from bumblebee.kernels.moe_dispatch_permute import add_group_copies
 from bumblebee.primitives.moe_dispatch_plan import exchange_counts
 
 
@@ -114,7 +113,7 @@ class LocalGroupedExperts(torch.autograd.Function):
             dx_g, gw_g, job = expert_dgrad_weighted(g_ND.index_select(0, tok), saved, w1_g, w2_g, w_sorted_M[r0:r1],
                                                     swiglu_grads_weighted=ctx.swiglu[2])
             del saved, x_g
-            add_group_copies(gx_ND, dx_g, inv_M, r0, r1)
+            ctx.permute[4](gx_ND, dx_g, inv_M, r0, r1)  # add_group_copies, fused or torch
             gw_M[r0:r1] = gw_g
             del dx_g, gw_g
             a1, a2 = expert_wgrad(job)

@@ -46,8 +46,9 @@ class ChunkedDispatch:
                                      "size (0 at EP = 2-3, 32 from 4); 0: off")
     wgrad: str = option("auto", "delayed wgrad of several chunks: 'gather' (regroup the rows, one GEMM per "
                         "weight), 'add' (one GEMM per chunk plus adds) or 'auto' (fewer bytes moved)")
-    fused_permute: bool = option(True, "un-permute, its gradient and the sum over K as fused Triton kernels "
-                                 "(kernels/moe_dispatch_permute.py, kernels/moe_dispatch_regroup.py) on CUDA")
+    fused_permute: bool = option(True, "un-permute, its gradient, the sum over K and the one-rank group "
+                                 "accumulation as fused Triton kernels (kernels/moe_dispatch_permute.py, "
+                                 "kernels/moe_dispatch_regroup.py) on CUDA")
     fused_swiglu: bool = option(True, "the experts' SwiGLU elementwise as one Triton pass each way "
                                 "(kernels/moe_dispatch_swiglu.py) on CUDA")
     fused_recompute: bool = option(True, "under the models' full recompute: the recompute skips fc2 and "
@@ -136,8 +137,9 @@ def swiglu_fns(config: ChunkedDispatch, t: torch.Tensor):
 
 
 def permute_fns(config: ChunkedDispatch, t: torch.Tensor):
-    """(unpermute, unpermute_grads, sum_copies, regroup) for this call: the fused kernels where
-    fused_permute is on and Triton runs on t (CUDA, or TRITON_INTERPRET=1), else the torch ones."""
+    """(unpermute, unpermute_grads, sum_copies, regroup, add_group_copies) for this call: the fused kernels
+    where fused_permute is on and Triton runs on t (CUDA, or TRITON_INTERPRET=1), else the torch ones."""
     if config.fused_permute and _fused.use_triton(t):
-        return _fused.unpermute, _fused.unpermute_grads, _fused.sum_copies, _regroup_kernel.regroup
-    return unpermute, unpermute_grads, sum_copies, regroup_rows
+        return (_fused.unpermute, _fused.unpermute_grads, _fused.sum_copies, _regroup_kernel.regroup,
+                _fused.add_group_copies)
+    return unpermute, unpermute_grads, sum_copies, regroup_rows, _fused.add_group_copies_torch

@@ -337,6 +337,8 @@ def test_add_group_copies_torch_fallback():
 def test_config_picks_functions():
     x = torch.zeros(1)
     assert permute_fns(ChunkedDispatch(fused_permute=False), x)[0] is ref_mod.unpermute
+    assert permute_fns(ChunkedDispatch(fused_permute=False), x)[4] is fused.add_group_copies_torch
+    assert (permute_fns(ChunkedDispatch(), x)[4] is fused.add_group_copies) == fused.use_triton(x)
     # CPU tensors: the fused kernels only under the interpreter
     assert permute_fns(ChunkedDispatch(), x)[2] is (fused.sum_copies if fused.INTERPRET else ref_mod.sum_copies)
     with pytest.raises(ValueError, match="fused_permute"):
