@@ -11,6 +11,7 @@ backward to cache its attention outputs in the recompute instead of the first fo
 
 `region()` is the running region's `Handover`: values its first forward keeps for its recompute, taken
 back in the same order (the attention slot keeps its output there, so the recompute skips attention).
+`keep_through` is that decision, shared by the slots that keep an output (attention, DeltaNet's rule).
 """
 from __future__ import annotations
 
@@ -63,6 +64,24 @@ class _Pass:
     def __exit__(self, *exc):
         _STATE.phase, _STATE.region = self._prev.pop()
         return False
+
+
+def keep_through(plain, choose, first, again):
+    """Inside a region: the first forward keeps an output for the recompute when `choose()` gives a kernel
+    (it has reserved the bytes), and the recompute takes it instead of running the work again; else both
+    passes run `plain()` (they must save the same tensors: the recompute follows what its first forward
+    handed over). first(kernel) -> the kept output; again(kernel, out) -> the recompute's output."""
+    handover = region()
+    if phase() == "recompute":
+        plan = handover.take()
+        return plain() if plan is None else again(plan["kernel"], plan["out"])
+    kernel = choose()
+    if kernel is None:
+        handover.keep(None)
+        return plain()
+    out = first(kernel)
+    handover.keep({"kernel": kernel, "out": out.detach()})  # no grad_fn: no cycle through the graph
+    return out
 
 
 def contexts():

@@ -110,24 +110,18 @@ def _kept_through_recompute(q, k, v, scale, limit_bytes: int, fa4: bool):
     """Inside a full-recompute region: the first forward keeps the output of the kernel that runs (FA4, or
     the one SDPA would pick) while `limit_bytes` allows, and the recompute takes it instead of running
     attention; otherwise both passes run the plain path (they must save the same tensors)."""
-    plain = _fa4_dense if fa4 else _sdpa
-    handover = recompute.region()
-    if recompute.phase() == "recompute":
-        plan = handover.take()
-        if plan is None:
-            return plain(q, k, v, scale)
-        return _kept.KeptAttention.apply(q, k, v, scale, plan["kernel"], 0, plan["out"])
-    if fa4:
-        kernel = _FA4_KEPT
-    else:
-        kernel = _kept.kernel_for(q, _sdpa_cudnn.choice(q, k, v, scale, enable_gqa=k.shape[1] != q.shape[1]))
     nbytes = _kept.kept_bytes(q, v)
-    if kernel is None or not _kept.KEPT.reserve(nbytes, limit_bytes):
-        handover.keep(None)
-        return plain(q, k, v, scale)
-    out = _kept.KeptAttention.apply(q, k, v, scale, kernel, nbytes, None)
-    handover.keep({"kernel": kernel, "out": out.detach()})  # no grad_fn: no cycle through the graph
-    return out
+
+    def choose():
+        if fa4:
+            kernel = _FA4_KEPT
+        else:
+            kernel = _kept.kernel_for(q, _sdpa_cudnn.choice(q, k, v, scale, enable_gqa=k.shape[1] != q.shape[1]))
+        return kernel if kernel is not None and _kept.KEPT.reserve(nbytes, limit_bytes) else None
+    return recompute.keep_through(
+        lambda: (_fa4_dense if fa4 else _sdpa)(q, k, v, scale), choose,
+        lambda kernel: _kept.KeptAttention.apply(q, k, v, scale, kernel, nbytes, None),
+        lambda kernel, out: _kept.KeptAttention.apply(q, k, v, scale, kernel, 0, out))
 
 
 _FA4_KEPT = _kept.Kernel("fa4", _fa4.kept_forward, _fa4.kept_backward)

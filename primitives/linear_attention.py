@@ -269,16 +269,10 @@ class FLAGatedDeltaNet(nn.Module):
         limit = self.options.recompute_keep_bytes
         if not limit or recompute.phase() not in ("forward", "recompute"):
             return plain(q, k, v, g, beta, scale, cu_seqlens)
-        handover = recompute.region()
-        if recompute.phase() == "recompute":
-            plan = handover.take()
-            if plan is None:
-                return plain(q, k, v, g, beta, scale, cu_seqlens)
-            return _kept.KeptRule.apply(q, k, v, g, beta, scale, cu_seqlens, plan["kernel"], None, plan["out"])
         nbytes = kernel.kept_bytes(q, v) if kernel is not None else 0
-        if kernel is None or not KEPT.reserve(nbytes, limit):
-            handover.keep(None)
-            return plain(q, k, v, g, beta, scale, cu_seqlens)
-        out = _kept.KeptRule.apply(q, k, v, g, beta, scale, cu_seqlens, kernel, lambda: KEPT.release(nbytes), None)
-        handover.keep({"kernel": kernel, "out": out.detach()})  # no grad_fn: no cycle through the graph
-        return out
+        return recompute.keep_through(
+            lambda: plain(q, k, v, g, beta, scale, cu_seqlens),
+            lambda: kernel if kernel is not None and KEPT.reserve(nbytes, limit) else None,
+            lambda kern: _kept.KeptRule.apply(q, k, v, g, beta, scale, cu_seqlens, kern,
+                                              lambda: KEPT.release(nbytes), None),
+            lambda kern, out: _kept.KeptRule.apply(q, k, v, g, beta, scale, cu_seqlens, kern, None, out))
