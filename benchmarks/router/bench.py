@@ -17,7 +17,6 @@ Every case times a fixed number of iterations with CUDA events (median ms) after
 from __future__ import annotations
 
 import sys
-import datetime
 import json
 import os
 from pathlib import Path
@@ -159,12 +158,11 @@ def check_identical_indices():
 
 
 def write_results(path=None):
-    import triton
 
     path = Path(path or OUT / "router.json")
     path.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.update(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                   date=datetime.date.today().isoformat(), shapes={"dsv3": DSV3, "qwen35": QWEN35, "experts": EXPERTS})
+    from stamp import stamp  # the commit (BENCH_COMMIT where the launcher sets it), versions, device, date
+    RESULTS.update(stamp(), shapes={"dsv3": DSV3, "qwen35": QWEN35, "experts": EXPERTS})
     by = {(c["case"], c["impl"]): c["median_ms"] for c in RESULTS["cases"] if "median_ms" in c}
     RESULTS["speedup_fused_vs_twin"] = {f"{T // 1024}K": by[(f"dsv3-{T // 1024}K", "aux_free_ref")]
                                         / by[(f"dsv3-{T // 1024}K", "aux_free")]
