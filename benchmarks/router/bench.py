@@ -158,7 +158,6 @@ def check_identical_indices():
 
 
 def write_results(path=None):
-
     path = Path(path or OUT / "router.json")
     path.parent.mkdir(parents=True, exist_ok=True)
     from stamp import stamp  # the commit (BENCH_COMMIT where the launcher sets it), versions, device, date
