@@ -189,13 +189,16 @@ def test_composed_step_peak(run, row):
 @pytest.mark.parametrize("run,row", list(_rows("state_sharding", "state_sharding.json", "ranks4/state_sharding.json",
                                                 "ranks8/state_sharding.json")))
 def test_state_sharding_benchmark_peak(run, row):
-    """benchmarks/state_sharding/bench.py's estimator target: within 10% of the measured peak."""
+    """benchmarks/state_sharding/bench.py's estimator target: within 10% of the measured peak. These runs
+    predate the compiled chains and the chunked dispatch at one rank (EP = 1 ran the local twin); those
+    before the dispatch's fused recompute (landed 2026-11-22 08:08 UTC) saved the combined rows."""
     s = run["shape"]
     config = {**models.NAMED[s["model"]], "num_hidden_layers": s["layers"], "dtype": "float32"}
     est = memory.estimate(config, memory.Parallel(
         dp=run["world_size"], ep=s["ep"], sharding=row["impl"], mixed_precision=s["mixed_precision"],
         micro_batch=s["micro_batch"], seq_len=s["seq_len"], recompute=s["recompute"], loss=s["loss"],
-        adamw=s.get("adamw", "foreach")))  # runs before fused AdamW
+        adamw=s.get("adamw", "foreach"),  # runs before fused AdamW
+        compiled_norms=False, moe_dispatch="local", moe_fused_recompute=run["date"] >= "2026-11-22T08:08"))
     assert abs(est.peak - row["peak_bytes"]) <= 0.10 * row["peak_bytes"], (est.peak, row["peak_bytes"], est.phases)
     assert abs(est.static - row["static_bytes"]) <= 0.05 * row["static_bytes"]
 
