@@ -183,12 +183,11 @@ def _gqa_attention(cfg, b: int, compiled: bool = False) -> int:
 
 def _gqa_mlp(cfg, b: int, compiled: bool = False) -> int:
     """What one GQA decoder layer's MLP part keeps beyond the dispatch's rows: the post-attention norm's
-    input and output (and eager RMSNorm's fp32 copy), then the router's fp32 logits or the dense SwiGLU's
-    gate, up, silu and product."""
+    input and output (and eager RMSNorm's fp32 copy), then the router's saved tensors (`_moe_router`) or
+    the dense SwiGLU's gate, up, silu and product."""
     d = cfg.hidden_size
     norm = 2 * d * b + (0 if compiled else 4 * d)
-    experts = getattr(cfg, "num_experts", 0)
-    return norm + (experts * 4 if experts else 4 * cfg.intermediate_size * b)
+    return norm + (_moe_router(cfg, b) if getattr(cfg, "num_experts", 0) else 4 * cfg.intermediate_size * b)
 
 
 def _gqa_attention_backward(cfg, b: int) -> int:
