@@ -14,8 +14,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.limits import SUBPROCESS_TIMEOUT_S
 
-def run_under_interpreter(test_file: str, timeout: int = 600) -> dict:
+
+def run_under_interpreter(test_file: str, timeout: int = SUBPROCESS_TIMEOUT_S) -> dict:
     root = Path(__file__).resolve().parents[1]
     path = os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))  # `tests` importable
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}

@@ -6,13 +6,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.limits import SUBPROCESS_TIMEOUT_S
+
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "benchmarks"
 
 
 def _run(args, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    p = subprocess.run(args, capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
+    p = subprocess.run(args, capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S, cwd=tmp_path, env=env)
     assert p.returncode == 0, (p.stdout[-2000:], p.stderr[-3000:])
     return p.stdout
 

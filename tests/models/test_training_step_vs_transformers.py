@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.limits import SUBPROCESS_TIMEOUT_S
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -16,7 +18,7 @@ def test_both_stacks_train_the_same_model(tmp_path, model, ranks):
     """Two gloo ranks: ours with the experts over EP = 2 (chunked dispatch), the peer FSDP2 over both."""
     p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "training_step" / "bench.py"), "--cpu-smoke",
                         "--model", model, "--gpus", str(ranks), "--out", str(tmp_path)],
-                       capture_output=True, text=True, timeout=600)
+                       capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S)
     assert p.returncode == 0, p.stderr[-3000:]
     report = json.loads(next(tmp_path.glob("training_step_*.json")).read_text())
     assert {r["stack"] for r in report["rows"]} == {"bumblebee", "transformers"}

@@ -12,6 +12,8 @@ import sys
 import pytest
 import torch
 
+from tests.limits import SUBPROCESS_TIMEOUT_S
+
 pytestmark = pytest.mark.gpu
 
 PROBE = r"""
@@ -41,7 +43,7 @@ print("STATE" + json.dumps(out))
 
 def _run(model: str, before_too: bool) -> dict:
     p = subprocess.run([sys.executable, "-c", PROBE, model, "1" if before_too else "0"],
-                       capture_output=True, text=True, timeout=600)
+                       capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S)
     assert p.returncode == 0, p.stderr[-3000:]
     line = next(x for x in p.stdout.splitlines() if x.startswith("STATE"))
     return json.loads(line[5:])

@@ -15,6 +15,7 @@ from bumblebee.baselines.cross_entropy import materialized_cross_entropy
 from bumblebee.options import Bound
 from bumblebee.primitives import cross_entropy as lce
 from bumblebee.primitives.cross_entropy import LinearCE, linear_cross_entropy, linear_cross_entropy_with
+from tests.limits import SUBPROCESS_TIMEOUT_S
 from tests.ranks import leave_group
 
 N, H, V = 45, 23, 101  # V prime; N, H not multiples of any block
@@ -390,7 +391,7 @@ def test_triton_kernels_interpreted():
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1")
     r = subprocess.run([sys.executable, "-c", INTERPRETED], env=env, capture_output=True, text=True,
-                       timeout=600)
+                       timeout=SUBPROCESS_TIMEOUT_S)
     assert r.returncode == 0 and "INTERPRETED OK" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
 
 

@@ -18,6 +18,7 @@ import torch
 
 from bumblebee.kernels import linear_attention_gdn_backward as gb
 from tests.interpreter import run_under_interpreter
+from tests.limits import SUBPROCESS_TIMEOUT_S
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -187,7 +188,7 @@ def test_fla_backward_finds_this_kernel(dispatch):
     env = {**os.environ, "FLA_DISABLE_BACKEND_DISPATCH": "1" if dispatch == "no-dispatch" else "0"}
     root = Path(__file__).resolve().parents[2]
     proc = subprocess.run([sys.executable, __file__, "--fla-hook"], env=env, cwd=root, capture_output=True,
-                          text=True, timeout=600)
+                          text=True, timeout=SUBPROCESS_TIMEOUT_S)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     hook = json.loads(proc.stdout.strip().splitlines()[-1])["hook"]
     assert ("registry" in hook) == (dispatch == "registry"), hook

@@ -10,7 +10,6 @@ its chunks sequentially in issue order.
 from __future__ import annotations
 
 import contextlib
-import datetime
 import os
 import re
 import socket
@@ -28,6 +27,7 @@ from bumblebee.primitives.moe_dispatch_options import AUTO_MIN_TOKENS, ChunkedDi
 from bumblebee.models.moe import GroupedExperts, MoEBlock, hf_to_ours_sources
 from bumblebee.parallelize import shard_experts
 from bumblebee.kernels.moe_dispatch_expert_gemm import WgradStore, swiglu_experts
+from tests.limits import PROCESS_GROUP_TIMEOUT
 from tests.ranks import leave_group
 
 TOL_TWIN = 1e-6
@@ -335,11 +335,11 @@ def process_group(backend, rank, world, port):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if backend == "nccl":
         torch.cuda.set_device(rank)
-        dist.init_process_group("nccl", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120),
+        dist.init_process_group("nccl", rank=rank, world_size=world, timeout=PROCESS_GROUP_TIMEOUT,
                                 device_id=torch.device("cuda", rank))
     else:
         torch.set_num_threads(1)
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=PROCESS_GROUP_TIMEOUT)
     try:
         yield dist.group.WORLD
     except BaseException:

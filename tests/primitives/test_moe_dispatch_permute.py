@@ -15,7 +15,6 @@ float64 within the fp32 rounding bound of its sums (`group_cases`).
 """
 from __future__ import annotations
 
-import datetime
 import json
 import os
 import sys
@@ -31,6 +30,7 @@ from bumblebee.kernels import moe_dispatch_permute as fused
 from bumblebee.primitives.moe_dispatch_local import expert_groups
 from bumblebee.primitives.moe_dispatch_options import ChunkedDispatch, permute_fns
 from tests.interpreter import interpreted_fixture
+from tests.limits import PROCESS_GROUP_TIMEOUT
 from tests.ranks import leave_group
 
 FLOOR = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}
@@ -222,7 +222,7 @@ def _ep_worker(rank, world, port, out_dir):
     from tests.primitives import test_moe_dispatch as tmd
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=PROCESS_GROUP_TIMEOUT)
     from bumblebee.kernels import moe_dispatch_regroup as moe_regroup, moe_dispatch_swiglu as swiglu
     calls = {"unpermute": 0, "unpermute_grads": 0, "sum_copies": 0, "regroup": 0, "swiglu": 0, "swiglu_grads": 0,
              "swiglu_grads_weighted": 0}

@@ -21,6 +21,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from bumblebee import checkpoint, models, registry
+from tests.limits import PROCESS_GROUP_TIMEOUT
 from tests.ranks import leave_group
 
 CFG, MOE, TIED, Q35, ODD, DSV3 = ("qwen3-tiny", "qwen3-moe-tiny", "tied", "qwen3.5-moe-tiny", "odd-vocab",
@@ -79,10 +80,9 @@ def _free_port() -> int:
 def _worker(rank, world, port, scenario, out_dir, module, backend):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    import datetime
     if backend == "nccl":
         torch.cuda.set_device(rank)
-    dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=180))
+    dist.init_process_group(backend, rank=rank, world_size=world, timeout=PROCESS_GROUP_TIMEOUT)
     try:
         from torch.distributed.device_mesh import init_device_mesh
         mesh = init_device_mesh("cuda" if backend == "nccl" else "cpu", (world,), mesh_dim_names=("dp",))
