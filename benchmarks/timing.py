@@ -12,9 +12,12 @@ sync, synced           a device synchronize (none on the CPU); fn then one: for 
                        the host clock
 Stopwatch              seconds since a start on the host clock: a run's time budget and total wall
                        time (bookkeeping, not a measurement)
+check_measured         what a pytest-benchmark case asserts: its timings and the record's measured
+                       numbers are finite and in range
 """
 from __future__ import annotations
 
+import math
 import statistics
 import time
 
@@ -132,3 +135,23 @@ class Stopwatch:
 
     def seconds(self) -> float:
         return time.perf_counter() - self._t0
+
+
+def check_measured(benchmark=None, record=None, positive=("median_ms",), nonnegative=()) -> None:
+    """Assert that a benchmark case measured what it reports: pytest-benchmark's timings (when
+    `benchmark` ran) are finite and > 0; in `record`, each `positive` field is a finite number > 0
+    and each `nonnegative` field one >= 0 or None (a figure only a GPU measures). A case whose
+    timing came back NaN, zero or missing fails instead of landing in the table."""
+    if benchmark is not None and getattr(benchmark, "stats", None) is not None:
+        stats = benchmark.stats.stats
+        for name in ("min", "median", "max"):
+            value = getattr(stats, name)
+            assert math.isfinite(value) and value > 0, f"benchmark {name} time {value}"
+    record = record or {}
+    for key in positive:
+        value = record.get(key)
+        assert isinstance(value, (int, float)) and math.isfinite(value) and value > 0, f"{key} = {value!r}"
+    for key in nonnegative:
+        value = record.get(key)
+        assert value is None or isinstance(value, (int, float)) and math.isfinite(value) and value >= 0, \
+            f"{key} = {value!r}"

@@ -36,7 +36,7 @@ import pytest
 import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: stamp, timing, siblings
 from stamp import stamp
-from timing import matmul_tflops, median_ms, synced
+from timing import check_measured, matmul_tflops, median_ms, synced
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -168,6 +168,7 @@ def test_attention(benchmark, impl, case):
         pytest.skip(str(e))
     benchmark.extra_info.update(rec)
     benchmark.pedantic(synced(fn), rounds=5, warmup_rounds=1)
+    check_measured(benchmark, rec, positive=("median_ms", "useful_TFLOPs"), nonnegative=("peak_MB",))
 
 
 def summarize():

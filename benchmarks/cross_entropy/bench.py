@@ -29,7 +29,7 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # benchmarks/: stamp, timing, siblings
-from timing import do_bench_ms, matmul_tflops, synced  # noqa: E402
+from timing import check_measured, do_bench_ms, matmul_tflops, synced  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -150,6 +150,7 @@ def test_cross_entropy(benchmark, impl, shape, dims):
     case["median_ms"] = benchmark.stats.stats.median * 1e3
     case["useful_tflops"] = 6 * n * h * v / case["median_ms"] / 1e9
     case["x_floor"] = case["median_ms"] / case["floor_ms"]
+    check_measured(benchmark, case, positive=("median_ms", "useful_tflops", "x_floor", "floor_ms", "valid_floor_ms"))
     benchmark.extra_info.update({k: case[k] for k in ("workspace_gib", "useful_tflops", "x_floor", "floor_ms",
                                                       "valid_floor_ms")})
     del hidden, weight

@@ -31,7 +31,7 @@ from pathlib import Path
 import pytest
 import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: stamp, timing, siblings
-from timing import Stopwatch, median_ms
+from timing import Stopwatch, check_measured, median_ms
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -163,6 +163,7 @@ def test_deltanet_layer(benchmark, impl, T):
     fn, rec = layer_case(impl, T)
     benchmark.extra_info.update(rec)
     benchmark.pedantic(_synced(fn), rounds=3, warmup_rounds=1)
+    check_measured(benchmark, rec, positive=("median_ms", "rule_TFLOPs"), nonnegative=("peak_MB",))
 
 
 @pytest.mark.parametrize("T", STEP_TOKENS, ids=lambda t: f"{t // 1024}K")
@@ -172,6 +173,7 @@ def test_decoder_group_step(benchmark, impl, T):
     fn, rec = step_case(impl, T)
     benchmark.extra_info.update(rec)
     benchmark.pedantic(_synced(fn), rounds=3, warmup_rounds=1)
+    check_measured(benchmark, rec, nonnegative=("peak_MB",))
 
 
 def fla_backward_info():

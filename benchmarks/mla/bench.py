@@ -66,7 +66,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: stamp, timing, siblings
 from siblings import load  # noqa: E402
 from stamp import stamp  # noqa: E402
-from timing import matmul_tflops, synced  # noqa: E402
+from timing import check_measured, matmul_tflops, synced  # noqa: E402
 
 # the parts: run settings and records, the core sweep, megatron-core's MLA
 run = load("mla", "run_config")
@@ -195,6 +195,7 @@ def test_mla(benchmark, impl, T):
     fn, rec = mla_case(impl, T)
     benchmark.extra_info.update(rec)
     benchmark.pedantic(synced(fn), rounds=5, warmup_rounds=1)
+    check_measured(benchmark, rec, nonnegative=("peak_MB", "first_step_peak_MB"))
 
 
 def summarize():

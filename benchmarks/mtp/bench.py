@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: stamp, timing, siblings
-from timing import median_ms
+from timing import check_measured, median_ms
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -77,6 +77,7 @@ def test_mtp(benchmark, impl, T):
     fn, rec = mtp_case(impl, T)
     benchmark.extra_info.update(rec)
     benchmark.pedantic(_sync(fn), rounds=3, warmup_rounds=1)
+    check_measured(benchmark, rec, nonnegative=("peak_MB",))
 
 
 def write_results(path=None):

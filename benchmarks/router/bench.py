@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: stamp, timing, siblings
-from timing import median_ms
+from timing import check_measured, median_ms
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -124,6 +124,7 @@ def test_dsv3_routing(benchmark, impl, T):
     fn, rec = routing_case("dsv3", impl, T)
     benchmark.extra_info.update(rec)
     benchmark.pedantic(_sync(fn), rounds=20, warmup_rounds=3)
+    check_measured(benchmark, rec, positive=("median_ms", "logits_read_GBps"), nonnegative=("peak_workspace_bytes",))
 
 
 @pytest.mark.parametrize("T", TOKENS, ids=lambda t: f"{t // 1024}K")
@@ -133,6 +134,7 @@ def test_qwen35_routing(benchmark, impl, T):
     fn, rec = routing_case("qwen35", impl, T)
     benchmark.extra_info.update(rec)
     benchmark.pedantic(_sync(fn), rounds=20, warmup_rounds=3)
+    check_measured(benchmark, rec, positive=("median_ms", "logits_read_GBps"), nonnegative=("peak_workspace_bytes",))
 
 
 @pytest.mark.parametrize("mode", ["always", "never"])
@@ -141,6 +143,7 @@ def test_experts(benchmark, mode):
     fn, rec = experts_case(mode)
     benchmark.extra_info.update(rec)
     benchmark.pedantic(_sync(fn), rounds=5, warmup_rounds=1)
+    check_measured(benchmark, rec, positive=("median_ms", "TFLOPs"), nonnegative=("peak_bytes",))
 
 
 def check_identical_indices():
