@@ -53,7 +53,6 @@ CARVEOUTS = [0, 16, 32]  # SMs the overlapped grouped GEMMs leave to NCCL (the p
 CARVEOUT_CHUNKS = [2, (1, 2)]
 WARMUP, ITERS = 3, 10
 SINGLES: list = []
-ANCHOR = {4096: 7.8, 8192: 8.5, 16384: 12.9, 32768: 18.5, 65536: 24.0}  # published speedup %, no-chunk -> chunked
 
 
 def inputs(N, rank, device, dtype=torch.bfloat16):
@@ -336,7 +335,6 @@ def main():
         row["hidden_a2a_fraction_vs_c1"] = {n: (row["chunked_c1_ms"] - row[f"chunked_{n}_ms"])
                                             / row["all_to_all_alone_ms"] for n in names if n != "c1"}
         row["exposed_a2a_fraction_of_twin"] = row["all_to_all_alone_ms"] / row["twin_ms"]
-        row["anchor_speedup_pct"] = ANCHOR.get(N)
         if N == 16384:
             row["chunked_c2_recompute_ms"] = timed(layer_step("chunked", x, w, idx, experts, chunks=2,
                                                               recompute=True), group)

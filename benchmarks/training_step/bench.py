@@ -3,6 +3,7 @@
     python benchmarks/training_step/bench.py --model qwen3-30b-a3b --layers 4 --seq-lens 32768,65536,131072
     python benchmarks/training_step/bench.py --longest 131072,163840,196608   # the longest each stack fits
     python benchmarks/training_step/bench.py --cpu-smoke                       # tiny model, fp32, no Liger
+    python benchmarks/training_step/bench.py --merge a.json,b.json --out DIR    # one file from split runs
 
 One process per (stack, length) (`--worker`, launched by this driver; torchrun over `--gpus`), so
 neither stack sees what the other left in the process. First a transformers model of the named
@@ -11,12 +12,20 @@ own `save_pretrained`; both stacks load that folder (`benchmarks/training_step/s
 on the same token batches (step i: tokens drawn from a generator seeded with i), fp32 master weights,
 bf16 compute, full recompute, AdamW, clipping at 1.0.
 
-Per stack and length, one row: tokens/s (median step after `--warmup`), model TFLOP/s (6 x active
+The peer (`transformers+liger`) is the best configuration a user gets from flags and installed packages:
+FlashAttention 4 where flash-attn-4 imports (else SDPA), fused AdamW, Liger's kernels, non-reentrant
+checkpointing; `transformers+liger-reference` is the configuration earlier results used (SDPA, foreach
+AdamW), for reference only. Each length runs `--rounds` times interleaved (peer, ours, peer, ours, ...).
+
+Per stack, length and round, one row: tokens/s (median step after `--warmup`), model TFLOP/s (6 x active
 matmul weights per token + causal attention, recompute not counted), static memory (allocated after
 the first optimizer step), peak memory (max allocated over the run), loss and grad norm of every step,
 and, at `--profile-len`, a kernel-time breakdown of one profiled step by category, its top kernels,
-and the attention ops it ran. A stack that runs out of memory gets a row with `fits: false`.
-Writes DIR/training_step_<gpu>_x<gpus>.json: {"rows": [...], "comparison": [...], meta}.
+and the attention ops it ran; in every row `attention_kernel` and `optimizer`, read from the kernels and
+operators one traced step launched (`step_profile.py`). A stack that runs out of memory gets a row with
+`fits: false`. The comparison (`step_compare.py`) pairs ours with a fused-AdamW peer of the same attention
+kernel family (or says the families differ), with the ratio's spread over the rounds and its verdict
+against `--target`. Writes DIR/training_step_<model>_<gpu>_x<gpus>.json: {"rows", "comparison", meta}.
 """
 from __future__ import annotations
 
@@ -33,20 +42,13 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # benchmarks/: stamp, timing, siblings
+sys.path.insert(0, str(HERE))  # step_stacks, step_profile, step_compare
 from stamp import commit, stamp  # noqa: E402  (benchmarks/ is not a package)
 from timing import Stopwatch, step_times_ms, sync  # noqa: E402
+from step_compare import TARGET, compare  # noqa: E402
+from step_profile import kernels_launched, profile_step  # noqa: E402
 
 STACKS = ("transformers+liger", "bumblebee")  # the peer first: its kernels autotune once
-CATEGORIES = [  # first match wins; kernel names lower-cased
-    ("attention", ("fmha", "flash", "attention", "sdpa", "fa4", "cudnn")),
-    ("nccl", ("nccl",)),
-    ("optimizer", ("multi_tensor_apply", "adam", "fused_adamw")),
-    ("gemm", ("gemm", "nvjet", "xmma", "cutlass", "matmul", "grouped_mm", "wgmma", "splitk", "cublas")),
-    ("copies_and_casts", ("copy", "cast", "catarray", "cat_", "index", "gather", "scatter", "convert", "fill",
-                          "permute", "transpose", "contiguous")),
-    ("reductions", ("reduce", "norm", "sum", "softmax", "topk", "sort", "radix", "cumsum", "bincount")),
-    ("elementwise", ("elementwise", "silu", "mul", "add", "exp", "foreach")),
-]
 
 
 def hf_slice(name: str, layers: int, cpu_smoke: bool) -> dict:
@@ -89,49 +91,6 @@ def model_flops_per_token(hf: dict, seq_len: int) -> float:
 
 
 # ---- the worker: one stack, one length, one process per GPU ----------------------------------------------
-
-def classify(name: str) -> str:
-    low = name.lower()
-    for cat, keys in CATEGORIES:
-        if any(k in low for k in keys):
-            return cat
-    return "other"
-
-
-def profile_step(stack, ids) -> dict:
-    from torch.profiler import ProfilerActivity, profile
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ids.is_cuda else [])
-    sync(ids.device)
-    clock = Stopwatch()
-    with profile(activities=acts, record_shapes=True) as prof:
-        stack.step(ids)
-        sync(ids.device)
-    wall = clock.seconds() * 1e3
-    kernels, attention_ops = {}, {}
-    for e in prof.events():
-        dev = getattr(e, "device_type", None)
-        if dev is not None and dev != torch.autograd.DeviceType.CPU:
-            t = getattr(e, "device_time", None)
-            t = e.cuda_time if t is None else t
-            kernels[e.name] = kernels.get(e.name, 0.0) + t / 1e3
-        elif "scaled_dot_product" in e.name or "fa4" in e.name or "varlen" in e.name or "chunk_gated_delta" in e.name:
-            attention_ops[e.name] = attention_ops.get(e.name, 0) + 1
-    cats = {}
-    for name, ms in kernels.items():
-        c = classify(name)
-        cats[c] = cats.get(c, 0.0) + ms
-    top = sorted(kernels.items(), key=lambda kv: -kv[1])[:40]
-    ops = []  # the operators behind the kernel time, with their input shapes
-    for e in prof.key_averages(group_by_input_shape=True):
-        ms = getattr(e, "self_device_time_total", 0) / 1e3
-        if ms > 0 and getattr(e, "device_type", None) == torch.autograd.DeviceType.CPU:
-            ops.append({"op": e.key, "shapes": str(e.input_shapes)[:200], "ms": ms, "count": e.count})
-    ops.sort(key=lambda o: -o["ms"])
-    return {"wall_ms": wall, "kernel_ms_total": sum(kernels.values()),
-            "categories_ms": dict(sorted(cats.items(), key=lambda kv: -kv[1])),
-            "top_kernels": [{"name": n[:160], "ms": ms, "category": classify(n)} for n, ms in top],
-            "attention_ops": attention_ops, "top_ops": ops[:60]}
-
 
 def batch(i: int, seq_len: int, vocab: int, device) -> torch.Tensor:
     g = torch.Generator().manual_seed(1000 + i)
@@ -229,8 +188,15 @@ def worker(args) -> None:
                     "static_bytes": static, "peak_bytes": peak,
                     "reserved_bytes": torch.cuda.max_memory_reserved() if not cpu else 0,
                     "losses": losses, "grad_norms": norms, "peak_by_phase": phases})
+        # one more step traced: what it launched (every row), the full breakdown at --profile-len
+        extra = batch(args.warmup + args.steps, args.seq_len, hf["vocab_size"], device)
         if args.profile:
-            row["profile"] = profile_step(stack, batch(args.warmup + args.steps, args.seq_len, hf["vocab_size"], device))
+            row["profile"] = profile_step(stack, extra)
+            seen = {k: row["profile"][k] for k in ("attention_kernel", "attention_kernel_ms",
+                                                   "linear_attention_kernel_ms", "optimizer")}
+        else:
+            seen = kernels_launched(stack, extra)
+        row.update(seen)
         row["sdpa_backend_after"] = sdpa_backend_now(device)
     except torch.OutOfMemoryError as e:
         fits = False
@@ -245,8 +211,8 @@ def worker(args) -> None:
 # ---- the driver ------------------------------------------------------------------------------------------
 
 def launch(args, stack: str, seq_len: int, steps: int, profile: bool, tmp: Path, warmup: int | None = None,
-           warmup_len: int = 0) -> dict:
-    row_out = tmp / f"row_{''.join(c if c.isalnum() else '_' for c in stack)}_{seq_len}.json"
+           warmup_len: int = 0, round_: int = 0) -> dict:
+    row_out = tmp / f"row_{''.join(c if c.isalnum() else '_' for c in stack)}_{seq_len}_{round_}.json"
     row_out.unlink(missing_ok=True)
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", stack, "--init", str(tmp / "init"),
            "--model", args.model, "--layers", str(args.layers), "--seq-len", str(seq_len), "--steps", str(steps),
@@ -272,7 +238,9 @@ def launch(args, stack: str, seq_len: int, steps: int, profile: bool, tmp: Path,
         row = {"stack": stack, "model": args.model, "gpus": args.gpus, "seq_len": seq_len, "fits": not oom and None,
                "error": tail[-1500:], **commit()}
     row["process_s"] = clock.seconds()
-    short = {k: row.get(k) for k in ("stack", "seq_len", "fits", "median_ms", "tokens_per_s", "peak_bytes")}
+    row["round"] = round_
+    short = {k: row.get(k) for k in ("stack", "seq_len", "round", "fits", "median_ms", "tokens_per_s", "peak_bytes",
+                                     "attention_kernel", "optimizer")}
     print(json.dumps(short), flush=True)
     return row
 
@@ -288,24 +256,23 @@ def make_init(args, hf: dict, path: Path) -> str:
     return proc.stdout.strip().splitlines()[-1].replace("NVIDIA ", "").replace(" ", "-").lower()
 
 
-def compare(rows: list[dict]) -> list[dict]:
-    """Ours over the peer at each length both ran: speed, memory, and the loss / grad-norm agreement."""
-    out = []
-    by = {(r["stack"], r["seq_len"]): r for r in rows if r.get("fits")}
-    peer = next((r["stack"] for r in rows if "liger" in r["stack"] or r["stack"] == "transformers"), None)
-    for (stack, s), ours in sorted(by.items(), key=lambda kv: kv[0][1]):
-        theirs = by.get((peer, s))
-        if stack != "bumblebee" or theirs is None:
-            continue
-        n = min(len(ours["losses"]), len(theirs["losses"]))
-        dl = [abs(a - b) / abs(b) for a, b in zip(ours["losses"][:n], theirs["losses"][:n])]
-        dg = [abs(a - b) / abs(b) for a, b in zip(ours["grad_norms"][:n], theirs["grad_norms"][:n])]
-        out.append({"seq_len": s, "peer": peer, "speed_ratio": ours["tokens_per_s"] / theirs["tokens_per_s"],
-                    "peak_ratio": ours["peak_bytes"] / max(1, theirs["peak_bytes"]),
-                    "static_ratio": ours["static_bytes"] / max(1, theirs["static_bytes"]),
-                    "steps_compared": n, "max_loss_rel_diff": max(dl), "max_grad_norm_rel_diff": max(dg),
-                    "loss_agrees": max(dl) <= 1e-2, "grad_norm_agrees": max(dg) <= 5e-2})
-    return out
+def merge(paths: list[Path], out: Path, target: float) -> dict:
+    """One result file from several of the same measured code (commit), model, device and GPU count:
+    the header of the first, every file's rows, the comparison recomputed over them."""
+    runs = [json.loads(p.read_text()) for p in paths]
+    keys = ("commit", "model", "layers", "device", "gpus", "torch")
+    for p, run in zip(paths[1:], runs[1:]):
+        if any(run.get(k) != runs[0].get(k) for k in keys) or run.get("dirty") or runs[0].get("dirty"):
+            raise ValueError(f"--merge: {p} differs from {paths[0]} in {keys} or was measured on a dirty tree")
+    rows = [r for run in runs for r in run["rows"]]
+    report = {**runs[0], "rows": rows, "comparison": compare(rows, target), "merged_dates": [r["date"] for r in runs],
+              "longest_fit": {st: max([r["seq_len"] for r in rows if r["stack"] == st and r.get("fits")], default=None)
+                              for st in dict.fromkeys(r["stack"] for r in rows)}}
+    out.mkdir(parents=True, exist_ok=True)
+    name = f"training_step_{report['model']}_{report['device']}_x{report['gpus']}.json"
+    (out / name).write_text(json.dumps(report, indent=1))
+    print("wrote", out / name)
+    return report
 
 
 def main() -> None:
@@ -321,6 +288,13 @@ def main() -> None:
                     help="a longest-fit probe's warmup step runs this many tokens (it creates the optimizer state "
                          "and compiles), then one step at the probed length; 0: the warmup at that length too")
     ap.add_argument("--stacks", default=",".join(STACKS))
+    ap.add_argument("--rounds", type=int, default=None,
+                    help="each length runs the stacks interleaved this many times (peer, ours, peer, ours, ...); "
+                         "default 2 (--cpu-smoke: 1)")
+    ap.add_argument("--target", type=float, default=TARGET, help="the speed ratio over the peer a row is judged by")
+    ap.add_argument("--merge", default="",
+                    help="comma-separated result files of one commit, model, device and GPU count (runs split "
+                         "over several calls): their rows as one file in --out, the comparison recomputed")
     ap.add_argument("--gpus", type=int, default=1)
     ap.add_argument("--profile-len", type=int, default=32768)
     ap.add_argument("--out", default=str(HERE / "results"))
@@ -335,6 +309,11 @@ def main() -> None:
     args = ap.parse_args()
     if args.worker:
         return worker(args)
+    if args.merge:
+        return merge([Path(p) for p in args.merge.split(",") if p], Path(args.out), args.target)
+    args.rounds = (1 if args.cpu_smoke else 2) if args.rounds is None else args.rounds
+    if args.rounds < 1:
+        raise ValueError(f"--rounds must be >= 1, got {args.rounds}")
     if args.cpu_smoke:
         args.model = args.model if args.model.endswith("tiny") else "qwen3-moe-tiny"
         from bumblebee.models import NAMED
@@ -342,7 +321,7 @@ def main() -> None:
         # --gpus N: N gloo ranks (ours with EP = N)
         args.seq_lens, args.steps, args.long_steps, args.warmup, args.profile_len = "64", 3, 2, 1, 64
         args.probe_warmup_len = min(args.probe_warmup_len, 32)
-        args.stacks = args.stacks.replace("transformers+liger", "transformers")
+        args.stacks = ",".join("transformers" if st == "transformers+liger" else st for st in args.stacks.split(","))
     stacks = args.stacks.split(",")
     lens = [int(s) for s in args.seq_lens.split(",") if s]
     hf = hf_slice(args.model, args.layers, args.cpu_smoke)
@@ -356,17 +335,19 @@ def main() -> None:
 
     def write() -> dict:  # after every row: a run cut short still leaves the rows it measured
         report = {**stamp(), "benchmark": "training_step", "model": args.model, "layers": args.layers,
-                  "gpus": args.gpus, "hf_config": hf, "device": gpu, "rows": rows, "comparison": compare(rows),
+                  "gpus": args.gpus, "hf_config": hf, "device": gpu, "rows": rows,
+                  "rounds": args.rounds, "comparison": compare(rows, args.target),
                   "longest_fit": {st: max([r["seq_len"] for r in rows if r["stack"] == st and r.get("fits")],
                                           default=None) for st in dict.fromkeys(r["stack"] for r in rows)}}
         (out / name).write_text(json.dumps(report, indent=1))
         return report
     with tmp_dir:
         for s in lens:
-            for stack in stacks:
-                rows.append(launch(args, stack, s, args.steps if s == lens[0] else args.long_steps,
-                                   s == args.profile_len, tmp))
-                write()
+            for r in range(args.rounds):  # interleaved: machine drift weighs on both stacks alike
+                for stack in stacks:
+                    rows.append(launch(args, stack, s, args.steps if s == lens[0] else args.long_steps,
+                                       s == args.profile_len and r == 0, tmp, round_=r))
+                    write()
         for stack in stacks:  # the longest fit: stop at the first length that does not
             for s in [int(x) for x in args.longest.split(",") if x]:
                 r = launch(args, stack, s, 1, False, tmp, warmup=1, warmup_len=args.probe_warmup_len)

@@ -2,10 +2,16 @@
 
     bumblebee        our model (`bb.models.from_pretrained`), default slots, full recompute,
                      `state_sharding=fsdp2`, EP over the GPUs for MoE models when there are several
-    transformers+liger   transformers' model with Liger's kernels applied (RoPE, RMSNorm, SwiGLU / fused
-                     MoE experts, fused linear cross-entropy), gradient checkpointing (non-reentrant),
-                     FSDP2 `fully_shard` per decoder layer and at the root, torch AdamW: the shape of
-                     verl's FSDP backend
+    transformers+liger   the peer at its best from flags and installed packages: transformers' model with
+                     `attn_implementation="flash_attention_4"` where flash-attn-4 imports (else "sdpa"),
+                     Liger's kernels applied (RoPE, RMSNorm, SwiGLU / fused MoE experts, fused linear
+                     cross-entropy), gradient checkpointing (non-reentrant), FSDP2 `fully_shard` per
+                     decoder layer and at the root, `torch.optim.AdamW(fused=True)` (Trainer's and
+                     torchtitan's default): the shape of verl's FSDP backend
+    transformers+liger:attn=sdpa,optim=foreach   the peer with a flag set otherwise (attn: auto,
+                     flash_attention_4, sdpa, eager; optim: fused, foreach)
+    transformers+liger-reference   the configuration the committed results before the best peer used
+                     (SDPA, AdamW's foreach default): for reference only, never paired with ours
 
 Both: fp32 master weights, bf16 compute (`MixedPrecisionPolicy(bf16, reduce fp32)`), AdamW with the
 same hyperparameters, gradient clipping at 1.0. `Stack.step(ids)` runs one forward + backward +
@@ -77,8 +83,13 @@ class Bumblebee(Stack):
 class TransformersLiger(Stack):
     name = "transformers+liger"
 
-    def __init__(self, path, device, mesh, *, liger: bool = True, mixed_precision="bf16"):
+    def __init__(self, path, device, mesh, *, liger: bool = True, mixed_precision="bf16", attn: str = "auto",
+                 optim: str = "fused"):
         import transformers
+        if attn not in PEER_ATTN or optim not in PEER_OPTIM:
+            raise ValueError(f"peer options attn={attn!r}, optim={optim!r}; accepted: attn in {PEER_ATTN}, "
+                             f"optim in {PEER_OPTIM}")
+        attn = peer_attention(device) if attn == "auto" else attn
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         hf = transformers.AutoConfig.from_pretrained(path)
         patched = None
@@ -100,7 +111,7 @@ class TransformersLiger(Stack):
             ops = la.fla_ops() if device.type == "cuda" else None
             deltanet = ("transformers' torch path (fla absent)" if ops is None else
                         f"fla {'with our chunk_bwd_dqkwg (' + la.DQKWG_HOOK + ')' if la.DQKWG_HOOK else 'as is'}")
-        model = _transformers_model(path, device, attn_implementation="sdpa")
+        model = _transformers_model(path, device, attn_implementation=attn)
         model.config.use_cache = False
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         bf16 = mixed_precision == "bf16"
@@ -110,10 +121,12 @@ class TransformersLiger(Stack):
         fully_shard(model, mesh=mesh, mp_policy=mp)
         model.train()
         self.model = model
-        self.optimizer = torch.optim.AdamW(model.parameters(), **HP)
+        # fused=False is not the default: AdamW's default (None) picks foreach on CUDA
+        self.optimizer = torch.optim.AdamW(model.parameters(), **HP, **({"fused": True} if optim == "fused" else
+                                                                         {"foreach": True}))
         self.config = {"transformers": transformers.__version__, "liger_kernel": version, "liger_patch": patched,
-                       "attn_implementation": "sdpa", "gradient_checkpointing": "non-reentrant",
-                       "fsdp2": "fully_shard per decoder layer + root", "optimizer": "torch AdamW (default foreach)",
+                       "attn_implementation": attn, "gradient_checkpointing": "non-reentrant",
+                       "fsdp2": "fully_shard per decoder layer + root", "optimizer": f"torch AdamW ({optim})",
                        "deltanet": deltanet}
 
     def forward_backward(self, ids):
@@ -129,16 +142,45 @@ class TransformersLiger(Stack):
         return float(norm)
 
 
+PEER_ATTN = ("auto", "flash_attention_4", "sdpa", "eager")
+PEER_OPTIM = ("fused", "foreach")
+REFERENCE = {"attn": "sdpa", "optim": "foreach"}  # transformers+liger-reference
+
+
+def peer_attention(device) -> str:
+    """What a user passes for the best attention: "flash_attention_4" where flash-attn-4 imports and
+    transformers accepts it, else "sdpa"."""
+    if device.type != "cuda":
+        return "sdpa"
+    try:
+        import flash_attn.cute  # noqa: F401  (the package flash-attn-4)
+        from transformers.utils import is_flash_attn_4_available
+    except Exception:  # noqa: BLE001 - absent, or its CUDA libraries missing: not importable
+        return "sdpa"
+    return "flash_attention_4" if is_flash_attn_4_available() else "sdpa"
+
+
+def _options(stack: str) -> tuple[str, dict]:
+    base, _, opts = stack.partition(":")
+    return base, dict(kv.split("=", 1) for kv in opts.split(",")) if opts else {}
+
+
 def build(stack: str, path, device, mesh, *, ep: int = 1, mixed_precision="bf16") -> Stack:
-    """`bumblebee`, `bumblebee:slot=impl,slot=impl` (a swap), `transformers+liger` or `transformers`."""
-    if stack.split(":")[0] == "bumblebee":
-        swaps = dict(kv.split("=", 1) for kv in stack.split(":", 1)[1].split(",")) if ":" in stack else {}
-        s = Bumblebee(path, device, mesh, ep=ep, impl=swaps, mixed_precision=mixed_precision)
-        s.name = stack
-        return s
-    if stack in ("transformers+liger", "transformers"):
-        return TransformersLiger(path, device, mesh, liger=stack != "transformers", mixed_precision=mixed_precision)
-    raise ValueError(f"unknown stack {stack!r}; accepted: bumblebee, transformers+liger, transformers")
+    """`bumblebee`, `bumblebee:slot=impl,slot=impl` (a swap), `transformers+liger[:attn=..,optim=..]`,
+    `transformers+liger-reference` or `transformers` (no Liger: the CPU smoke run)."""
+    base, opts = _options(stack)
+    if base == "bumblebee":
+        s = Bumblebee(path, device, mesh, ep=ep, impl=opts, mixed_precision=mixed_precision)
+    elif base in ("transformers+liger", "transformers", "transformers+liger-reference"):
+        if base.endswith("-reference"):
+            opts = {**REFERENCE, **opts}
+        s = TransformersLiger(path, device, mesh, liger=base != "transformers", mixed_precision=mixed_precision,
+                              **opts)
+    else:
+        raise ValueError(f"unknown stack {stack!r}; accepted: bumblebee[:slot=impl,...], "
+                         "transformers+liger[:attn=..,optim=..], transformers+liger-reference, transformers")
+    s.name = stack
+    return s
 
 
 def _transformers_model(path, device, **kw):
