@@ -4,17 +4,18 @@ A primitive and its baseline twin register under the same slot; a model picks on
 swap is one string in the model config (or `--swap slot=impl` on the CLI), never an edit of the
 model file. An implementation with options registers their config class (`bumblebee.options`); it
 is then chosen by name (its defaults), by `"name:field=value,..."`, or by a config instance.
+
+This module is a leaf: it imports nothing of ours but `options`. The implementations import
+`register` from here; the package (`bumblebee/__init__.py`) names the loader that imports the
+shipped ones (`load_with`), which runs once, before the first registration or look-up.
 """
 from __future__ import annotations
 
-import importlib
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
-
-import torch
 
 from bumblebee import options
 
@@ -39,6 +40,7 @@ class Impl:
 
 _SLOTS: dict[str, dict[str, Impl]] = {}
 _DEFAULTS: dict[str, str] = {}
+_loader: Callable[[], None] | None = None  # imports the shipped implementations (set by the package)
 _loaded = False
 
 
@@ -52,6 +54,7 @@ def register(slot: str, name: str, *, kind: str, twin: str | None = None, defaul
         raise ValueError(f"kind must be 'primitive' or 'baseline', got {kind!r}")
     if config is not None:
         options.check_config_class(config, name)
+    _load_all()  # the shipped implementations first: one registered from outside never becomes a default by arriving early
 
     def deco(obj):
         impls = _SLOTS.setdefault(slot, {})
@@ -74,13 +77,41 @@ def summary(doc: str | None) -> str:
     return m.group(1) if m else paragraph
 
 
+def load_with(loader: Callable[[], None]) -> None:
+    """Name the function that imports the shipped implementations (they register themselves on
+    import); the registry calls it once, before its first registration or look-up, so that it never
+    imports them itself (no import circle) and importing a kernel or the core imports none of them."""
+    global _loader
+    _loader = loader
+
+
 def _load_all() -> None:
-    # Implementations register themselves on import; import them lazily to avoid cycles.
     global _loaded
-    if not _loaded:
-        _loaded = True
-        importlib.import_module("bumblebee.baselines")
-        importlib.import_module("bumblebee.primitives")
+    if not _loaded and _loader is not None:
+        _loaded = True  # first: the loader's own imports register through here
+        try:
+            _loader()
+        except BaseException:
+            _loaded = False  # the next look-up tries again and raises the same error, not a half-filled table
+            raise
+
+
+def needs_triton(*kernels, then: Callable | None = None) -> Callable:
+    """A `falls_back` for a primitive whose fast path launches the Triton kernels of the modules
+    `kernels` (each binds `triton`: None where Triton is not installed). Without Triton it says so
+    (the primitive then runs its torch path of the kernels' algorithm); with it, what `then(device,
+    dtype)` says, or None."""
+    for k in kernels:
+        if not hasattr(k, "triton"):
+            raise ValueError(f"{k.__name__} binds no `triton` (None when it is missing): not a Triton kernel module")
+    missing = sorted(k.__name__.rsplit(".", 1)[-1] for k in kernels if k.triton is None)
+
+    def falls_back(device, dtype):
+        if missing:
+            return f"Triton is not installed (kernels {', '.join(missing)}): their algorithm runs in torch"
+        return then(device, dtype) if then is not None else None
+
+    return falls_back
 
 
 def slots() -> dict[str, dict[str, Impl]]:
@@ -107,6 +138,8 @@ def code_on(slot: str, name: str, device, dtype) -> tuple[str, str | None]:
     """(the implementation whose code a training step of `name` runs on `device` in `dtype`: always
     its own, why its kernels do not run there or None: a primitive then runs its torch path of the
     kernels' algorithm, never its twin's code)."""
+    import torch  # here, not at the top: the CLI parses its arguments before torch is imported
+
     impl = get(slot, name)
     why = impl.falls_back(torch.device(device), dtype) if impl.falls_back is not None else None
     return impl.name, why
@@ -215,12 +248,17 @@ def check_used(impl: SlotChoices, model: str) -> None:
 
 def describe() -> str:
     """Human-readable table of every slot, its implementations and SKILL.md."""
+    import torch
+
     lines = []
     for slot, impls in slots().items():
         lines.append(f"{slot}  (default: {_DEFAULTS[slot]})")
         for impl in impls.values():
             twin = f", twin of {impl.twin}" if impl.twin else ""
             lines.append(f"  {impl.name:<18} {impl.kind}{twin}: {impl.summary}")
+            why = impl.falls_back(torch.device("cuda"), torch.bfloat16) if impl.falls_back else None
+            if why:  # what this install lacks for the fast path even on a GPU
+                lines.append(f"      fast path unavailable here: {why}")
             for field, default, doc in options.fields(impl.config) if impl.config else ():
                 lines.append(f"      {field}={default!r}: {doc}")
         lines.append(f"  skill: {next(iter(impls.values())).skill}")

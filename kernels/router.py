@@ -15,11 +15,20 @@ Shape legend: T tokens, E experts, K experts per token, G groups.
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the primitive runs the torch path below, never the kernel
+    triton = None
 
 
-@triton.jit
+def _jit(fn):
+    """The kernel compiled by Triton; without Triton the plain function, which is never launched."""
+    return fn if triton is None else triton.jit(fn)
+
+
+@_jit
 def _aux_free_topk_kernel(logits_ptr, bias_ptr, weights_ptr, indices_ptr, counts_ptr,
                           T, E, stride_t, scaling_factor,
                           TOP_K: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
@@ -100,6 +109,8 @@ def aux_free_topk_fwd(logits_TE: torch.Tensor, bias_E: torch.Tensor, top_k: int,
                       topk_group: int, scaling_factor: float = 1.0, norm_topk_prob: bool = True,
                       block_t: int = 16, num_warps: int = 4, max_programs: int | None = None):
     """(weights [T, K] fp32, indices [T, K] int64, counts [E] int64); inputs assumed validated."""
+    if triton is None:
+        raise RuntimeError("Triton is not installed: run the kernel's algorithm in torch (aux_free_topk_torch)")
     T, E = logits_TE.shape
     logits_TE = logits_TE if logits_TE.stride(1) == 1 else logits_TE.contiguous()
     bias_E = bias_E.contiguous()

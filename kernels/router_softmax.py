@@ -22,13 +22,22 @@ Shape legend: T tokens, E experts, K experts per token.
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the primitive runs the torch path below, never the kernel
+    triton = None
+
+
+def _jit(fn):
+    """The kernel compiled by Triton; without Triton the plain function, which is never launched."""
+    return fn if triton is None else triton.jit(fn)
 
 MAX_EXPERTS = 1 << 16  # the index field of a key
 
 
-@triton.jit
+@_jit
 def _softmax_topk_kernel(logits_ptr, weights_ptr, indices_ptr, counts_ptr, T, E, stride_t,
                          TOP_K: tl.constexpr, NORM: tl.constexpr, BLOCK_T: tl.constexpr,
                          BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, KEY16: tl.constexpr,
@@ -87,6 +96,8 @@ def softmax_topk_fwd(logits_TE: torch.Tensor, top_k: int, norm_topk_prob: bool =
     """(weights [T, K] in the logits' dtype, indices [T, K] int64, counts [E] int64); inputs assumed
     validated (1 <= top_k <= E < 65536). routed_experts [T, K]: no selection, those experts weighed.
     block_t None: a [block_t, next_pow2(E)] tile of 2048."""
+    if triton is None:
+        raise RuntimeError("Triton is not installed: run the kernel's algorithm in torch (softmax_topk_torch)")
     T, E = logits_TE.shape
     if E >= MAX_EXPERTS:
         raise ValueError(f"the fused softmax router packs expert indices in 16 bits: E={E} >= {MAX_EXPERTS}")

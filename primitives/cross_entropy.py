@@ -22,8 +22,9 @@ import torch.distributed as dist
 from bumblebee.checks import check_cross_entropy_inputs
 from bumblebee.distributed import vocab_range
 from bumblebee.kernels.cross_entropy_linear import NEG_INIT, chunk_grad, chunk_stats_
+from bumblebee.kernels import cross_entropy_linear as _kernels
 from bumblebee.options import Bound, check_choice, check_int, option
-from bumblebee.registry import register
+from bumblebee.registry import needs_triton, register
 
 MIN_CHUNK_COLUMNS = 1024  # below it the fp32 dH read-modify-write per chunk (8NH bytes) dominates
 PATHS = ("auto", "grad_in_forward", "lean")
@@ -269,7 +270,8 @@ def _grad_in_forward(hidden, weight, reduction, return_entropy, config: LinearCE
     return True
 
 
-@register("cross_entropy", "linear_ce", kind="primitive", twin="materialized_ce", default=True, config=LinearCE)
+@register("cross_entropy", "linear_ce", kind="primitive", twin="materialized_ce", default=True, config=LinearCE,
+          falls_back=needs_triton(_kernels))
 def linear_cross_entropy_with(config: LinearCE, hidden, weight, labels, *, ignore_index=-100, reduction="mean",
                               label_smoothing=0.0, z_loss_scale=0.0, temperature=1.0,
                               return_entropy=False, process_group=None):

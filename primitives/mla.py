@@ -43,7 +43,7 @@ from bumblebee.checks import check_mla_inputs
 from bumblebee.kernels import mla_rope as _fused_rope
 from bumblebee.common.mla_projections import MLAProjections
 from bumblebee.options import check_bool, check_choice, option
-from bumblebee.registry import register
+from bumblebee.registry import needs_triton, register
 from bumblebee.kernels import attention_fa4 as _fa4
 from bumblebee.kernels import attention_sdpa_cudnn_first as _sdpa_cudnn
 from bumblebee.kernels import attention_varlen as _varlen
@@ -144,7 +144,8 @@ class _HandedOver:
         return self.ctx.__exit__(*exc)
 
 
-@register("mla", "flash", kind="primitive", twin="naive", default=True, config=FlashMLAConfig)
+@register("mla", "flash", kind="primitive", twin="naive", default=True, config=FlashMLAConfig,
+          falls_back=needs_triton(_fused_rope))
 class FlashMLA(MLAProjections):
     """SDPA (cuDNN first) MLA; lean backward recomputes per-head Q/K/V from the latents."""
 

@@ -155,3 +155,133 @@ def test_plotting_benchmarks_have_an_extra_that_installs_matplotlib():
     assert plotting, "no benchmark draws a plot: drop this test"
     assert any(dep.startswith("matplotlib") for deps in extras.values() for dep in deps), \
         f"{plotting} import matplotlib, which no extra of pyproject.toml installs"
+
+
+def _modules() -> dict[str, Path]:
+    """{module name: file} of every module the distribution installs, placed by pyproject's package-dir."""
+    import tomllib
+
+    package_dir = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    found = {}
+    for package, folder in package_dir.items():
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            parts = list(path.relative_to(ROOT / folder).with_suffix("").parts)
+            if parts[0] in package_dir.values() and folder == "bumblebee":
+                continue
+            parts = parts[:-1] if parts[-1] == "__init__" else parts
+            found[".".join([package, *parts])] = path
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    """{module: the modules of ours its import statements name (in functions too)}: `from a import b`
+    is a.b where that is a module, else a; a module's parent packages are not counted as imported."""
+    modules = _modules()
+
+    def ours(name):  # the longest prefix of `name` that is one of our modules, or None
+        parts = name.split(".")
+        while parts and ".".join(parts) not in modules:
+            parts.pop()
+        return ".".join(parts) or None
+
+    graph = {}
+    for name, path in modules.items():
+        tree = ast.parse(path.read_text())
+        # per statement: `import a.b` names a.b; `from a import b` names a.b (a module) or a (b an attribute)
+        targets = {ours(n) for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))
+                   for n in _statement_imports(node, path)}
+        graph[name] = targets - {name, None}
+    return graph
+
+
+def _statement_imports(node, path):
+    named = list(_imports_of(ast.unparse(node), path))
+    return named[1:] if isinstance(node, ast.ImportFrom) else named
+
+
+def import_circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on_stack, circles = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return circles
+
+
+def test_no_import_circle():
+    """No module reaches itself through import statements: the registry imports no implementation (the
+    package names their loader, registry.load_with), so adding a slot never closes a loop."""
+    graph = import_graph()
+    assert "bumblebee.primitives.cross_entropy" in graph["bumblebee.primitives"]  # the graph sees the folders
+    assert graph["bumblebee.registry"] <= {"bumblebee.options"}, graph["bumblebee.registry"]
+    assert import_circles(graph) == []
+
+
+def test_circle_finder_finds_a_circle():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
+    assert import_circles(graph) == [["a", "b", "c"]]
+
+
+def _run(code: str) -> str:
+    import subprocess
+    import sys
+
+    from tests.limits import SUBPROCESS_TIMEOUT_S
+
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                          timeout=SUBPROCESS_TIMEOUT_S)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+def test_importing_kernels_loads_no_primitive_or_model_code():
+    kernels = sorted(p.stem for p in (ROOT / "kernels").glob("*.py") if p.stem != "__init__")
+    loaded = _run("import sys\n" + "".join(f"import bumblebee.kernels.{k}\n" for k in kernels)
+                  + "print(' '.join(m for m in sys.modules if m.startswith('bumblebee')))").split()
+    core = {"bumblebee", "bumblebee.registry", "bumblebee.options", "bumblebee.model_registry"}
+    assert {f"bumblebee.kernels.{k}" for k in kernels} <= set(loaded)
+    assert set(loaded) - core - {"bumblebee.kernels"} == {f"bumblebee.kernels.{k}" for k in kernels}, loaded
+
+
+NO_TRITON = """
+import importlib.abc, json, sys
+class NoTriton(importlib.abc.MetaPathFinder):  # as on an install without Triton
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "triton":
+            raise ModuleNotFoundError(f"No module named {name!r}")
+sys.meta_path.insert(0, NoTriton())
+import torch
+from bumblebee import registry
+print(json.dumps({slot: {name: registry.code_on(slot, name, "cuda", torch.bfloat16)[1] for name in impls}
+                  for slot, impls in registry.slots().items()}))
+assert "triton" not in sys.modules
+"""
+
+
+def test_registry_lists_every_slot_without_triton():
+    import json
+
+    why = json.loads(_run(NO_TRITON))
+    assert {s: set(i) for s, i in why.items()} == {s: set(i) for s, i in registry.slots().items()}
