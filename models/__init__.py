@@ -78,8 +78,27 @@ def _parse_config(cls, hf: dict, source: str):
         raise ValueError(f"{source} lacks the field {e.args[0]!r}, which {hf.get('model_type')} needs") from e
 
 
+def _check_dtype(dtype) -> None:
+    """A floating torch.dtype or None; a string ("bfloat16") would reach `Module.to` and be reported
+    as a bad device."""
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise ValueError(f"dtype must be a floating torch.dtype (torch.bfloat16, torch.float32, ...) or None "
+                         f"(the config's), got {dtype!r}")
+
+
+def slots_used(name_or_config, impl: dict | None = None) -> tuple[str, ...]:
+    """The slots the model looks up when built with `impl`, from a construction on the meta device
+    (no weights): what a pairing may swap, known before any weight is made."""
+    hf = _hf_config(name_or_config)
+    cls = _model_class(hf)
+    config = _parse_config(cls, hf, f"config {name_or_config!r}" if isinstance(name_or_config, str) else "the config")
+    with torch.device("meta"):
+        return cls(config, impl).slots_used()
+
+
 def build(name_or_config, impl: dict | None = None, *, seed: int = 0, dtype=None, device="cpu"):
     """A freshly initialized model from a named config (`qwen3-tiny`, ...) or an HF config dict."""
+    _check_dtype(dtype)
     hf = _hf_config(name_or_config)
     cls = _model_class(hf)
     config = _parse_config(cls, hf, f"config {name_or_config!r}" if isinstance(name_or_config, str) else "the config")
@@ -101,6 +120,7 @@ def from_pretrained(path, impl: dict | None = None, *, dtype=None, device="cpu")
     comes back in eval mode, as transformers returns it; call `.train()` where a framework checks the
     flag (bumblebee's modules compute the same in both modes: no dropout). A bar on stderr shows the
     loading's progress once it takes more than a few seconds."""
+    _check_dtype(dtype)
     hf = hf_io.read_config(path)
     cls = _model_class(hf)
     config = _parse_config(cls, hf, f"{path}/config.json")
@@ -122,7 +142,7 @@ def from_pretrained(path, impl: dict | None = None, *, dtype=None, device="cpu")
     return model.eval()  # as transformers' from_pretrained; no module here behaves differently in train()
 
 
-__all__ = ["build", "from_pretrained", "init_weights", "NAMED", "MODEL_TYPES"]
+__all__ = ["build", "from_pretrained", "init_weights", "slots_used", "NAMED", "MODEL_TYPES"]
 
 
 def slots_of(model_type: str) -> tuple[str, ...]:

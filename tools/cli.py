@@ -1,20 +1,26 @@
 """Command line: `bumblebee list`, `bumblebee pair --model M --slot S --a X --b Y [--json PATH]`,
-`bumblebee results [SLOT] [--file PATH] [--dir DIR] [--history]`."""
+`bumblebee results [SLOT] [--file PATH] [--dir DIR] [--history]`.
+
+Arguments are parsed before torch or any model code is imported (`--help` and refusals come at
+once), so the help names the models and slots from the lists below; a test keeps them equal to
+`bumblebee.models.NAMED` and the registry's slots."""
 from __future__ import annotations
 
 import argparse
 import os
 import sys
 
+MODELS = ("qwen3-tiny", "qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b", "qwen3-moe-tiny", "qwen3-30b-a3b",
+          "qwen3-235b-a22b", "deepseek-v3-tiny", "deepseek-v3", "qwen3.5-tiny", "qwen3.5-moe-tiny",
+          "qwen3.5-hub-tiny", "qwen3.5-moe-hub-tiny", "qwen3.5-35b-a3b")
+SLOTS = ("attention", "cross_entropy", "linear_attention", "mla", "moe_dispatch", "mtp", "router", "state_sharding")
 
-def _swaps(items: list[str]) -> dict[str, str]:
-    out = {}
-    for item in items:
-        if "=" not in item:
-            raise SystemExit(f"--swap expects slot=impl, got {item!r}")
-        slot, name = item.split("=", 1)
-        out[slot] = name
-    return out
+
+def _swap(text: str) -> tuple[str, str]:
+    slot, eq, name = text.partition("=")
+    if not (eq and slot and name):
+        raise argparse.ArgumentTypeError(f"expected SLOT=IMPL (e.g. cross_entropy=linear_ce), got {text!r}")
+    return slot, name
 
 
 def _positive_int(text: str) -> int:
@@ -60,7 +66,8 @@ PAIR_EPILOG = """example:
 
 exit status:
   0  the two sides were compared (read the differences: pair does not judge them)
-  2  refused before running: an unknown name, a slot the model does not use, a bad argument
+  2  refused before running: an unknown name, a slot the model does not use, a bad argument, a
+     device this machine lacks
   3  both sides ran the same code (one implementation twice, or two options of a primitive whose
      kernels cannot run on this device, both on its torch path), so nothing was compared; the
      report is still printed (and written)
@@ -82,29 +89,27 @@ RESULTS_EPILOG = """example:
 
 
 def parser() -> argparse.ArgumentParser:
-    from bumblebee import registry
-    from bumblebee.models.configs import NAMED
-
     top = argparse.ArgumentParser(prog="bumblebee", description=__doc__)
     sub = top.add_subparsers(dest="cmd", required=True)
     sub.add_parser("list", help="every slot, its implementations, their options and SKILL.md")
     p = sub.add_parser("pair", help="train one model with two implementations of a slot and compare",
                        formatter_class=_HelpFormatter, epilog=PAIR_EPILOG,
                        description=PAIR_DESCRIPTION)
-    p.add_argument("--model", default="qwen3-tiny", metavar="NAME", help=f"a named model: {', '.join(NAMED)}")
+    p.add_argument("--model", default="qwen3-tiny", metavar="NAME", help=f"a named model: {', '.join(MODELS)}")
     p.add_argument("--slot", default="attention",
-                   help=f"the slot to pair: {', '.join(registry.slots())} (bumblebee list: their implementations)")
+                   help=f"the slot to pair: {', '.join(SLOTS)} (bumblebee list: their implementations)")
     p.add_argument("--a", default="sdpa", metavar="IMPL", help="the implementation of side a (usually the primitive): a name, or name:field=value,... "
                         "to set its options (bumblebee list: each one's options)")
     p.add_argument("--b", default="eager", metavar="IMPL", help="the implementation of side b (usually its twin), as --a")
     p.add_argument("--steps", type=_positive_int, default=5, metavar="N",
-                   help="AdamW steps per side; the first is the warm-up, left out of the step time")
+                   help="AdamW steps per side; the first is the warm-up, left out of the step time (the median of "
+                        "the others); peak memory is measured on one more step, outside the timed ones")
     p.add_argument("--seed", type=int, default=0, help="seed of the initial weights and of the token batches")
     p.add_argument("--batch-size", type=_positive_int, default=2, metavar="B", help="sequences per batch")
     p.add_argument("--seq-len", type=_positive_int, default=64, metavar="T", help="tokens per sequence")
     p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (no weight decay)")
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda where available, else cpu)")
-    p.add_argument("--swap", action="append", default=[], metavar="SLOT=IMPL",
+    p.add_argument("--swap", action="append", default=[], metavar="SLOT=IMPL", type=_swap,
                    help="set another slot alike on both sides, e.g. cross_entropy=linear_ce (repeatable)")
     p.add_argument("--json", default=None, metavar="PATH",
                    help="also write the report as JSON to PATH (checked before the run)")
@@ -134,21 +139,25 @@ def main(argv: list[str] | None = None) -> int:
             print(f"bumblebee results: {e}", file=sys.stderr)
             return 2
         return 0
-    from bumblebee import registry
     if args.cmd == "list":
-        from bumblebee import models
+        from bumblebee import models, registry
         print(registry.describe())
         print()
         print(models.describe())
         return 0
-    from bumblebee.tools.pairing import SAME_CODE_EXIT, format_report, pair, write_json
+    from bumblebee.tools.pairing import SAME_CODE_EXIT, format_report, format_step, pair, write_json
+
+    def on_step(side, i, record):  # each line as its step ends, also when stdout is a file or a pipe
+        print(format_step(side, i, record), flush=True)
+
     try:
         report = pair(args.model, args.slot, args.a, args.b, steps=args.steps, seed=args.seed,
                       batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr, device=args.device,
-                      impl=_swaps(args.swap))
+                      impl=dict(args.swap), on_step=on_step)
     except ValueError as e:
         print(f"bumblebee pair: {e}", file=sys.stderr)
         return 2
+    print()  # the report below the step lines
     print(format_report(report))
     if args.json:
         write_json(report, args.json)

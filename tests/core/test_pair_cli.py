@@ -19,8 +19,8 @@ def test_pair_cli_writes_table_and_json(tmp_path, capsys):
     r = json.loads(out.read_text())
     assert {"model", "slot", "a", "b", "device", "steps", "peak_memory_bytes", "step_time_ms"} <= set(r)
     assert (r["model"], r["slot"], r["a"], r["b"], r["device"]) == ("qwen3-tiny", "attention", "sdpa", "eager", "cpu")
-    assert r["timed_steps"] == 2 and not r["step_time_includes_warmup"]
-    assert "(median of 2 steps after warm-up)" in table
+    assert r["timed_steps"] == 2 and r["warmup_steps"] == 1 and not r["step_time_includes_warmup"]
+    assert "(median of 2 steps after 1 warm-up step)" in table
     assert r["status"] == "compared" and r["ran"] == {"a": {"code": "sdpa", "note": None},
                                                       "b": {"code": "eager", "note": None}}
     assert len(r["steps"]) == 3 and all(set(s) == STEP_KEYS for s in r["steps"])
@@ -153,6 +153,112 @@ def test_pair_refuses_a_slot_the_model_does_not_use(capsys):
     assert "slot router is not used by model qwen3-tiny; it uses: attention, cross_entropy" in capsys.readouterr().err
     assert main(["pair", "--model", "qwen3-tiny", "--slot", "mla", "--a", "flash", "--b", "naive"]) == 2
     assert "slot mla is not used" in capsys.readouterr().err
+    # with the default --a/--b (attention's sdpa, eager) the message is still about the slot
+    assert main(["pair", "--model", "qwen3-tiny", "--slot", "router"]) == 2
+    err = capsys.readouterr().err
+    assert "slot router is not used by model qwen3-tiny; it uses: attention, cross_entropy" in err
+    assert "sdpa" not in err
+
+
+def test_bad_swap_device_and_dtype_are_refused_with_exit_2(capsys):
+    import pytest
+    import torch
+
+    from bumblebee.tools.pairing import pair
+
+    with pytest.raises(SystemExit) as exc:  # argparse's convention, as the help's exit statuses say
+        main(["pair", "--swap", "cross_entropy"])
+    assert exc.value.code == 2 and "--swap: expected SLOT=IMPL" in capsys.readouterr().err
+    assert main(["pair", "--device", "gpu"]) == 2
+    assert "device must be cpu, cuda or cuda:N, got 'gpu'" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert main(["pair", "--device", "cuda"]) == 2
+        captured = capsys.readouterr()
+        assert "device 'cuda': this torch" in captured.err and "sees no CUDA device" in captured.err
+        assert "Traceback" not in captured.err and captured.out == ""
+    with pytest.raises(ValueError, match=r"dtype must be a floating torch.dtype .* got 'bfloat16'"):
+        pair("qwen3-tiny", dtype="bfloat16", steps=1, seq_len=8)
+
+
+def test_cli_parses_arguments_before_importing_torch():
+    """`bumblebee --help` and refusals at parsing come at once: torch (seconds to import) is not loaded."""
+    code = ("import sys\n"
+            "from bumblebee.tools import cli\n"
+            "for argv in (['--help'], ['pair', '--help'], ['pair', '--swap', 'x']):\n"
+            "    try:\n"
+            "        cli.main(argv)\n"
+            "    except SystemExit:\n"
+            "        pass\n"
+            "print('torch' in sys.modules, file=sys.stderr)\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert res.stderr.strip().splitlines()[-1] == "False", res.stderr
+
+
+def test_cli_names_every_model_and_slot():
+    from bumblebee import registry
+    from bumblebee.models import NAMED
+    from bumblebee.tools import cli
+
+    assert set(cli.MODELS) == set(NAMED) and set(cli.SLOTS) == set(registry.slots())
+
+
+def test_pair_prints_each_step_as_it_ends(monkeypatch):
+    """Every step's line is written and flushed before the next step starts, whatever stdout is."""
+    import io
+
+    from bumblebee.tools import pairing
+
+    class Stream(io.StringIO):
+        flushed = ""
+
+        def flush(self):
+            self.flushed = self.getvalue()
+
+    stream, seen, real = Stream(), [], pairing._step
+
+    def step(*args):
+        seen.append(stream.flushed.count(" step "))
+        return real(*args)
+
+    monkeypatch.setattr(pairing, "_step", step)
+    monkeypatch.setattr(sys, "stdout", stream)
+    assert main(["pair", "--steps", "2", "--seq-len", "8"]) == 0
+    assert seen == [0, 1, 2, 2, 3, 4]  # a's two steps and its memory step, then b's
+    lines = stream.getvalue().splitlines()
+    assert lines[0].startswith("a step   0") and lines[0].endswith("(warm-up)")
+    assert lines[3].startswith("b step   1") and "(warm-up)" not in lines[3]
+
+
+def test_step_time_is_the_median_after_warmup_without_the_memory_probe(monkeypatch):
+    import contextlib
+
+    from bumblebee.tools import pairing
+
+    state = {"timing": False, "probes": 0}
+    times = iter([900.0, 3.0, 7.0, 5.0, 4.0] * 2)  # a warm-up step, then four: median 4.5
+
+    @contextlib.contextmanager
+    def wall_ms(device):
+        state["timing"] = True
+        out = {}
+        yield out
+        state["timing"] = False
+        out["ms"] = next(times)
+
+    real = pairing.peak_memory
+
+    @contextlib.contextmanager
+    def peak_memory(device, *track):
+        assert not state["timing"], "the memory probe ran inside a timed step"
+        state["probes"] += 1
+        with real(device, *track) as mem:
+            yield mem
+
+    monkeypatch.setattr(pairing, "wall_ms", wall_ms)
+    monkeypatch.setattr(pairing, "peak_memory", peak_memory)
+    r = pairing.pair("qwen3-tiny", steps=5, seq_len=8)
+    assert r["step_time_ms"] == {"a": 4.5, "b": 4.5} and r["warmup_steps"] == 1 and r["timed_steps"] == 4
+    assert state["probes"] == 2 and all(r["peak_memory_bytes"][side] > 0 for side in "ab")
 
 
 def test_pair_refuses_an_empty_batch_before_running(capsys):
