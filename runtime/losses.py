@@ -140,3 +140,34 @@ def combine_metrics(parts: list[dict]) -> dict:
         else:
             out[key] = sum(p[key] * p.get("tokens", 0) for p in parts if key in p) / max(tokens, 1)
     return out
+
+
+BEHAVE_MODES = ("clamp", "mask")
+
+
+def behaviour_weights(prox_logprobs: torch.Tensor, behave_logprobs: torch.Tensor, *, cap: float,
+                      mode: str = "clamp") -> torch.Tensor:
+    """The decoupled objective's behaviour weight pi_prox / pi_behave per token (AReaL), no graph:
+    "clamp" caps it at `cap` (truncated importance sampling), "mask" sets tokens above `cap` to 0
+    (they keep counting in the token-mean's denominator, as AReaL's loss does)."""
+    if mode not in BEHAVE_MODES:
+        raise ValueError(f"mode must be one of {BEHAVE_MODES}, got {mode!r}")
+    if not cap >= 1:
+        raise ValueError(f"cap must be >= 1 (a weight of 1 is on-policy), got {cap}")
+    with torch.no_grad():
+        # the log-ratio is clamped before exp: a far-off-policy token must not overflow to inf
+        w = torch.exp(torch.clamp(prox_logprobs - behave_logprobs.to(prox_logprobs.dtype), max=20))
+        return w.clamp(max=cap) if mode == "clamp" else torch.where(w <= cap, w, 0)
+
+
+def decoupled_ppo_loss(logprobs, prox_logprobs, behave_logprobs, advantages, trained, *, clip=(0.2, 0.28),
+                       cap: float = 2.0, mode: str = "clamp", loss_agg_mode="token-mean", norm: Norm | None = None,
+                       **kw):
+    """AReaL's decoupled PPO objective: sum over tokens of w * -min(r * A, clip(r, 1 - lo, 1 + hi) * A)
+    with r = pi / pi_prox (the trust region around the policy before this update) and the fixed
+    behaviour weight w = pi_prox / pi_behave (the sampler's policy), capped by `mode`. It is `ppo`
+    with the proximal policy as its anchor and w as its weights: with pi_prox = pi_behave, w = 1 and
+    it is PPO. `kw` go to `policy_loss` (entropy, KL)."""
+    w = behaviour_weights(prox_logprobs, behave_logprobs, cap=cap, mode=mode) * trained.to(prox_logprobs.dtype)
+    return policy_loss("ppo", logprobs, w, advantages=advantages, sampler_logprobs=prox_logprobs, clip=clip,
+                       loss_agg_mode=loss_agg_mode, norm=norm, trained=trained, **kw)

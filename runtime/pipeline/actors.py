@@ -1,0 +1,168 @@
+"""The pipeline's Ray actors: the scheduler (admission, the bounded buffer of generated groups),
+rollout producers (an engine adapter, rule rewards) and the trainer (the runtime, weight export)."""
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+
+import ray
+import torch
+
+from bumblebee.runtime.pipeline.admission import Admission, Lease
+from bumblebee.runtime.pipeline.config import PipelineConfig, PipelineTimeout
+from bumblebee.runtime.pipeline.samples import Group
+from bumblebee.runtime.pipeline.weights import get
+
+
+@ray.remote(num_cpus=0)
+class Scheduler:
+    """Leases prompts to producers under `Admission` and hands each training step its groups."""
+
+    def __init__(self, task, cfg: PipelineConfig):
+        self.adm = Admission(cfg.groups_per_step, cfg.eta, cfg.steps)
+        self.it, self.prompts, self.groups = task.prompts(cfg.seed), {}, {}
+        self.changed = asyncio.Event()
+        self.generated_lengths: list[int] = []
+        self.load: dict[int, tuple[float, float]] = {}  # producer -> (busy s, idle s), cumulative
+
+    async def admit(self, producer: int, version: int, most: int):
+        """(up to `most` [(lease, prompt, meta)], status): status "wait" (newer weights needed for the
+        next one), "done" (all admitted) or None."""
+        leases = []
+        while len(leases) < most:
+            got = self.adm.admit(producer, version)
+            if not isinstance(got, Lease):
+                return leases, got
+            if got.group not in self.prompts:  # groups are first issued in order: the dataset's next prompt
+                self.prompts[got.group] = next(self.it)
+            leases.append((got, *self.prompts[got.group]))
+        return leases, None
+
+    async def submit(self, producer: int, groups: list[Group], busy_s: float, idle_s: float) -> None:
+        for group in groups:
+            self.adm.submit(producer, group.group)
+            self.groups[group.group] = group
+            self.generated_lengths += [len(c.tokens) for c in group.completions]
+        self.load[producer] = (busy_s, idle_s)
+        self.changed.set()
+        self.changed = asyncio.Event()
+
+    async def take(self, ticket: int, timeout_s: float) -> tuple[list[Group], float]:
+        """Step `ticket`'s groups, waiting at most `timeout_s`; and the producers' idle fraction."""
+        deadline = time.monotonic() + timeout_s
+        while not self.adm.ready(ticket):
+            left = deadline - time.monotonic()
+            try:
+                await asyncio.wait_for(self.changed.wait(), max(left, 0))
+            except asyncio.TimeoutError:
+                held = sorted({h for h, lease in self.adm.leases.values() if lease.ticket == ticket})
+                raise PipelineTimeout(
+                    f"step {ticket}: {len(self.adm.done.get(ticket, ()))} of {self.adm.groups_per_step} groups "
+                    f"within {timeout_s:g} s (take_timeout_s); producers holding its prompts: {held}") from None
+        groups = [self.groups.pop(g) for g in self.adm.consume(ticket)]
+        for g in groups:
+            del self.prompts[g.group]
+        busy = sum(b for b, _ in self.load.values())
+        idle = sum(i for _, i in self.load.values())
+        return groups, idle / max(busy + idle, 1e-9)
+
+    async def release(self, producer: int) -> list[int]:
+        return self.adm.release(producer)
+
+    async def stats(self) -> dict:
+        return {"issued": self.adm.issued, "pending": self.adm.pending(), "consumed": sorted(self.adm.consumed),
+                "generated_lengths": list(self.generated_lengths)}
+
+
+@ray.remote
+class Producer:
+    """Generates groups: asks the scheduler for a lease on the weights it holds, waits for newer
+    weights when refused, samples `group_size` completions, scores them, submits the group."""
+
+    def __init__(self, pid: int, engine_factory, task, scheduler, channel, cfg: PipelineConfig):
+        torch.set_num_threads(cfg.threads)
+        self.pid, self.task, self.scheduler, self.channel, self.cfg = pid, task, scheduler, channel, cfg
+        self.engine = engine_factory()
+        self.busy_s = self.idle_s = 0.0
+
+    def pid_of_process(self) -> int:
+        return os.getpid()
+
+    def _refresh(self) -> None:
+        """Load the newest weights if they are newer than the engine's (between chunks, or on wait)."""
+        if self.channel.latest_version() > self.engine.version:
+            version, weights = self.channel.fetch()
+            self.engine.load_weights(weights, version)
+
+    def run(self) -> dict:
+        cfg, call = self.cfg, self.cfg.call_timeout_s
+        self._refresh()
+        groups = 0
+        while True:
+            leases, status = get(self.scheduler.admit.remote(self.pid, self.engine.version, cfg.groups_per_call),
+                                 call, "admission")
+            if not leases and status == "done":
+                return {"groups": groups, "busy_s": self.busy_s, "idle_s": self.idle_s}
+            t0 = time.monotonic()
+            if not leases:  # the next prompt would be too stale on these weights
+                self.channel.wait_newer(self.engine.version, cfg.weight_timeout_s)
+                self._refresh()
+                self.idle_s += time.monotonic() - t0
+                continue
+            comps = self.engine.generate([p for _, p, _ in leases], cfg.group_size, cfg.sampling,
+                                         seed=cfg.seed * 1_000_003 + leases[0][0].group,
+                                         refresh=self._refresh if cfg.sampling.chunk_tokens else None)
+            out = []
+            for (lease, prompt, meta), cs in zip(leases, comps):
+                rewards = [float(self.task.reward(meta, c.tokens)) for c in cs]
+                out.append(Group(lease.group, lease.ticket, list(prompt), cs, rewards, producer=self.pid))
+            self.busy_s += time.monotonic() - t0
+            get(self.scheduler.submit.remote(self.pid, out, self.busy_s, self.idle_s), call, "submitting groups")
+            groups += len(out)
+            groups += 1
+
+
+@ray.remote
+class Trainer:
+    """The policy under the runtime (a one-rank gloo group inside the actor: FSDP2 or ZeRO-1 as
+    configured), one GRPO step per call on the step's groups, then its weights published."""
+
+    def __init__(self, model_config: dict, cfg: PipelineConfig, scheduler, channel, pad_id: int):
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from bumblebee import models, registry
+        from bumblebee.runtime import Runtime
+        torch.set_num_threads(cfg.threads)
+        if not dist.is_initialized():  # one rank: an in-memory store, no port to find
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))
+        model = models.build(model_config, impl=dict(cfg.impl), seed=cfg.seed)
+        state = registry.resolve("state_sharding", cfg.state_sharding)(model, mesh, lr=cfg.lr, mixed_precision="fp32",
+                                                                       grad_clip=cfg.grad_clip)
+        self.rt = Runtime(model, state)
+        self.ref = Runtime(models.build(model_config, seed=cfg.seed)) if cfg.objective.kl_coef else None
+        self.cfg, self.scheduler, self.channel, self.pad_id = cfg, scheduler, channel, pad_id
+        self.version = 0
+
+    def publish(self) -> int:
+        self.channel.publish(self.version, self.rt.export_weights(dtype=torch.float32))
+        return self.version
+
+    def step(self, ticket: int) -> dict:
+        from bumblebee.runtime.pipeline.trainer import grpo_step
+        if ticket != self.version:
+            raise ValueError(f"step {ticket} asked of the trainer at version {self.version}: steps run in order")
+        cfg = self.cfg
+        t0 = time.monotonic()
+        groups, producer_idle = get(self.scheduler.take.remote(ticket, cfg.take_timeout_s),
+                                    cfg.take_timeout_s + cfg.call_timeout_s, f"step {ticket}'s groups")
+        t1 = time.monotonic()
+        m = grpo_step(self.rt, groups, cfg.objective, version=self.version, pad_id=self.pad_id, ref=self.ref)
+        self.version += 1
+        self.publish()
+        t2 = time.monotonic()
+        return {**m, "wait_s": t1 - t0, "train_s": t2 - t1, "tokens_per_s": m["tokens"] / max(t2 - t0, 1e-9),
+                "producer_idle": producer_idle, "trainer_idle": (t1 - t0) / max(t2 - t0, 1e-9),
+                "group_ids": [g.group for g in groups]}

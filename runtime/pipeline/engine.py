@@ -1,0 +1,93 @@
+"""The producers' inference engine, behind a small adapter: `load_weights(named tensors, version)`,
+`generate(prompt, n, sampling, seed=, refresh=)` -> Completions, and `version`. This is the seam a
+vLLM or SGLang adapter implements; the shipped one runs transformers' `generate` (CPU or GPU) on the
+weights the trainer exports (`Runtime.export_weights`: HF names and layout)."""
+from __future__ import annotations
+
+from typing import Callable, Iterable, Protocol
+
+import torch
+
+from bumblebee.runtime.pipeline.config import Sampling
+from bumblebee.runtime.pipeline.samples import Completion
+
+
+class EngineAdapter(Protocol):
+    version: int  # the weights version loaded (-1 before any)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None: ...
+
+    def generate(self, prompts: list[list[int]], n: int, sampling: Sampling, *, seed: int,
+                 refresh: Callable[[], None] | None = None) -> list[list[Completion]]:
+        """`n` completions of each prompt; `refresh()` may load newer weights between tokens."""
+
+
+class TransformersEngine:
+    """transformers' `generate` on a model built from an HF config dict (`model_type` plus the
+    config's fields, as `bumblebee.models.NAMED` holds them), weights from the trainer's export.
+    Prompts of one call are left-padded into one batch. Sampling's `chunk_tokens` cuts a generation into calls of that many tokens; `refresh` runs
+    between them (the producer loads newer weights there), and each token records the version that
+    sampled it. The sampler's log-probs are those of the processed scores (temperature, top-k/p):
+    the distribution the token was drawn from."""
+
+    def __init__(self, hf_config: dict, *, device: str = "cpu", dtype: torch.dtype = torch.float32,
+                 eos_token_id: int | None = None, pad_token_id: int = 0):
+        from transformers import AutoConfig, AutoModelForCausalLM
+        cfg = {k: v for k, v in hf_config.items() if k not in ("model_type", "dtype")}
+        if "model_type" not in hf_config:
+            raise ValueError("hf_config needs its model_type (e.g. 'qwen3')")
+        config = AutoConfig.for_model(hf_config["model_type"], **cfg)
+        self.model = AutoModelForCausalLM.from_config(config, dtype=dtype).to(device).eval()
+        self.model.generation_config.eos_token_id = eos_token_id
+        self.tied = bool(getattr(config, "tie_word_embeddings", False))
+        self.device, self.eos, self.pad = torch.device(device), eos_token_id, pad_token_id
+        self.version = -1
+
+    def load_weights(self, weights, version: int) -> None:
+        got = self.model.load_state_dict(dict(weights), strict=False)
+        missing = [k for k in got.missing_keys if not (self.tied and k == "lm_head.weight")]
+        if got.unexpected_keys or missing:
+            raise ValueError(f"weights do not match the engine's model: unexpected {got.unexpected_keys[:4]}, "
+                             f"missing {missing[:4]}")
+        if self.tied:
+            self.model.tie_weights()
+        self.version = version
+
+    @torch.no_grad()
+    def generate(self, prompts, n, sampling: Sampling, *, seed: int, refresh=None) -> list[list[Completion]]:
+        if self.version < 0:
+            raise RuntimeError("generate before load_weights: the engine has no weights yet")
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ValueError("prompts must be a non-empty list of non-empty token lists")
+        width = max(len(p) for p in prompts)
+        rows = [list(p) for p in prompts for _ in range(n)]
+        ids = torch.tensor([[self.pad] * (width - len(r)) + r for r in rows], dtype=torch.long, device=self.device)
+        attn = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], dtype=torch.long, device=self.device)
+        out = [Completion([], [], []) for _ in rows]
+        done = [False] * len(rows)
+        left = sampling.max_new_tokens
+        devices = [self.device.index or 0] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):  # the sampler's RNG, seeded per call; the caller's is kept
+            torch.manual_seed(seed)
+            while left > 0 and not all(done):
+                if refresh is not None and left < sampling.max_new_tokens:
+                    refresh()
+                k = min(sampling.chunk_tokens or left, left)
+                gen = self.model.generate(ids, attention_mask=attn, do_sample=True, temperature=sampling.temperature,
+                                          top_k=sampling.top_k, top_p=sampling.top_p, max_new_tokens=k,
+                                          pad_token_id=self.pad, output_scores=True, return_dict_in_generate=True)
+                new = gen.sequences[:, ids.shape[1]:]
+                for j, scores in enumerate(gen.scores):
+                    lp = torch.log_softmax(scores.float(), -1).gather(1, new[:, j:j + 1]).squeeze(1).tolist()
+                    for i, c in enumerate(out):
+                        if not done[i]:
+                            t = int(new[i, j])
+                            c.tokens.append(t)
+                            c.logprobs.append(lp[i])
+                            c.versions.append(self.version)
+                            done[i] = t == self.eos
+                # finished rows keep generating (ignored) so the batch stays one; their mask stays 1
+                attn = torch.cat([attn, torch.ones_like(new)], 1)
+                ids = gen.sequences
+                left -= new.shape[1]
+        return [out[i * n:(i + 1) * n] for i in range(len(prompts))]

@@ -1,0 +1,109 @@
+"""The driver: starts the actors, runs the steps in order, restarts a producer that dies (its
+leased prompts go back to the scheduler, admitted again first), and shuts everything down."""
+from __future__ import annotations
+
+import functools
+import json
+import time
+from pathlib import Path
+
+import ray
+
+from bumblebee.runtime.pipeline.actors import Producer, Scheduler, Trainer
+from bumblebee.runtime.pipeline.config import PipelineConfig, PipelineTimeout
+from bumblebee.runtime.pipeline.engine import TransformersEngine
+from bumblebee.runtime.pipeline.weights import ObjectStoreChannel, WeightStore, get
+
+PROGRESS = ("step {step} v{version} reward {reward:.3f} behave_kl {behave_kl:.4f} staleness {staleness_mean:.2f}"
+            "/{staleness_max} tokens/s {tokens_per_s:.0f} idle producers {producer_idle:.2f} "
+            "trainer {trainer_idle:.2f}")
+
+
+class Pipeline:
+    """An asynchronous GRPO run of `model_config` (an HF config dict, e.g. `bumblebee.models.NAMED`'s)
+    on `task`. `engine`: a picklable factory of the producers' EngineAdapter (default: transformers'
+    generate on CPU). Ray must be initialized by the caller (`ray.init(num_cpus=...)`)."""
+
+    def __init__(self, cfg: PipelineConfig, model_config: dict, task, *, engine=None):
+        if not ray.is_initialized():
+            raise RuntimeError("Pipeline needs Ray: call ray.init(...) first")
+        self.cfg, self.task = cfg, task
+        self.engine = engine or functools.partial(TransformersEngine, model_config, eos_token_id=task.eos_id,
+                                                  pad_token_id=task.pad_id)
+        self.store = WeightStore.remote()
+        self.channel = ObjectStoreChannel(self.store, cfg.call_timeout_s)
+        self.scheduler = Scheduler.remote(task, cfg)
+        self.trainer = Trainer.options(num_cpus=cfg.trainer_cpus).remote(model_config, cfg, self.scheduler,
+                                                                         self.channel, task.pad_id)
+        get(self.trainer.publish.remote(), cfg.call_timeout_s, "the trainer's start and first weights")
+        self.producers, self.runs, self.restarts = {}, {}, 0
+        for i in range(cfg.producers):
+            self._start(i)
+
+    def _start(self, i: int) -> None:
+        p = Producer.options(num_cpus=self.cfg.producer_cpus).remote(i, self.engine, self.task, self.scheduler,
+                                                                       self.channel, self.cfg)
+        self.producers[i] = p
+        self.runs[p.run.remote()] = i
+
+    def kill_producer(self, i: int) -> None:
+        """Kill producer `i` (a fault, for tests): the driver restarts it and its prompts are re-leased."""
+        ray.kill(self.producers[i], no_restart=True)
+
+    def run(self, *, log_path=None, on_step=print, before_step=None) -> list[dict]:
+        """Train `cfg.steps` steps; each step's metrics (printed by `on_step` as a progress line,
+        appended to the JSONL `log_path`). `before_step(pipeline, step)`: a hook (tests inject faults)."""
+        cfg, log = self.cfg, []
+        out = open(log_path, "a") if log_path else None
+        t_start = time.monotonic()
+        try:
+            for step in range(cfg.steps):
+                if before_step is not None:
+                    before_step(self, step)
+                ref = self.trainer.step.remote(step)
+                while True:  # wait for the step, handling producers that end meanwhile
+                    ready, _ = ray.wait([ref, *self.runs], num_returns=1,
+                                        timeout=cfg.take_timeout_s + 2 * cfg.call_timeout_s)
+                    if not ready:
+                        raise PipelineTimeout(f"step {step}: no answer from the trainer or producers")
+                    if ready[0] == ref:
+                        break
+                    self._ended(ready[0])
+                m = get(ref, cfg.call_timeout_s, f"step {step}")
+                m.update(step=step, wall_s=time.monotonic() - t_start)
+                log.append(m)
+                if out:
+                    out.write(json.dumps(m) + "\n")
+                    out.flush()
+                if on_step:
+                    on_step(PROGRESS.format(**m))
+        finally:
+            if out:
+                out.close()
+        return log
+
+    def _ended(self, run_ref) -> None:
+        i = self.runs.pop(run_ref)
+        try:
+            ray.get(run_ref, timeout=self.cfg.call_timeout_s)  # finished: every prompt admitted
+        except ray.exceptions.RayActorError:
+            if self.restarts >= self.cfg.restarts:
+                raise
+            self.restarts += 1
+            get(self.scheduler.release.remote(i), self.cfg.call_timeout_s, f"releasing producer {i}'s prompts")
+            self._start(i)
+
+    def stats(self) -> dict:
+        return get(self.scheduler.stats.remote(), self.cfg.call_timeout_s, "scheduler stats")
+
+    def shutdown(self) -> None:
+        """Stop every actor of the run (their processes end; Ray itself stays up)."""
+        for actor in [*self.producers.values(), self.trainer, self.scheduler, self.store]:
+            ray.kill(actor, no_restart=True)
+        self.producers, self.runs = {}, {}
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.shutdown()

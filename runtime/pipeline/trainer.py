@@ -1,0 +1,47 @@
+"""One GRPO update through the runtime (no Ray here: the trainer actor calls it, and so can a plain
+synchronous loop): dynamic sampling, group-normalized advantages, the proximal policy's log-probs,
+the capped behaviour weight, DAPO's clip-higher surrogate with token-mean aggregation, the step."""
+from __future__ import annotations
+
+import torch
+
+from bumblebee.runtime import losses
+from bumblebee.runtime.batching import Batch
+from bumblebee.runtime.pipeline.config import Objective
+from bumblebee.runtime.pipeline.samples import Group, informative, to_batch
+
+
+def grpo_step(rt, groups: list[Group], objective: Objective, *, version: int, pad_id: int, ref=None) -> dict:
+    """Train `rt` (a Runtime with a state) one optimizer step on `groups`, consumed at weights
+    `version`; `ref`: a Runtime of the reference policy (for `objective.kl_coef`). Returns metrics."""
+    kept = informative(groups) if objective.dynamic_sampling else groups
+    lengths = [len(c.tokens) for g in groups for c in g.completions]
+    stale = [version - min(c.versions) for g in groups for c in g.completions if c.versions]
+    m = {"version": version, "reward": sum(r for g in groups for r in g.rewards) / len(lengths),
+         "groups": len(groups), "groups_kept": len(kept), "staleness_max": max(stale, default=0),
+         "staleness_mean": sum(stale) / max(len(stale), 1), "tokens": sum(lengths), "lengths": lengths,
+         "spans_max": max((len(c.spans) for g in groups for c in g.completions), default=0)}
+    if not kept:  # every group all-equal: nothing to learn from; the weights stay (the version advances)
+        opt = rt.optim_step()
+        return {**m, "applied": opt["applied"], "loss": 0.0, "grad_norm": 0.0, "behave_kl": 0.0, "kl": 0.0,
+                "entropy": float("nan"), "clip_fraction": 0.0, "behave_weight_max": 1.0}
+    batch, _ = to_batch(kept, pad_id, scale_by_std=objective.scale_by_std)
+    mask = batch.loss_mask
+    prox = rt.forward(batch).log_probs  # pi_prox: the weights of `version`, before this update
+    behave = batch.sampler_logprobs
+    w = losses.behaviour_weights(prox, behave, cap=objective.behave_cap, mode=objective.behave_mode)
+    ref_lp = ref.forward(batch).log_probs if objective.kl_coef else None
+    train = Batch(batch.input_ids, loss_mask=mask, weights=w * mask, advantages=batch.advantages,
+                  sampler_logprobs=prox, ref_logprobs=ref_lp)
+    res = rt.forward_backward(train, "ppo", clip=(objective.clip_low, objective.clip_high),
+                              loss_agg_mode="token-mean", kl_coef=objective.kl_coef,
+                              entropy_coef=objective.entropy_coef, entropy=True)
+    opt = rt.optim_step()
+    with torch.no_grad():
+        n = mask.sum().clamp_min(1)
+        behave_kl = float((losses.kl_penalty(prox, behave, "low_var_kl") * mask).sum() / n)  # KL(prox || behave), k3
+        raw_w = torch.exp(prox - behave)
+    return {**m, "applied": opt["applied"], "loss": res.loss, "grad_norm": float(opt["grad_norm"]),
+            "behave_kl": behave_kl, "kl": res.metrics.get("kl", 0.0),
+            "entropy": float((res.entropy * mask).sum() / n), "clip_fraction": res.metrics["clip_fraction"],
+            "behave_weight_max": float(raw_w[mask].max())}
