@@ -12,6 +12,11 @@ backward to cache its attention outputs in the recompute instead of the first fo
 `region()` is the running region's `Handover`: values its first forward keeps for its recompute, taken
 back in the same order (the attention slot keeps its output there, so the recompute skips attention).
 `keep_through` is that decision, shared by the slots that keep an output (attention, DeltaNet's rule).
+
+The bytes kept at once are counted per model and slot: a model owns one `Kept` (its decoder stack's
+`kept`) and hands it to each of its regions (`contexts(kept)`), so two models in one process (a
+policy and its reference, the two sides of a pairing) never spend each other's budget; the limits
+are each slot's typed options (`recompute_keep_bytes`).
 """
 from __future__ import annotations
 
@@ -28,13 +33,44 @@ def region() -> "Handover | None":
     return getattr(_STATE, "region", None)
 
 
+class KeptBudget:
+    """Bytes one model keeps through its recompute for one slot, not yet released by their backward."""
+
+    def __init__(self):
+        self.live = 0
+
+    def reserve(self, nbytes: int, limit: int) -> bool:
+        if self.live + nbytes > limit:
+            return False
+        self.live += nbytes
+        return True
+
+    def release(self, nbytes: int) -> None:
+        self.live -= nbytes
+
+
+class Kept:
+    """A model's budgets of bytes kept through its full recompute, one per slot (`budget(slot)`)."""
+
+    def __init__(self):
+        self.slots: dict[str, KeptBudget] = {}
+
+    def budget(self, slot: str) -> KeptBudget:
+        return self.slots.setdefault(slot, KeptBudget())
+
+    def live(self) -> int:
+        return sum(b.live for b in self.slots.values())
+
+
 class Handover:
     """What one checkpointed region's first forward hands to its recompute: `keep` in call order there,
     `take` in the same order in the recompute. A taken value is dropped here (its consumer holds it),
-    so a second recompute of the same region (a backward through a retained graph) finds nothing."""
+    so a second recompute of the same region (a backward through a retained graph) finds nothing.
+    `kept`: the budgets of the model the region belongs to (a region of no model counts its own)."""
 
-    def __init__(self):
+    def __init__(self, kept: Kept | None = None):
         self._kept, self._next = [], 0
+        self.kept = Kept() if kept is None else kept
 
     def keep(self, value) -> None:
         self._kept.append(value)
@@ -84,8 +120,13 @@ def keep_through(plain, choose, first, again):
     return out
 
 
-def contexts():
-    """checkpoint's `context_fn`: (the first forward's context, the recompute's context), sharing
-    one `Handover`."""
-    handover = Handover()
+def budget(slot: str) -> KeptBudget:
+    """The running region's model's budget of kept bytes for `slot` (inside a region only)."""
+    return region().kept.budget(slot)
+
+
+def contexts(kept: Kept | None = None):
+    """checkpoint's `context_fn` (with a model's budgets: `functools.partial(contexts, model_kept)`):
+    (the first forward's context, the recompute's context), sharing one `Handover`."""
+    handover = Handover(kept)
     return _Pass("forward", handover), _Pass("recompute", handover)

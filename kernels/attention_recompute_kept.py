@@ -11,8 +11,10 @@ go through the checkpoint (recomputed), in both passes in the same order, as che
 A `Kernel` is a fused forward that returns its log-sum-exp and its own backward: PyTorch's cuDNN
 attention on CUDA (the backend the SDPA path picks first) and CPU flash kernel here; the primitive
 adds FlashAttention 4's where it runs FA4. A call none would serve runs its plain path in both passes.
-`KeptBudget` caps the bytes kept at once across layers, so long sequences fall back to recomputing. The attention primitive decides per call and hands over between the passes
-(`primitives/attention.py`, `bumblebee/recompute.py`).
+The model's budget (`bumblebee.recompute.Kept`) caps the bytes kept at once across its layers, so long
+sequences fall back to recomputing: the attention primitive reserves there, decides per call and hands
+over between the passes (`primitives/attention.py`, `bumblebee/recompute.py`); the call's `release`
+gives the bytes back.
 """
 from __future__ import annotations
 
@@ -22,25 +24,6 @@ from typing import Callable
 
 import torch
 from torch.nn.attention import SDPBackend
-
-
-class KeptBudget:
-    """Bytes of attention outputs kept and not yet released by their backward, in this process."""
-
-    def __init__(self):
-        self.live = 0
-
-    def reserve(self, nbytes: int, limit: int) -> bool:
-        if self.live + nbytes > limit:
-            return False
-        self.live += nbytes
-        return True
-
-    def release(self, nbytes: int) -> None:
-        self.live -= nbytes
-
-
-KEPT = KeptBudget()  # bookkeeping of what is held (a fact, not a switch)
 
 
 def kept_bytes(q: torch.Tensor, v: torch.Tensor) -> int:
@@ -97,18 +80,19 @@ def kernel_for(q: torch.Tensor, choice: int) -> Kernel | None:
 
 
 class KeptAttention(torch.autograd.Function):
-    """apply(q, k, v, scale, kernel, nbytes, taken): the first forward (taken None) runs the kernel and
-    holds its output and log-sum-exp until the backward; the recompute passes that output as `taken`."""
+    """apply(q, k, v, scale, kernel, release, taken): the first forward (taken None) runs the kernel and
+    holds its output and log-sum-exp until the backward; the recompute passes that output as `taken`.
+    `release()` runs once the held values die."""
 
     @staticmethod
-    def forward(ctx, q, k, v, scale, kernel, nbytes, taken):
+    def forward(ctx, q, k, v, scale, kernel, release, taken):
         ctx.save_for_backward(q, k, v)  # recomputed by the checkpoint, in both passes
         ctx.scale, ctx.kernel, ctx.kept = scale, kernel, None
         if taken is not None:  # the recompute: its graph is discarded, the first forward's node runs the backward
             return taken.detach()
         out, kept = kernel.forward(q, k, v, scale)
         ctx.kept = kept
-        weakref.finalize(kept[1], KEPT.release, nbytes)  # the log-sum-exp dies with the backward
+        weakref.finalize(kept[1], release)  # the log-sum-exp dies with the backward
         return out
 
     @staticmethod

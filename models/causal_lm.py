@@ -27,11 +27,12 @@ class MTPCausalLMOutput(MoECausalLMOutput):
     mtp_losses: torch.Tensor | None = None  # [D] the mean CE of every depth (detached)
 
 
-def run_layer(layer, recompute: bool, *args):
+def run_layer(layer, recompute: bool, *args, kept: recompute_phase.Kept | None = None):
     """One decoder layer; under full recompute only its inputs are kept for the backward, and the
-    layer can tell its first forward from the recompute (`bumblebee.recompute.phase()`)."""
+    layer can tell its first forward from the recompute (`bumblebee.recompute.phase()`). `kept`: the
+    model's budgets of outputs kept through its recompute (its stack's `kept`)."""
     if recompute and torch.is_grad_enabled():
-        return checkpoint(layer, *args, use_reentrant=False, context_fn=recompute_phase.contexts)
+        return checkpoint(layer, *args, use_reentrant=False, context_fn=lambda: recompute_phase.contexts(kept))
     return layer(*args)
 
 
@@ -50,12 +51,13 @@ class DecoderStack(nn.Module):
         self.norm = norm
         self.rotary_emb = rotary_emb
         self.recompute = False  # full activation recompute: keep only each layer's input
+        self.kept = recompute_phase.Kept()  # this model's bytes kept through its recompute, per slot
 
     def forward(self, input_ids, cos, sin, *extra):
         x = self.embed_tokens(input_ids)
         router_logits = []
         for layer in self.layers:
-            x, logits = run_layer(layer, self.recompute, x, cos, sin, *extra)
+            x, logits = run_layer(layer, self.recompute, x, cos, sin, *extra, kept=self.kept)
             if logits is not None:
                 router_logits.append(logits)
         return self.norm(x), tuple(router_logits)
@@ -149,7 +151,7 @@ class CausalLM(HFCheckpointMixin, nn.Module):
             return out
 
         def run_block(block, x):
-            return run_layer(block, self.model.recompute, x, cos, sin, cu_seqlens)[0]
+            return run_layer(block, self.model.recompute, x, cos, sin, cu_seqlens, kept=self.model.kept)[0]
 
         mtp_loss, out.mtp_losses = self.mtp(hidden, input_ids, labels, embed=self.model.embed_tokens,
                                             head_weight=self.lm_head.weight, run_block=run_block,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch.nn as nn
 
 from bumblebee.models.causal_lm import CausalLM, run_layer
+from bumblebee.recompute import Kept
 from bumblebee.models.components import GQAttention, RMSNorm, RotaryEmbedding, SwiGLU
 from bumblebee.models.config import Qwen3Config
 
@@ -36,12 +37,13 @@ class Qwen3Model(nn.Module):
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(c.head_dim, c.rope)
         self.recompute = False  # full activation recompute: keep only each layer's input
+        self.kept = Kept()  # this model's bytes kept through its recompute, per slot
 
     def forward(self, input_ids, position_ids, cu_seqlens=None):
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary_emb(position_ids, x.dtype)
         for layer in self.layers:
-            x = run_layer(layer, self.recompute, x, cos, sin, cu_seqlens)
+            x = run_layer(layer, self.recompute, x, cos, sin, cu_seqlens, kept=self.kept)
         return self.norm(x)
 
 

@@ -111,17 +111,18 @@ def _kept_through_recompute(q, k, v, scale, limit_bytes: int, fa4: bool):
     the one SDPA would pick) while `limit_bytes` allows, and the recompute takes it instead of running
     attention; otherwise both passes run the plain path (they must save the same tensors)."""
     nbytes = _kept.kept_bytes(q, v)
+    budget = recompute.budget("attention")  # the model's: another model's kept outputs never count here
 
     def choose():
         if fa4:
             kernel = _FA4_KEPT
         else:
             kernel = _kept.kernel_for(q, _sdpa_cudnn.choice(q, k, v, scale, enable_gqa=k.shape[1] != q.shape[1]))
-        return kernel if kernel is not None and _kept.KEPT.reserve(nbytes, limit_bytes) else None
+        return kernel if kernel is not None and budget.reserve(nbytes, limit_bytes) else None
     return recompute.keep_through(
         lambda: (_fa4_dense if fa4 else _sdpa)(q, k, v, scale), choose,
-        lambda kernel: _kept.KeptAttention.apply(q, k, v, scale, kernel, nbytes, None),
-        lambda kernel, out: _kept.KeptAttention.apply(q, k, v, scale, kernel, 0, out))
+        lambda kernel: _kept.KeptAttention.apply(q, k, v, scale, kernel, lambda: budget.release(nbytes), None),
+        lambda kernel, out: _kept.KeptAttention.apply(q, k, v, scale, kernel, None, out))
 
 
 _FA4_KEPT = _kept.Kernel("fa4", _fa4.kept_forward, _fa4.kept_backward)

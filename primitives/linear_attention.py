@@ -36,7 +36,6 @@ import torch.nn.functional as F
 from bumblebee import recompute
 from bumblebee.checks import check_cu_seqlens, check_gdn_config
 from bumblebee.kernels import linear_attention_recompute_kept as _kept
-from bumblebee.kernels.attention_recompute_kept import KeptBudget
 from bumblebee.norms import GatedRMSNorm, to_acc
 from bumblebee.primitives.linear_attention_torch import causal_conv1d_silu_taps, chunk_gated_delta_rule_torch
 from bumblebee.options import check_int, option
@@ -150,9 +149,6 @@ class FLAConfig:
 
     def __post_init__(self):
         check_int(self, "recompute_keep_bytes", 0)
-
-
-KEPT = KeptBudget()  # bytes of DeltaNet rule outputs kept and not yet released by their backward
 
 
 def _torch_rule(q, k, v, g, beta, scale, cu_seqlens):
@@ -270,9 +266,10 @@ class FLAGatedDeltaNet(nn.Module):
         if not limit or recompute.phase() not in ("forward", "recompute"):
             return plain(q, k, v, g, beta, scale, cu_seqlens)
         nbytes = kernel.kept_bytes(q, v) if kernel is not None else 0
+        budget = recompute.budget("linear_attention")  # the model's: another model's kept rules never count here
         return recompute.keep_through(
             lambda: plain(q, k, v, g, beta, scale, cu_seqlens),
-            lambda: kernel if kernel is not None and KEPT.reserve(nbytes, limit) else None,
+            lambda: kernel if kernel is not None and budget.reserve(nbytes, limit) else None,
             lambda kern: _kept.KeptRule.apply(q, k, v, g, beta, scale, cu_seqlens, kern,
-                                              lambda: KEPT.release(nbytes), None),
+                                              lambda: budget.release(nbytes), None),
             lambda kern, out: _kept.KeptRule.apply(q, k, v, g, beta, scale, cu_seqlens, kern, None, out))

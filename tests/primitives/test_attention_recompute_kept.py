@@ -34,10 +34,11 @@ def _weights(dtype, device="cpu", D=32, d=8, heads=4, kv_heads=2, seed=0):
             for s in shapes]
 
 
-def _grads(config, x, ws, region: bool, count=None):
+def _grads(config, x, ws, region: bool, kept=None):
+    """kept: the budgets the region counts in (a model's `recompute.Kept`), None: the region's own."""
     x = x.detach().requires_grad_()
     if region:
-        y = checkpoint(_layer, config, x, *ws, use_reentrant=False, context_fn=recompute.contexts)
+        y = checkpoint(_layer, config, x, *ws, use_reentrant=False, context_fn=lambda: recompute.contexts(kept))
     else:
         y = _layer(config, x, *ws)
     (y.float() * torch.linspace(-1, 1, y.numel(), device=y.device).view_as(y)).sum().backward()
@@ -66,11 +67,12 @@ def test_kept_output_gives_the_gradients_of_no_recompute_and_runs_attention_once
     ws = _weights(torch.float64)
     want = _grads(SDPA(recompute_keep_bytes=0), x, ws, region=False)
     calls = _count_forwards(monkeypatch)
-    got = _grads(SDPA(), x, ws, region=True)
+    budgets = recompute.Kept()
+    got = _grads(SDPA(), x, ws, region=True, kept=budgets)
     assert len(calls) == 1  # the first forward only: the recompute took the kept output
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
-    assert kept.KEPT.live == 0  # released with the backward
+    assert list(budgets.slots) == ["attention"] and budgets.live() == 0  # released with the backward
 
 
 def test_over_the_budget_both_passes_recompute_attention(monkeypatch):
@@ -78,18 +80,19 @@ def test_over_the_budget_both_passes_recompute_attention(monkeypatch):
     ws = _weights(torch.float64, seed=1)
     want = _grads(SDPA(recompute_keep_bytes=0), x, ws, region=False)
     calls = _count_forwards(monkeypatch)
-    got = _grads(SDPA(recompute_keep_bytes=1), x, ws, region=True)  # one byte: nothing fits
+    budgets = recompute.Kept()
+    got = _grads(SDPA(recompute_keep_bytes=1), x, ws, region=True, kept=budgets)  # one byte: nothing fits
     assert calls == []
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
-    assert kept.KEPT.live == 0
+    assert budgets.live() == 0
 
 
 def test_budget_counts_every_layer_kept_at_once():
     q = torch.empty(2, 4, 24, 8, dtype=torch.float64)
     one = kept.kept_bytes(q, q)
     assert one == 2 * 4 * 24 * (8 * 8 + 4)
-    budget = kept.KeptBudget()
+    budget = recompute.KeptBudget()
     assert budget.reserve(one, 2 * one) and budget.reserve(one, 2 * one)
     assert not budget.reserve(one, 2 * one)  # a third layer would pass the budget: it recomputes
     budget.release(one)
@@ -132,6 +135,23 @@ def test_model_recompute_with_kept_attention_matches_the_plain_recompute(model_n
         torch.testing.assert_close(grads["kept"][n], g, rtol=1e-12, atol=1e-14, msg=n)
 
 
+def test_each_model_keeps_within_its_own_budget(monkeypatch):
+    """Two models in one process: the second keeps every layer's output within its own budget while the
+    first still holds its kept outputs (a process-wide count would leave the second nothing)."""
+    ids = torch.randint(0, 100, (2, 32), generator=torch.Generator().manual_seed(5))
+    first = bb.models.build("qwen3-tiny", seed=0, dtype=torch.float64).set_recompute(True)
+    loss_first = first(ids, labels=ids).loss
+    held = first.model.kept.live()
+    assert held > 0
+    calls = _count_forwards(monkeypatch)
+    second = bb.models.build("qwen3-tiny", {"attention": SDPA(recompute_keep_bytes=held)}, seed=0,
+                             dtype=torch.float64).set_recompute(True)
+    loss_second = second(ids, labels=ids).loss
+    assert second.model.kept.live() == held and len(calls) == second.config.num_hidden_layers
+    (loss_first + loss_second).backward()
+    assert first.model.kept.live() == 0 and second.model.kept.live() == 0
+
+
 def test_config_checks_and_parses_the_budget():
     with pytest.raises(ValueError, match="recompute_keep_bytes"):
         SDPA(recompute_keep_bytes=-1)
@@ -151,7 +171,6 @@ def _bitwise_on_gpu(config, monkeypatch, owner, names):
     assert len(calls) == 1
     for a, b in zip(got, want):
         assert torch.equal(a, b)
-    assert kept.KEPT.live == 0
 
 
 @pytest.mark.gpu
@@ -182,8 +201,9 @@ def test_where_fa4_serves_its_kernel_is_the_kept_one(monkeypatch):
     want = _grads(SDPA(recompute_keep_bytes=0), x, ws, region=False)
     sdpa_calls = _count_forwards(monkeypatch)
     fa4_calls = _count_forwards(monkeypatch, attention, ("_FA4_KEPT",))
-    got = _grads(SDPA(fa4="on"), x, ws, region=True)
+    budgets = recompute.Kept()
+    got = _grads(SDPA(fa4="on"), x, ws, region=True, kept=budgets)
     assert len(fa4_calls) == 1 and sdpa_calls == []
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
-    assert kept.KEPT.live == 0
+    assert budgets.live() == 0

@@ -30,10 +30,11 @@ def _layer(config, dtype=torch.float64, device="cpu", shape=SHAPE, seed=0):
     return layer.to(device, dtype)
 
 
-def _grads(layer, x, region: bool, cu=None):
+def _grads(layer, x, region: bool, cu=None, kept=None):
+    """kept: the budgets the region counts in (a model's `recompute.Kept`), None: the region's own."""
     x = x.detach().requires_grad_()
     if region:
-        y = checkpoint(layer, x, cu, use_reentrant=False, context_fn=recompute.contexts)
+        y = checkpoint(layer, x, cu, use_reentrant=False, context_fn=lambda: recompute.contexts(kept))
     else:
         y = layer(x, cu)
     (y.double() * torch.linspace(-1, 1, y.numel(), device=y.device, dtype=torch.float64).view_as(y)).sum().backward()
@@ -61,11 +62,12 @@ def test_kept_rule_gives_the_gradients_of_no_recompute_and_skips_the_rule_in_the
     cu = torch.tensor([0, 7, 30, 40]) if packed else None
     want = _grads(_layer(FLAConfig()), x, region=False, cu=cu)
     seen = _phases(monkeypatch)
-    got = _grads(_layer(FLAConfig(recompute_keep_bytes=1 << 30)), x, region=True, cu=cu)
+    budgets = recompute.Kept()
+    got = _grads(_layer(FLAConfig(recompute_keep_bytes=1 << 30)), x, region=True, cu=cu, kept=budgets)
     assert "recompute" not in seen and seen.count("forward") == 1, seen
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
-    assert la.KEPT.live == 0  # released with the backward
+    assert list(budgets.slots) == ["linear_attention"] and budgets.live() == 0  # released with the backward
 
 
 def test_over_the_budget_or_off_both_passes_run_the_rule(monkeypatch):
@@ -73,20 +75,22 @@ def test_over_the_budget_or_off_both_passes_run_the_rule(monkeypatch):
     want = _grads(_layer(FLAConfig(), seed=1), x, region=False)
     for config in (FLAConfig(recompute_keep_bytes=8), FLAConfig(recompute_keep_bytes=0)):  # 8 bytes: less than one output
         seen = _phases(monkeypatch)
-        got = _grads(_layer(config, seed=1), x, region=True)
+        budgets = recompute.Kept()
+        got = _grads(_layer(config, seed=1), x, region=True, kept=budgets)
         assert seen == ["forward", "recompute"], seen
         for a, b in zip(got, want):
             torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
-    assert la.KEPT.live == 0
+        assert budgets.live() == 0
 
 
 def test_a_graph_freed_without_backward_returns_its_bytes():
     layer = _layer(FLAConfig(recompute_keep_bytes=1 << 30))
     x = torch.randn(1, 16, 24, dtype=torch.float64, requires_grad=True)
-    y = checkpoint(layer, x, None, use_reentrant=False, context_fn=recompute.contexts)
-    assert la.KEPT.live > 0
+    budgets = recompute.Kept()
+    y = checkpoint(layer, x, None, use_reentrant=False, context_fn=lambda: recompute.contexts(budgets))
+    assert budgets.live() > 0
     del y
-    assert la.KEPT.live == 0
+    assert budgets.live() == 0
 
 
 def test_a_second_backward_through_a_retained_graph_is_refused():
@@ -108,11 +112,11 @@ def test_model_with_the_default_kept_rule_trains_like_the_plain_recompute(monkey
         model.set_recompute(True)
         loss = model(ids, labels=ids).loss
         loss.backward()
+        assert model.model.kept.live() == 0  # the model's own budgets, released with the backward
         out[name] = [loss.detach()] + [p.grad for p in model.parameters()]
     for a, b in zip(out["kept"], out["plain"]):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
     assert "recompute" in phases["plain"] and "recompute" not in phases["kept"], phases
-    assert la.KEPT.live == 0
 
 
 def test_config_is_typed_and_reported():
@@ -151,4 +155,3 @@ def test_fla_kept_rule_equals_fla_plain_recompute_bf16_gpu(monkeypatch, packed):
     for i, (a, b) in enumerate(zip(got, want)):
         err = (a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)
         assert err < 1e-2, (i, float(err))  # the same kernels on the same inputs (a wrong A or gate: O(1))
-    assert la.KEPT.live == 0
