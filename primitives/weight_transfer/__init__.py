@@ -1,0 +1,66 @@
+"""Weight transfer from trainer ranks to rollout ranks across different shardings (slot
+`weight_transfer`, primitive `p2p`, twin `broadcast`).
+
+The receiver's layout is inferred from the engine's own `load_weights` (`infer.py`), the sender's
+comes from `export_weight_shards` without a gather (`spec.py`), the planner moves only the slices
+each receiver keeps, each from one sender (`plan.py`), and every update is a transaction over
+point-to-point rounds (`execute.py`, `endpoints.py`). Usage: skills/weight-transfer/SKILL.md.
+
+    transfer = registry.resolve("weight_transfer", "p2p")        # or P2PTransfer(mode="async")
+    end = transfer(link)                                         # a trainer rank: a WeightSender
+    end = transfer(link, load_weights=engine.load_weights, targets=dict(engine.named_parameters()))
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from bumblebee.options import check_bool, check_choice, check_int, option
+from bumblebee.primitives.weight_transfer.endpoints import Link, WeightReceiver, WeightSender
+from bumblebee.primitives.weight_transfer.execute import TransferError, TransferInFlight
+from bumblebee.primitives.weight_transfer.infer import LayoutCache, LayoutError, check, infer_layout
+from bumblebee.primitives.weight_transfer.plan import HEADER_BYTES, Plan, make_plan
+from bumblebee.registry import register
+
+__all__ = ["P2PTransfer", "Link", "WeightSender", "WeightReceiver", "TransferError", "TransferInFlight",
+           "LayoutCache", "LayoutError", "infer_layout", "check", "make_plan", "Plan", "HEADER_BYTES", "p2p"]
+
+
+@dataclass(frozen=True)
+class P2PTransfer:
+    """Options of p2p: `registry.resolve("weight_transfer", P2PTransfer(mode="async"))`, or the
+    string "p2p:mode=async,budget_bytes=64MiB"."""
+
+    impl_name = "p2p"
+    mode: str = option("sync", "sync: sender.update / receiver.update meet like a collective; async: "
+                       "sender.publish snapshots and returns, the rollout polls for the newest version")
+    budget_bytes: int = option(256 << 20, "the most bytes one rank sends plus receives in one round "
+                               "(transient buffers; the transactional staging is apart)")
+    timeout_s: float = option(60.0, "how long any rank waits for a peer's bytes or vote before raising")
+    transactional: bool = option(True, "stage the whole update and commit it after a unanimous vote "
+                                 "(costs the receiver's update bytes); False writes each round as it lands")
+    verify: bool = option(True, "check an inferred layout against a real load_weights call on random "
+                          "tensors (one extra call; a cached layout is always checked)")
+
+    def __post_init__(self):
+        check_choice(self, "mode", ("sync", "async"))
+        check_int(self, "budget_bytes", 16)
+        check_bool(self, "transactional")
+        check_bool(self, "verify")
+        if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) or self.timeout_s <= 0:
+            raise ValueError(f"P2PTransfer.timeout_s must be a number > 0; got {self.timeout_s!r}")
+
+
+@register("weight_transfer", "p2p", kind="primitive", twin="broadcast", default=True, config=P2PTransfer)
+def p2p(config: P2PTransfer, link: Link, *, load_weights=None, targets=None, layout_key: str = "",
+        cache: LayoutCache | None = None):
+    """Point-to-point weight transfer: only the slices each rollout rank keeps, each sent once.
+
+    This rank's end of `link`: a `WeightSender` on a trainer rank, a `WeightReceiver` (which needs
+    the engine's `load_weights` and the `targets` it writes) on a rollout rank. `layout_key` names
+    what decides the receiver's layout beyond its tensors' shapes (its TP/EP rank): the cache key."""
+    import torch.distributed as dist
+    if dist.get_rank() in link.trainer_ranks:
+        return WeightSender(config, link)
+    if load_weights is None or targets is None:
+        raise ValueError("a rollout rank's endpoint needs load_weights and targets")
+    return WeightReceiver(config, link, load_weights, targets, layout_key=layout_key, cache=cache)

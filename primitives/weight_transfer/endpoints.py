@@ -1,0 +1,300 @@
+"""The two ends of a weight transfer: `WeightSender` on every trainer rank, `WeightReceiver` on
+every rollout rank, over one process group spanning both (see `Link`).
+
+Sync mode: `sender.update(shards, version)` and `receiver.update()` meet like a collective. Async
+mode: `sender.publish(shards, version)` snapshots this rank's shards and returns (a service thread
+serves requests); the rollout ranks call `receiver.poll()` together when they are ready, which
+fetches the newest version every sender still holds (or returns None). A sender keeps at most three
+snapshots (the one being served and the two newest), so a slow receiver never blocks the trainer
+and skips the versions it was too slow for.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from bumblebee.primitives.weight_transfer.execute import (Control, Mover, TransferError, TransferInFlight, agree,
+                                                          read_from)
+from bumblebee.primitives.weight_transfer.infer import LayoutCache, infer_layout
+from bumblebee.primitives.weight_transfer.plan import make_plan
+from bumblebee.primitives.weight_transfer.spec import digest, sender_spec
+
+
+@dataclass(frozen=True)
+class Link:
+    """Who takes part: global ranks of the trainer and of the rollout engine, the process group
+    spanning them (None: the default group), the key-value store for control messages (None: the
+    default group's) and a name that keeps several links apart in that store."""
+    trainer_ranks: tuple
+    rollout_ranks: tuple
+    group: object = None
+    store: object = None
+    name: str = "weights"
+
+    def __post_init__(self):
+        t, r = tuple(self.trainer_ranks), tuple(self.rollout_ranks)
+        if not t or not r or set(t) & set(r) or len(set(t)) != len(t) or len(set(r)) != len(r):
+            raise ValueError(f"Link needs disjoint, non-empty trainer_ranks and rollout_ranks; got {t} and {r}")
+        object.__setattr__(self, "trainer_ranks", t)
+        object.__setattr__(self, "rollout_ranks", r)
+
+
+def _merge_manifests(manifests) -> tuple:
+    out: dict = {}
+    for m in manifests:
+        for name, shape, dt in m:
+            if out.setdefault(name, (shape, dt)) != (shape, dt):
+                raise TransferError(f"senders disagree on {name!r}: {out[name]} vs {(shape, dt)} (a shape or "
+                                    "dtype mismatch)")
+    return tuple((n, s, d) for n, (s, d) in out.items())
+
+
+class _Endpoint:
+    def __init__(self, config, link: Link, rank: int):
+        self.config, self.link, self.rank = config, link, rank
+        store = link.store or dist.distributed_c10d._get_default_store()
+        self.ctl = Control(store, f"weight_transfer/{link.name}/", link.trainer_ranks + link.rollout_ranks,
+                           config.timeout_s)
+        self.n, self.version, self.plan, self.mover = 0, None, None, None
+        self.broken: str | None = None
+        self.on_round = None  # test seam: called with the round index after each round
+        self._busy = threading.Lock()
+        self.stats = {"bytes_sent": 0, "bytes_received": 0, "staged_bytes": 0}
+
+    @contextlib.contextmanager
+    def _flight(self):
+        if self.broken:
+            raise TransferError(f"this endpoint is unusable after {self.broken}; open a new one")
+        if not self._busy.acquire(blocking=False):
+            raise TransferInFlight("an update is already in flight on this endpoint")
+        try:
+            yield
+        finally:
+            self._busy.release()
+
+    def _setup(self, n, mine, wait_s):
+        """Exchange specs (senders post theirs, receivers infer and post theirs) and plan."""
+        t, r = self.link.trainer_ranks, self.link.rollout_ranks
+        if self.rank in t:
+            self.ctl.post(f"{n}/setup-s", self.rank, mine)
+        senders = self.ctl.collect(f"{n}/setup-s", t, timeout_s=wait_s)
+        manifest = _merge_manifests(m for _, m in senders.values())
+        if self.rank in r:
+            try:
+                mine = self._infer(manifest)
+            except Exception as e:
+                mine = f"layout inference failed: {type(e).__name__}: {e}"
+            self.ctl.post(f"{n}/setup-r", self.rank, mine)
+        receivers = self.ctl.collect(f"{n}/setup-r", r)
+        bad = {k: v for k, v in receivers.items() if isinstance(v, str)}
+        if bad:
+            raise TransferError("; ".join(f"receiver rank {k}: {v}" for k, v in sorted(bad.items())))
+        try:
+            self.plan = make_plan([s for s, _ in senders.values()], receivers, manifest,
+                                  budget_bytes=self.config.budget_bytes)
+        except ValueError as e:
+            raise TransferError(f"no plan: {e}") from None
+        self.manifest = manifest
+        self.mover = Mover(self.plan, self.rank, self.link.group, transactional=self.config.transactional,
+                           device=self._device())
+
+    def _transfer(self, version, sent, wait_s):
+        """One update (number self.n): setup on the first, then prepare, move, vote, commit."""
+        n, self.n = self.n, self.n + 1
+        is_sender = self.rank in self.link.trainer_ranks
+        try:
+            if self.plan is None:
+                self._setup(n, sent[:2] if is_sender else None, wait_s)
+            err = self._check(sent)
+            got = agree(self.ctl, f"{n}/prep", self.rank, err, timeout_s=wait_s, version=version)
+            version = got[self.link.trainer_ranks[0]]["version"]
+        except TransferError as e:
+            self.broken = self.broken or (None if self.plan is not None else f"a failed setup ({e})")
+            raise
+        read = read_from(sent[2]) if is_sender else None
+        errors = self.mover.move(read, getattr(self, "targets", None), self.config.timeout_s, self.on_round)
+        try:
+            agree(self.ctl, f"{n}/vote", self.rank, "; ".join(errors) or None)
+        except TransferError as e:
+            if self.mover.peer_failed or "did not answer" in str(e):
+                self.broken = f"update {n} ({e})"
+            raise
+        finally:
+            for step in ("setup-s", "setup-r", "prep", "vote"):
+                self.ctl.forget(f"{n - 1}/{step}", self.rank)
+        if not is_sender:
+            self.mover.commit(self.targets)
+        self.version = version
+        plan = self.plan
+        self.stats.update(bytes_sent=plan.bytes_sent().get(self.rank, 0),
+                          bytes_received=plan.bytes_received().get(self.rank, 0),
+                          staged_bytes=self.mover.staged_bytes)
+        return version
+
+
+class WeightSender(_Endpoint):
+    """A trainer rank's end. `shards`: objects with name, tensor, shape, offsets, replicated (what
+    `runtime.export.export_weight_shards` yields), in the dtype to send."""
+
+    def __init__(self, config, link: Link):
+        rank = dist.get_rank()
+        if rank not in link.trainer_ranks:
+            raise ValueError(f"rank {rank} is not one of the link's trainer_ranks {link.trainer_ranks}")
+        super().__init__(config, link, rank)
+        self._slots: list = []  # [version, (spec, manifest, local), pinned]
+        self._lock = threading.Lock()
+        self._thread = None
+        self._stop = threading.Event()
+        self.error: BaseException | None = None
+
+    def _device(self):
+        return next(iter(self._sent[2].values())).device if self._sent[2] else torch.device("cpu")
+
+    def _check(self, sent):
+        spec, manifest, _ = sent
+        if spec is None:
+            return "this sender no longer holds the requested version"
+        layout = getattr(self, "sent_layout", None)
+        if layout is not None and (manifest, spec.boxes) != layout:
+            changed = sorted(set(layout[0]) ^ set(manifest)) or sorted(set(layout[1]) ^ set(spec.boxes))
+            return f"the shards changed since the plan was made (names, shapes, dtypes or boxes): {changed[:2]}"
+        self.sent_layout = (manifest, spec.boxes)
+        return None
+
+    def update(self, shards, version: int) -> int:
+        """Sync mode: send this rank's part of `version`; returns when every receiver committed it."""
+        if self.config.mode != "sync":
+            raise RuntimeError("update() is the sync mode's call; this endpoint is async: use publish()")
+        with self._flight():
+            self._sent = sender_spec(self.rank, shards)
+            return self._transfer(version, self._sent, self.config.timeout_s)
+
+    def publish(self, shards, version: int) -> None:
+        """Async mode: snapshot this rank's shards as `version` and return; the service thread sends
+        the newest version to the rollout when it asks. Raises the service's error, if it failed."""
+        if self.config.mode != "async":
+            raise RuntimeError("publish() is the async mode's call; this endpoint is sync: use update()")
+        if self.error is not None:
+            raise TransferError(f"the async service failed: {self.error}") from self.error
+        spec, manifest, local = sender_spec(self.rank, shards)
+        with self._lock:
+            free = [s for s in self._slots[:-1] if not s[2]] if len(self._slots) >= 3 else []
+            if free:  # reuse the oldest free snapshot's memory
+                slot = free[0]
+                self._slots.remove(slot)
+                same = set(slot[1][2]) == set(local)
+                snap = ({k: slot[1][2][k].copy_(t) for k, t in local.items()} if same else
+                        {k: t.detach().clone() for k, t in local.items()})
+            else:
+                snap = {k: t.detach().clone() for k, t in local.items()}
+            self._slots.append([version, (spec, manifest, snap), False])
+            held = [s[0] for s in self._slots]
+        self.ctl.post("pub", self.rank, held)
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._serve, daemon=True, name="weight-transfer")
+            self._thread.start()
+
+    def _serve(self):
+        leader = self.link.rollout_ranks[0]
+        while not self._stop.is_set():
+            try:
+                req = self.ctl.collect(f"{self.n}/req", [leader], timeout_s=1.0)[leader]
+            except TransferError:
+                continue
+            with self._lock:
+                slot = next((s for s in self._slots if s[0] == req), None)
+                if slot is not None:
+                    slot[2] = True
+            try:
+                self._sent = slot[1] if slot else (None, None, {})
+                self._transfer(req, self._sent, self.config.timeout_s)
+            except BaseException as e:
+                if self.broken:
+                    self.error = e
+                    return
+            finally:
+                with self._lock:
+                    if slot is not None:
+                        slot[2] = False
+                    keep = sorted(self._slots, key=lambda s: s[0])[-2:]
+                    self._slots = [s for s in self._slots if s in keep or s[2]]
+
+    def close(self):
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+
+class WeightReceiver(_Endpoint):
+    """A rollout rank's end: `load_weights(iterable of (hf name, full tensor))` of the engine and
+    the tensors it writes (`targets`: {name: tensor}, the engine's parameters, written in place)."""
+
+    def __init__(self, config, link: Link, load_weights, targets: dict, *, layout_key: str = "",
+                 cache: LayoutCache | None = None):
+        rank = dist.get_rank()
+        if rank not in link.rollout_ranks:
+            raise ValueError(f"rank {rank} is not one of the link's rollout_ranks {link.rollout_ranks}")
+        if not callable(load_weights):
+            raise TypeError(f"load_weights must be callable, got {load_weights!r}")
+        super().__init__(config, link, rank)
+        self.load_weights, self.targets = load_weights, dict(targets)
+        self.layout_key, self.cache = layout_key, cache if cache is not None else LayoutCache()
+        self._polls = 0
+        self.spec = None
+
+    def _device(self):
+        return next(iter(self.targets.values())).device if self.targets else torch.device("cpu")
+
+    def _infer(self, manifest):
+        self.spec = infer_layout(self.load_weights, self.targets, manifest, key=self.layout_key, cache=self.cache,
+                                 verify=self.config.verify)
+        return self.spec
+
+    def _check(self, sent):
+        try:
+            self.spec.check_targets(self.targets)
+        except ValueError as e:
+            return str(e)
+        return None
+
+    def update(self, timeout_s: float | None = None) -> int:
+        """Sync mode: wait (up to `timeout_s`, default the config's) for the senders' next update,
+        receive it whole, commit it after every rank agreed; returns its version."""
+        if self.config.mode != "sync":
+            raise RuntimeError("update() is the sync mode's call; this endpoint is async: use poll()")
+        with self._flight():
+            return self._transfer(None, None, timeout_s or self.config.timeout_s)
+
+    def poll(self) -> int | None:
+        """Async mode, called by every rollout rank together: fetch and commit the newest version all
+        senders hold, if newer than ours; returns it, or None when there is nothing newer."""
+        if self.config.mode != "async":
+            raise RuntimeError("poll() is the async mode's call; this endpoint is sync: use update()")
+        with self._flight():
+            leader, m = self.link.rollout_ranks[0], self._polls
+            self._polls += 1
+            if self.rank == leader:
+                want = None
+                if all(self.ctl._has(f"pub/{s}") for s in self.link.trainer_ranks):
+                    held = self.ctl.collect("pub", self.link.trainer_ranks)
+                    common = set.intersection(*(set(v) for v in held.values()))
+                    newest = max(common, default=None)
+                    want = newest if newest is not None and (self.version is None or newest > self.version) else None
+                self.ctl.post(f"poll-{m}", leader, want)
+            want = self.ctl.collect(f"poll-{m}", [leader])[leader]
+            if self.rank == leader:
+                self.ctl.forget(f"poll-{m - 1}", leader)
+            if want is None:
+                return None
+            if self.rank == leader:
+                self.ctl.post(f"{self.n}/req", leader, want)
+                self.ctl.forget(f"{self.n - 1}/req", leader)
+            return self._transfer(want, None, self.config.timeout_s)
+
+
+def layout_digest(targets: dict) -> str:
+    return digest([(n, tuple(t.shape), str(t.dtype)) for n, t in targets.items()])

@@ -1,0 +1,191 @@
+"""The executor: one update moves the plan's rounds over torch.distributed point to point, as a
+transaction agreed through the process group's key-value store.
+
+An update `n` (both sides count them) has three steps:
+1. prepare: every rank checks its side (a sender's shards still match the plan, a receiver's
+   targets too) and posts the result; any error -> every rank raises it, nothing moved;
+2. move: each round is one `batch_isend_irecv` (one message per sender/receiver pair, the entries'
+   bytes back to back, no header). A receiver receives into its staging buffer (its whole update:
+   the cost of the guarantee) or, non-transactional, into a round buffer unpacked at once. An
+   exception while packing or unpacking is kept and the rounds go on, so that every peer's
+   messages are still consumed; a peer that dies surfaces as a failed or timed-out `wait`;
+3. vote: every rank posts ok or its error and waits for all votes (`timeout_s`): a missing vote
+   (a dead rank) or any error raises `TransferError` on every live rank; only after a unanimous ok
+   do receivers copy the staged bytes into their targets.
+"""
+from __future__ import annotations
+
+import datetime
+import pickle
+
+import torch
+import torch.distributed as dist
+
+from bumblebee.primitives.weight_transfer.boxes import box_shape, view
+from bumblebee.primitives.weight_transfer.spec import dtype_of
+
+
+class TransferError(RuntimeError):
+    """An update that did not commit: every receiver kept its previous weights."""
+
+
+class TransferInFlight(TransferError):
+    """An update started on an endpoint while another one is in flight."""
+
+
+def _align(n: int) -> int:
+    return (n + 7) // 8 * 8
+
+
+class Control:
+    """Posts and collects small pickled messages under `prefix` in the store, with a timeout."""
+
+    def __init__(self, store, prefix: str, ranks, timeout_s: float):
+        self.store = dist.PrefixStore(prefix, store)
+        self.ranks, self.timeout_s = tuple(ranks), timeout_s
+
+    def post(self, key: str, rank: int, obj) -> None:
+        self.store.set(f"{key}/{rank}", pickle.dumps(obj))
+
+    def collect(self, key: str, ranks=None, timeout_s=None) -> dict:
+        ranks = self.ranks if ranks is None else ranks
+        keys = [f"{key}/{r}" for r in ranks]
+        try:
+            self.store.wait(keys, datetime.timedelta(seconds=timeout_s or self.timeout_s))
+        except Exception as e:  # DistStoreError on timeout, a closed connection when the host died
+            late = [r for r, k in zip(ranks, keys) if not self._has(k)]
+            raise TransferError(f"{key}: ranks {late} did not answer within {timeout_s or self.timeout_s} s "
+                                f"(dead or stuck): {type(e).__name__}: {e}") from None
+        return {r: pickle.loads(self.store.get(k)) for r, k in zip(ranks, keys)}
+
+    def _has(self, key) -> bool:
+        try:
+            return self.store.check([key])
+        except Exception:
+            return False
+
+    def forget(self, key: str, rank: int) -> None:
+        try:
+            self.store.delete_key(f"{key}/{rank}")
+        except Exception:
+            pass
+
+
+def agree(ctl: Control, key: str, rank: int, error: str | None, timeout_s=None, **extra) -> dict:
+    """Post this rank's error (None: ok) and `extra`, collect everyone's; TransferError naming every
+    rank that failed (the same message on every rank)."""
+    ctl.post(key, rank, {"err": error, **extra})
+    got = ctl.collect(key, timeout_s=timeout_s)
+    bad = {r: v["err"] for r, v in got.items() if v["err"] is not None}
+    if bad:
+        raise TransferError("; ".join(f"rank {r}: {e}" for r, e in sorted(bad.items())))
+    return got
+
+
+class Mover:
+    """This rank's side of a plan: message layouts, persistent buffers, the rounds."""
+
+    def __init__(self, plan, rank: int, group, *, transactional: bool, device):
+        self.plan, self.rank, self.group = plan, rank, group
+        self.transactional = transactional
+        self.msgs = plan.messages(rank)
+        self.size = {dt: dtype_of(dt).itemsize for dt in set(plan.dtypes.values())}
+        for key, entries in self.msgs.items():  # larger items first: each entry's offset stays aligned
+            entries.sort(key=lambda e: -self.size[plan.dtypes[e.hf_name]])
+        # byte offset of each message in this rank's buffers: sends per round, receives in staging
+        self.offset, send_round, recv_round, total = {}, {}, {}, 0
+        for key in sorted(self.msgs):
+            r, src, dst = key
+            n = _align(sum(e.nbytes for e in self.msgs[key]))
+            if src == rank:
+                self.offset[key] = send_round.get(r, 0)
+                send_round[r] = self.offset[key] + n
+            else:
+                self.offset[key] = total if transactional else recv_round.get(r, 0)
+                recv_round[r] = recv_round.get(r, 0) + n
+                total += n
+        self.send_buf = torch.empty(max(send_round.values(), default=0), dtype=torch.uint8, device=device)
+        self.recv_buf = torch.empty(total if transactional else max(recv_round.values(), default=0),
+                                    dtype=torch.uint8, device=device)
+        self.staged_bytes = self.recv_buf.numel() if transactional else 0
+
+    def _slice(self, buf, key):
+        n = sum(e.nbytes for e in self.msgs[key])
+        return buf[self.offset[key]:self.offset[key] + n]
+
+    def pack(self, key, read) -> torch.Tensor:
+        """Fill the send slice of message `key`; `read(entry)` gives the entry's source view."""
+        out, at = self._slice(self.send_buf, key), 0
+        for e in self.msgs[key]:
+            src = read(e).contiguous().reshape(-1).view(torch.uint8)
+            out[at:at + e.nbytes].copy_(src)
+            at += e.nbytes
+        return out
+
+    def unpack(self, key, targets) -> None:
+        buf, at = self._slice(self.recv_buf, key), 0
+        for e in self.msgs[key]:
+            dt = dtype_of(self.plan.dtypes[e.hf_name])
+            got = buf[at:at + e.nbytes].view(dt).view(box_shape(e.box))
+            for target, strides, offset in e.writes:
+                t = targets[target]
+                t.as_strided(box_shape(e.box), strides, t.storage_offset() + offset).copy_(got)
+            at += e.nbytes
+
+    @torch.no_grad()
+    def move(self, read=None, targets=None, timeout_s: float = 60.0, on_round=None) -> list[str]:
+        """Run every round; the errors met (empty: all of this rank's messages went through)."""
+        errors, self.peer_failed = [], False
+        timeout = datetime.timedelta(seconds=timeout_s)
+        for r in range(self.plan.rounds):
+            ops, keys = [], [k for k in sorted(self.msgs) if k[0] == r]
+            for key in keys:
+                _, src, dst = key
+                if src == self.rank:
+                    try:
+                        buf = self.pack(key, read)
+                    except Exception as e:  # still send: the receiver is waiting for these bytes
+                        errors.append(f"packing {key}: {type(e).__name__}: {e}")
+                        buf = self._slice(self.send_buf, key)
+                    ops.append(dist.P2POp(dist.isend, buf, dst, self.group))
+                else:
+                    ops.append(dist.P2POp(dist.irecv, self._slice(self.recv_buf, key), src, self.group))
+            try:
+                for w in (dist.batch_isend_irecv(ops) if ops else []):
+                    w.wait(timeout=timeout)
+            except Exception as e:  # a dead or stuck peer: the group cannot be trusted any more
+                errors.append(f"round {r}: {type(e).__name__}: {e}")
+                self.peer_failed = True
+                return errors
+            try:
+                if not self.transactional and targets is not None:
+                    for key in keys:
+                        if key[2] == self.rank:
+                            self.unpack(key, targets)
+                if on_round is not None:
+                    on_round(r)
+            except Exception as e:
+                errors.append(f"round {r}: {type(e).__name__}: {e}")
+        return errors
+
+    @torch.no_grad()
+    def commit(self, targets) -> None:
+        """Copy the staged update into the targets (transactional mode, after a unanimous vote)."""
+        if self.transactional:
+            for key in sorted(self.msgs):
+                if key[2] == self.rank:
+                    self.unpack(key, targets)
+
+
+def read_from(local: dict):
+    """`read(entry)` over this rank's shards {(hf name, box): tensor}: the entry's view."""
+    by_name: dict = {}
+    for (name, box), t in local.items():
+        by_name.setdefault(name, []).append((box, t))
+
+    def read(e):
+        for box, t in by_name.get(e.hf_name, ()):
+            if all(s <= es and es + (ec - 1) * est < s + c for (s, _, c), (es, est, ec) in zip(box, e.box)):
+                return view(t, e.box, tuple(s for s, _, _ in box))
+        raise KeyError(f"this rank holds no box of {e.hf_name!r} covering {e.box}")
+    return read

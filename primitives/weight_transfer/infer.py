@@ -1,0 +1,321 @@
+"""Receiver layout inference from the engine's own `load_weights(iterable of (hf_name, full tensor))`.
+
+The loader runs on probe tensors whose values are digits of each element's global index (every HF
+tensor's elements numbered one after another, plus one so that 0 marks "not written"). A digit is
+a small integer, exact in every float dtype involved (8 bits a pass for bfloat16, 11 for float16,
+24 for float32), so copies, slicing, stacking, transposes and casts between float dtypes all keep
+it; a few passes give the whole index. Reading the targets back gives, for every element, which
+element of which HF tensor landed there; runs of those are fitted as strided boxes (`_fit`).
+
+While the loader runs, the probes are a tensor subclass that admits only data movement: any other
+operation on a probe (a scale, an add of two inputs, a quantization) raises `LayoutError` naming
+the HF tensor and the operation. The spec is then verified: a real `load_weights` call on random
+tensors must give, bit for bit, what replaying the spec gives. Specs are cached by a digest of the
+manifest, the targets' layout, the loader's code and the caller's key; a cache hit is verified
+again (one loader call), so a changed layout is never served from a stale entry.
+"""
+from __future__ import annotations
+
+import inspect
+import math
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_map
+
+from bumblebee.primitives.weight_transfer.boxes import Box
+from bumblebee.primitives.weight_transfer.spec import Piece, ReceiverSpec, digest, dtype_name, dtype_of
+
+
+class LayoutError(ValueError):
+    """A loader whose effect is not slicing, stacking, transposing or casting, or a spec that does
+    not replay it."""
+
+
+# data movement and metadata: what a loader may do to a probe
+_ALLOWED = set("""
+copy_ __getitem__ __setitem__ __get__ narrow view reshape view_as reshape_as t transpose permute movedim
+swapaxes swapdims contiguous clone detach detach_ to type float half bfloat16 double cpu cuda cat concat
+concatenate stack hstack vstack chunk split split_with_sizes tensor_split unbind squeeze unsqueeze flatten
+unflatten expand expand_as select index_select as_strided size dim ndimension numel nelement stride
+is_contiguous storage_offset data_ptr element_size is_floating_point is_complex get_device __len__ __iter__
+__format__ __repr__ __hash__ new_empty new_zeros new_ones new_full empty_like zeros_like ones_like item
+tolist requires_grad_ pin_memory untyped_storage __reduce_ex__ __deepcopy__
+""".split())
+_WRITES = {"copy_", "__setitem__"}  # their result is the destination, never a probe
+
+
+class _Probe(torch.Tensor):
+    hf_name: str
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", repr(func))
+        probes = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, _Probe)]
+        hf = getattr(probes[0], "hf_name", "?") if probes else "?"
+        if name not in _ALLOWED:
+            raise LayoutError(f"load_weights applies {name!r} to {hf!r}: a loader may only slice, stack, "
+                              "transpose or cast (no scaling, quantizing or adding inputs together)")
+        with torch._C.DisableTorchFunctionSubclass():
+            out = func(*args, **kwargs)
+        if name in _WRITES or name == "__get__" and not isinstance(out, torch.Tensor):
+            return out
+
+        def wrap(o):
+            if isinstance(o, torch.Tensor) and not isinstance(o, _Probe):
+                o = o.as_subclass(_Probe)
+                o.hf_name = hf
+            return o
+        return tree_map(wrap, out)
+
+
+def _digit_bits(dtype: torch.dtype) -> int:
+    if dtype.is_floating_point:
+        return min(24, round(-math.log2(torch.finfo(dtype).eps)) + 1)
+    if dtype == torch.bool or dtype.is_complex:
+        raise LayoutError(f"cannot probe a {dtype} tensor")
+    return min(24, torch.iinfo(dtype).bits - 2)
+
+
+def _layout_key(load_weights, targets, manifest, key) -> str:
+    fn = getattr(load_weights, "__func__", load_weights)
+    try:
+        code = inspect.getsource(fn)
+    except (OSError, TypeError):
+        code = getattr(fn, "__qualname__", repr(fn))
+    return digest([manifest, [(n, tuple(t.shape), tuple(t.stride()), dtype_name(t.dtype)) for n, t in targets.items()],
+                   code, key])
+
+
+class LayoutCache:
+    """In-process cache of inferred specs, keyed by `_layout_key`."""
+
+    def __init__(self):
+        self.specs: dict[str, ReceiverSpec] = {}
+        self.hits = self.misses = 0
+
+
+@torch.no_grad()
+def infer_layout(load_weights, targets: dict, manifest, *, key: str = "", cache: LayoutCache | None = None,
+                 verify: bool = True, seed: int = 0) -> ReceiverSpec:
+    """The `ReceiverSpec` of `load_weights` writing into `targets` ({name: tensor}: the engine's
+    parameters), for the HF tensors of `manifest` (((name, shape, dtype name), ...)). `key` names
+    what else decides the layout and is not in the targets' shapes (the engine's TP/EP rank). The
+    targets are restored afterwards."""
+    targets = dict(targets)
+    lk = _layout_key(load_weights, targets, manifest, key)
+    backup = {n: t.detach().clone() for n, t in targets.items()}
+    try:
+        if cache is not None and lk in cache.specs:
+            spec = cache.specs[lk]
+            try:
+                check(spec, load_weights, targets, seed=seed)
+                cache.hits += 1
+                return spec
+            except LayoutError:
+                del cache.specs[lk]
+        spec = _probe(load_weights, targets, manifest)
+        if verify:
+            check(spec, load_weights, targets, seed=seed)
+        if cache is not None:
+            cache.misses += 1
+            cache.specs[lk] = spec
+        return spec
+    finally:
+        for n, t in targets.items():
+            t.copy_(backup[n])
+
+
+def _probes(manifest, bases, shift: int, bits: int):
+    mask = (1 << bits) - 1
+    for (name, shape, dt), base in zip(manifest, bases):
+        ids = torch.arange(base, base + math.prod(shape), dtype=torch.int64)
+        p = (((ids >> shift) & mask) + 1).to(dtype_of(dt)).view(shape).as_subclass(_Probe)
+        p.hf_name = name
+        yield name, p
+
+
+def _probe(load_weights, targets, manifest) -> ReceiverSpec:
+    sizes = [math.prod(shape) for _, shape, _ in manifest]
+    bases = [0] + list(torch.tensor(sizes, dtype=torch.int64).cumsum(0)[:-1].tolist()) if sizes else []
+    total = sum(sizes)
+    bits = min([_digit_bits(dtype_of(dt)) for _, _, dt in manifest] + [_digit_bits(t.dtype) for t in targets.values()])
+    passes = max(1, math.ceil(math.log2(total + 1) / bits))
+    ids = {n: torch.zeros(t.numel(), dtype=torch.int64) for n, t in targets.items()}
+    written = {}
+    for p in range(passes):
+        for t in targets.values():
+            t.zero_()
+        load_weights(_probes(manifest, bases, p * bits, bits))
+        for n, t in targets.items():
+            v = t.detach().reshape(-1).to(torch.float64).cpu()
+            bad = (v != v.round()) | (v < 0) | (v > (1 << bits))
+            if bad.any():
+                raise LayoutError(f"target {n!r} holds a value no probe carried ({v[bad][0].item()!r}): the "
+                                  "loader transforms values (a scale, a quantization or an add)")
+            d = v.to(torch.int64)
+            if p == 0:
+                written[n] = d > 0
+            elif not torch.equal(written[n], d > 0):
+                raise LayoutError(f"target {n!r}: the loader writes different elements on each call")
+            ids[n] += (d - 1).clamp_min(0) << (p * bits)
+    names = [m[0] for m in manifest]
+    base_t = torch.tensor(bases, dtype=torch.int64)
+    pieces = []
+    for tname, t in targets.items():
+        pos = written[tname].nonzero().squeeze(1)
+        if not len(pos):
+            continue
+        g = ids[tname][pos]
+        if (g >= total).any():
+            raise LayoutError(f"target {tname!r} holds an index beyond the manifest: the loader mixes values")
+        which = torch.searchsorted(base_t, g, right=True) - 1
+        storage = _storage_offsets(pos, tuple(t.shape), tuple(t.stride()))
+        for i in torch.bincount(which).nonzero().squeeze(1).tolist():
+            sel = which == i
+            flat, dst = g[sel] - bases[i], storage[sel]
+            for box, strides, offset in _fit(_unravel(flat, manifest[i][1]), dst):
+                pieces.append(Piece(names[i], box, tname, strides, offset))
+    order = {n: i for i, n in enumerate(names)}
+    pieces.sort(key=lambda p: (order[p.hf_name], p.box, p.target, p.offset))
+    tspec = tuple((n, tuple(t.shape), tuple(t.stride()), dtype_name(t.dtype)) for n, t in targets.items())
+    return ReceiverSpec(tuple(manifest), tspec, tuple(pieces))
+
+
+def _unravel(flat: torch.Tensor, shape) -> torch.Tensor:
+    out = []
+    for n in reversed(shape):
+        out.append(flat % n)
+        flat = flat // n
+    return torch.stack(out[::-1], 1) if out else flat.new_zeros(len(flat), 0)
+
+
+def _ravel(multi: torch.Tensor) -> torch.Tensor:
+    """A sort key of C order for index rows (any sizes: weights from the column maxima)."""
+    key = torch.zeros(len(multi), dtype=torch.int64)
+    for k in range(multi.shape[1]):
+        key = key * (int(multi[:, k].max()) + 1) + multi[:, k]
+    return key
+
+
+def _storage_offsets(flat: torch.Tensor, shape, stride) -> torch.Tensor:
+    idx = _unravel(flat, shape)
+    return (idx * torch.tensor(stride, dtype=torch.int64)).sum(1) if len(shape) else flat * 0
+
+
+def _fit_one(multi: torch.Tensor, dst: torch.Tensor):
+    """(box, strides, offset) when the indices `multi` [N, d] (any order) are a whole strided box and
+    `dst` an affine, non-negative-stride image of it; else None. Masks, no sorting: O(N)."""
+    n, d = multi.shape
+    box = []
+    for k in range(d):
+        col = multi[:, k]
+        lo, hi = int(col.min()), int(col.max())
+        seen = torch.zeros(hi - lo + 1, dtype=torch.bool)
+        seen[col - lo] = True
+        u = seen.nonzero().squeeze(1)
+        step = int(u[1] - u[0]) if len(u) > 1 else 1
+        if len(u) > 1 and not bool((u.diff() == step).all()):
+            return None
+        box.append((lo, step, len(u)))
+    if math.prod(c for _, _, c in box) != n:
+        return None
+    starts = torch.tensor([b[0] for b in box], dtype=torch.int64)
+    steps = torch.tensor([b[1] for b in box], dtype=torch.int64)
+    idx = (multi - starts) // steps
+    cstr = [math.prod(c for _, _, c in box[k + 1:]) for k in range(d)]
+    pos = (idx * torch.tensor(cstr, dtype=torch.int64)).sum(1) if d else torch.zeros(n, dtype=torch.int64)
+    hit = torch.zeros(n, dtype=torch.bool)
+    hit[pos] = True
+    if not bool(hit.all()):  # an element twice: not one box
+        return None
+    by_pos = torch.empty(n, dtype=torch.int64)
+    by_pos[pos] = dst
+    strides = tuple(int(by_pos[cstr[k]] - by_pos[0]) if box[k][2] > 1 else 0 for k in range(d))
+    if any(s < 0 for s in strides):
+        return None
+    if not torch.equal(by_pos[0] + (idx * torch.tensor(strides, dtype=torch.int64)).sum(1), dst):
+        return None
+    return tuple(box), strides, int(by_pos[0])
+
+
+def _fit(multi: torch.Tensor, dst: torch.Tensor, sorted_: bool = False) -> list[tuple[Box, tuple, int]]:
+    """Strided boxes covering the (index, destination) pairs, sorted by index: the whole set when it
+    is one box, else runs along the first dimension that varies, grown by doubling while they fit."""
+    one = _fit_one(multi, dst)
+    if one is not None:
+        return [one]
+    if not sorted_:
+        order = torch.argsort(_ravel(multi), stable=True)
+        multi, dst = multi[order], dst[order]
+    varying = [k for k in range(multi.shape[1]) if bool((multi[:, k] != multi[0, k]).any())]
+    if not varying:  # one element written to several places: one piece per place
+        return [_fit_one(multi[i:i + 1], dst[i:i + 1]) for i in range(len(dst))]
+    k = varying[0]
+    _, counts = torch.unique_consecutive(multi[:, k], return_counts=True)
+    ends = counts.cumsum(0).tolist()
+    starts = [0] + ends[:-1]
+
+    def run(i, j):
+        return _fit_one(multi[starts[i]:ends[j]], dst[starts[i]:ends[j]])
+
+    out, i, g = [], 0, len(ends)
+    while i < g:
+        best = run(i, i)
+        if best is None:  # one value of dimension k is not one box: split it further
+            out += _fit(multi[starts[i]:ends[i]], dst[starts[i]:ends[i]], True)
+            i += 1
+            continue
+        good, bad, span = i, None, 1
+        while good < g - 1:  # doubling until a run does not fit, then bisection
+            j = min(g - 1, i + span)
+            got = run(i, j)
+            if got is None:
+                bad = j
+                break
+            good, best, span = j, got, span * 2
+        while bad is not None and bad - good > 1:
+            mid = (good + bad) // 2
+            got = run(i, mid)
+            if got is None:
+                bad = mid
+            else:
+                good, best = mid, got
+        out.append(best)
+        i = good + 1
+    return out
+
+
+def _random(manifest, gen):
+    for name, shape, dt in manifest:
+        dtype = dtype_of(dt)
+        if dtype.is_floating_point:
+            yield name, torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype)
+        else:
+            yield name, torch.randint(-100, 100, shape, generator=gen).to(dtype)
+
+
+@torch.no_grad()
+def check(spec: ReceiverSpec, load_weights, targets: dict, *, seed: int = 0) -> None:
+    """LayoutError unless replaying `spec` on random HF tensors gives, bit for bit, what
+    `load_weights` makes of them (both onto the same prior target values)."""
+    spec.check_targets(targets)
+    before = {n: t.detach().clone() for n, t in targets.items()}
+    full = dict(_random(spec.manifest, torch.Generator().manual_seed(seed)))
+    load_weights(iter(full.items()))
+    real = {n: t.detach().clone() for n, t in targets.items()}
+    for n, t in targets.items():
+        t.copy_(before[n])
+    spec.apply(full, targets)
+    for n, t in targets.items():
+        a, b = _bits(real[n]), _bits(t.detach())
+        if not torch.equal(a, b):
+            i = int((a != b).nonzero()[0])
+            raise LayoutError(f"target {n!r}: replaying the spec differs from load_weights at element {i} "
+                              f"({t.reshape(-1)[i].item()!r} vs {real[n].reshape(-1)[i].item()!r}): the loader "
+                              "does more than move values")
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    return t.contiguous().reshape(-1).view(ints[t.element_size()])
