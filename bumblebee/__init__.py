@@ -8,6 +8,8 @@ Importing the package loads the core only: `bb.models` and `bb.pair` import on f
 shipped implementations register on the registry's first registration or look-up. So importing a
 kernel (`bumblebee.kernels.router`) loads no primitive or model code.
 """
+import importlib
+
 from bumblebee import registry
 from bumblebee.model_registry import register_model  # noqa: F401
 from bumblebee.registry import build, get, register, resolve, slots  # noqa: F401
@@ -24,13 +26,16 @@ def _register_shipped() -> None:
 registry.load_with(_register_shipped)
 
 
-def __getattr__(name):  # the names above the core, imported on first use
-    if name == "models":  # (a from-import would look the attribute up here again)
-        import bumblebee.models
-        return bumblebee.models
+def __getattr__(name):  # what sits above the core (bb.models, bb.pair, bb.baselines, ...), imported on first use
     if name == "pair":
         from bumblebee.tools.pairing import pair
         return pair
+    if not name.startswith("_"):
+        try:
+            return importlib.import_module(f"bumblebee.{name}")
+        except ModuleNotFoundError as e:
+            if e.name != f"bumblebee.{name}":
+                raise
     raise AttributeError(f"module 'bumblebee' has no attribute {name!r}")
 
 

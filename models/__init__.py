@@ -26,7 +26,12 @@ for _name, _cls, _types in (("qwen3", Qwen3ForCausalLM, ("qwen3",)),
                              ("qwen3_5", Qwen3_5ForCausalLM, ("qwen3_5", "qwen3_5_text")),
                              ("qwen3_5_moe", Qwen3_5MoeForCausalLM, ("qwen3_5_moe", "qwen3_5_moe_text"))):
     register_model(_name, _cls, _cls.config_class, hf_model_types=_types)
-MODEL_TYPES = model_types()  # the shipped families' {model_type: class}; later registrations: model_types()
+
+
+def __getattr__(name):
+    if name == "MODEL_TYPES":  # {model_type: class} of every family registered so far, read live
+        return model_types()
+    raise AttributeError(f"module 'bumblebee.models' has no attribute {name!r}")
 
 
 def _model_class(hf: dict):

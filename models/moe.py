@@ -18,6 +18,7 @@ Shape legend: N tokens, D model width, E experts, K experts per token, I expert 
 """
 from __future__ import annotations
 
+import contextlib
 import re
 from dataclasses import dataclass
 
@@ -266,10 +267,30 @@ def router_load_stats(model: nn.Module) -> dict[str, dict]:
     return out
 
 
-def record_routes(model: nn.Module) -> None:
-    """From now on every router keeps the experts it chose in its last forward (`recorded_routes`)."""
-    for r in routers(model).values():
+@contextlib.contextmanager
+def _router_modes(model: nn.Module, set_mode):
+    """Within: `set_mode(router)` applied to every router (yielded, in layer order); on exit each router's
+    mode and routes are as they were found, so no call leaves a model recording or replaying."""
+    rs = list(routers(model).values())
+    saved = [(r.mode, r.routed_experts) for r in rs]
+    try:
+        for r in rs:
+            set_mode(r)
+        yield rs
+    finally:
+        for r, (mode, routes) in zip(rs, saved):
+            r.mode, r.routed_experts = mode, routes
+
+
+@contextlib.contextmanager
+def record_routes(model: nn.Module):
+    """`with record_routes(model) as recorded:` every router keeps the experts it chose in its last
+    forward; `recorded()` (inside the block) -> one [N, K] per MoE layer, in layer order."""
+    def record(r):
         r.mode, r.routed_experts = "record", None
+
+    with _router_modes(model, record) as rs:
+        yield lambda: [r.routed_experts for r in rs]
 
 
 def recorded_routes(model: nn.Module) -> list[torch.Tensor]:
@@ -277,9 +298,10 @@ def recorded_routes(model: nn.Module) -> list[torch.Tensor]:
     return [r.routed_experts for r in routers(model).values()]
 
 
-def replay_routes(model: nn.Module, routes) -> None:
-    """Route every following forward through the given experts (one [N, K] per MoE layer); the
-    weights are recomputed from the current scores, so gradients flow to the router."""
+@contextlib.contextmanager
+def replay_routes(model: nn.Module, routes):
+    """`with replay_routes(model, routes):` every forward routes through the given experts (one [N, K]
+    per MoE layer); the weights are recomputed from the current scores, so gradients flow to the router."""
     rs = list(routers(model).values())
     routes = list(routes)
     if len(routes) != len(rs):
@@ -288,7 +310,13 @@ def replay_routes(model: nn.Module, routes) -> None:
         if not isinstance(idx, torch.Tensor) or idx.dim() != 2 or idx.shape[1] != r.top_k:
             raise ValueError(f"routed_experts of MoE layer {i} must be [N, k={r.top_k}], "
                              f"got shape {tuple(getattr(idx, 'shape', ()))}")
-        r.mode, r.routed_experts = "replay", idx.to(r.weight.device)
+    given = dict(zip(map(id, rs), routes))
+
+    def replay(r):
+        r.mode, r.routed_experts = "replay", given[id(r)].to(r.weight.device)
+
+    with _router_modes(model, replay):
+        yield
 
 
 def clear_routes(model: nn.Module) -> None:

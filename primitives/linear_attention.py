@@ -13,7 +13,10 @@ blocks, state scan and output pass), never the twin's code.
 fla 0.6 refuses its gated backward on Hopper with Triton in [3.4, 3.7.1): one of its kernels
 (`chunk_bwd_dqkwg`) is miscompiled there. On first use the primitive then installs
 `bumblebee.kernels.linear_attention_gdn_backward.chunk_bwd_dqkwg` (the same function, written so that the miscompiled
-pattern never appears) into fla's backend registry, so fla's backward runs unchanged otherwise.
+pattern never appears) into fla's backend registry, so fla's backward runs unchanged otherwise. The
+installed backend serves our layers' calls only (`ours()`: the running backward is between a layer's
+rule output and its inputs, marked by two identity autograd nodes); any other fla user in the
+process keeps fla's own kernel (and its refusal).
 
 The rule's inputs keep their activation dtype (bf16 in training); the kernels accumulate in fp32.
 
@@ -43,6 +46,47 @@ from bumblebee.registry import register
 
 
 DQKWG_HOOK = None  # how fla's gated chunk_bwd_dqkwg reaches kernels/linear_attention_gdn_backward.py, once installed
+_OURS: set[int] = set()  # the backward passes (autograd graph tasks) now inside one of our layers' rule
+
+
+def ours() -> bool:
+    """Whether the running backward is inside one of our layers' rule: the only calls the installed
+    dq/dk/dw/dg kernel serves."""
+    return torch._C._current_graph_task_id() in _OURS
+
+
+class _Open(torch.autograd.Function):
+    """Identity on the rule's output: the backward enters the rule here."""
+
+    @staticmethod
+    def forward(ctx, o):
+        return o.view_as(o)
+
+    @staticmethod
+    def backward(ctx, grad):
+        _OURS.add(torch._C._current_graph_task_id())
+        return grad
+
+
+class _Close(torch.autograd.Function):
+    """Identity on the rule's inputs: the backward has left the rule here."""
+
+    @staticmethod
+    def forward(ctx, *inputs):
+        return tuple(t.view_as(t) for t in inputs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        _OURS.discard(torch._C._current_graph_task_id())
+        return grads
+
+
+def scoped(rule, *inputs):
+    """rule(*inputs) with its backward inside `ours()` (autograd runs the nodes made between the two
+    marks after the output's and before the inputs'): fla's calls there are ours."""
+    if not torch.is_grad_enabled():
+        return rule(*inputs)
+    return _Open.apply(rule(*_Close.apply(*inputs)))
 
 
 def fla_refuses_gated_backward() -> bool:
@@ -57,15 +101,18 @@ def fla_refuses_gated_backward() -> bool:
 
 def _install_dqkwg():
     """Hand fla's gated chunk_bwd_dqkwg to kernels/linear_attention_gdn_backward.py. fla dispatches that function
-    through its 'common' backend registry: our backend takes the gated calls, after tilelang's when fla
-    finds tilelang usable. With FLA_DISABLE_BACKEND_DISPATCH=1 there is no registry to join, so the name
-    fla's gated delta rule imported is rebound instead. Returns how it was installed."""
+    through its 'common' backend registry: our backend takes the gated calls of our layers' backward
+    (`ours()`), after tilelang's when fla finds tilelang usable. With FLA_DISABLE_BACKEND_DISPATCH=1
+    there is no registry to join, so the name fla's gated delta rule imported is rebound instead, to a
+    function that sends our layers' calls to our kernel and every other to fla's. Returns how it was
+    installed."""
     from bumblebee.kernels import linear_attention_gdn_backward as gdn_backward
 
     if os.environ.get("FLA_DISABLE_BACKEND_DISPATCH") == "1":
         import fla.ops.gated_delta_rule.chunk as gdr
 
-        gdr.chunk_bwd_dqkwg = lambda *args, **kwargs: gdn_backward.chunk_bwd_dqkwg(*args, **kwargs)
+        real = gdr.chunk_bwd_dqkwg
+        gdr.chunk_bwd_dqkwg = lambda *args, **kwargs: (gdn_backward.chunk_bwd_dqkwg if ours() else real)(*args, **kwargs)
         return "fla.ops.gated_delta_rule.chunk.chunk_bwd_dqkwg"
     from fla.backends import BaseBackend
     from fla.backends import register as fla_register
@@ -76,6 +123,8 @@ def _install_dqkwg():
         priority = 6  # after tilelang (5)
 
         def chunk_bwd_dqkwg_verifier(self, *args, **kwargs):
+            if not ours():
+                return False, "not a bumblebee layer's backward: fla's own kernel serves it"
             a = gdn_backward.SIGNATURE.bind(*args, **kwargs).arguments
             if a.get("g") is None or a.get("g_gamma") is not None:
                 return False, "only the gated rule (g given, no g_gamma)"
@@ -254,7 +303,7 @@ class FLAGatedDeltaNet(nn.Module):
                                           cu_seqlens=cu_seqlens)[0]
 
         kernel = _kept.FLA if _kept.fla_available() else None
-        o = self._rule(plain, kernel, q, k, v, g.float(), beta.to(q.dtype), cu)
+        o = scoped(lambda *qkvgb: self._rule(plain, kernel, *qkvgb, cu), q, k, v, g.float(), beta.to(q.dtype))
         return o.reshape(B, T, self.num_v_heads, self.head_v_dim)
 
     def _rule(self, plain, kernel, q, k, v, g, beta, cu_seqlens):

@@ -2,6 +2,8 @@
 q_lora_rank, YaRN, groups, dense-first layers), loss and gradients, both save/load directions with
 the published MTP checkpoint layout; MTP against a float64 reference; packed sequences; every slot
 at its primitive against every slot at its twin."""
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -306,16 +308,16 @@ class moe_replay:
 
     def __init__(self, ref, ids):
         from bumblebee.models import moe
-        self.moe = moe
-        moe.record_routes(ref)
-        with torch.no_grad():
+        self.moe, self.stack = moe, contextlib.ExitStack()
+        with moe.record_routes(ref) as recorded, torch.no_grad():
             ref(ids, labels=ids)
-        self.routes = moe.recorded_routes(ref)
+            self.routes = recorded()
 
-    def __enter__(self):
-        return lambda m: self.moe.replay_routes(m, self.routes)
+    def __enter__(self):  # routes(m): m replays the recorded routes until the block ends
+        return lambda m: self.stack.enter_context(self.moe.replay_routes(m, self.routes))
 
     def __exit__(self, *exc):
+        self.stack.close()
         return False
 
 

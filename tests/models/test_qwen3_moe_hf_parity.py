@@ -167,46 +167,59 @@ def test_shared_expert_with_sigmoid_gate():
 def test_record_and_replay_routes():
     model = bb.models.build("qwen3-moe-tiny", seed=2)
     ids = torch.randint(0, 1024, (2, 11))
-    moe.record_routes(model)
-    with torch.no_grad():
+    with moe.record_routes(model) as recorded, torch.no_grad():
         want = model(ids).logits
-    routes = moe.recorded_routes(model)
+        routes = recorded()
     assert len(routes) == 2 and routes[0].shape == (22, 2)
-    moe.replay_routes(model, routes)
-    with torch.no_grad():
+    assert all(r.mode is None and r.routed_experts is None for r in moe.routers(model).values())  # restored
+    with moe.replay_routes(model, routes), torch.no_grad():
         assert torch.equal(model(ids).logits, want)  # replaying the recorded routes reproduces the forward
     seen = []
     hooks = [r.register_forward_hook(lambda m, i, o: seen.append(o[2])) for r in moe.routers(model).values()]
     with torch.no_grad():  # perturb the routers: fresh routing now differs, replay keeps the experts
         for r in moe.routers(model).values():
             r.weight.add_(torch.randn_like(r.weight))
-    model(ids, labels=ids).loss.backward()
+    with moe.replay_routes(model, routes):
+        model(ids, labels=ids).loss.backward()
     for got, idx in zip(seen, routes):
         assert torch.equal(got, idx)
     for r in moe.routers(model).values():  # weights recomputed from the current scores: gradients flow
         assert r.weight.grad is not None and r.weight.grad.abs().sum() > 0
-    moe.clear_routes(model)
     seen.clear()
-    with torch.no_grad():
+    with torch.no_grad():  # the replay ended with its block: the routers choose again
         model(ids)
     assert any(not torch.equal(a, b) for a, b in zip(seen, routes))
     for h in hooks:
         h.remove()
 
 
+def test_route_modes_are_restored_when_the_block_raises():
+    model = bb.models.build("qwen3-moe-tiny", seed=2)
+    routes = [torch.zeros(5, 2, dtype=torch.long)] * 2
+    with pytest.raises(RuntimeError, match="inside"):
+        with moe.replay_routes(model, routes):
+            with moe.record_routes(model):
+                assert {r.mode for r in moe.routers(model).values()} == {"record"}
+            assert {r.mode for r in moe.routers(model).values()} == {"replay"}  # the outer block's mode again
+            raise RuntimeError("inside")
+    assert all(r.mode is None and r.routed_experts is None for r in moe.routers(model).values())
+
+
 def test_replay_bad_routes_raise():
     model = bb.models.build("qwen3-moe-tiny", seed=2)
     ids = torch.randint(0, 1024, (1, 5))
     with pytest.raises(ValueError, match="one routed_experts tensor per MoE layer"):
-        moe.replay_routes(model, [torch.zeros(5, 2, dtype=torch.long)])
+        with moe.replay_routes(model, [torch.zeros(5, 2, dtype=torch.long)]):
+            pass
     with pytest.raises(ValueError, match=r"\[N, k=2\]"):
-        moe.replay_routes(model, [torch.zeros(5, 3, dtype=torch.long)] * 2)
-    moe.replay_routes(model, [torch.full((5, 2), 8, dtype=torch.long)] * 2)
-    with pytest.raises(ValueError, match="hold 8, outside the experts"):
-        model(ids)
-    moe.replay_routes(model, [torch.zeros(4, 2, dtype=torch.long)] * 2)
-    with pytest.raises(ValueError, match=r"must be \[T=5, k=2\]"):
-        model(ids)
+        with moe.replay_routes(model, [torch.zeros(5, 3, dtype=torch.long)] * 2):
+            pass
+    with moe.replay_routes(model, [torch.full((5, 2), 8, dtype=torch.long)] * 2):
+        with pytest.raises(ValueError, match="hold 8, outside the experts"):
+            model(ids)
+    with moe.replay_routes(model, [torch.zeros(4, 2, dtype=torch.long)] * 2):
+        with pytest.raises(ValueError, match=r"must be \[T=5, k=2\]"):
+            model(ids)
 
 
 def test_router_family_mismatch_is_an_error():

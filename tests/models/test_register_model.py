@@ -10,8 +10,19 @@ class MyQwen3(Qwen3ForCausalLM):
     """An outside family: Qwen3's layers under another model_type."""
 
 
+@pytest.fixture(autouse=True)
+def _families_restored(monkeypatch):
+    """What a test registers leaves with it: the shipped families stay the process's only ones."""
+    from bumblebee import model_registry
+
+    for table in ("_FAMILIES", "_BY_TYPE"):
+        monkeypatch.setattr(model_registry, table, dict(getattr(model_registry, table)))
+
+
 def test_registered_family_builds_and_trains(tmp_path):
+    assert "my_qwen3" not in bb.models.MODEL_TYPES
     bb.register_model("my_qwen3", MyQwen3, Qwen3Config, hf_model_types=["my_qwen3"])
+    assert bb.models.MODEL_TYPES["my_qwen3"] is MyQwen3  # the table is read live: later families are in it
     hf = {**bb.models.NAMED["qwen3-tiny"], "model_type": "my_qwen3"}
     model = bb.models.build(hf, seed=0)
     assert type(model) is MyQwen3

@@ -322,3 +322,29 @@ def test_qwen3_5_moe_model_fla_vs_twin_gpu():
         norms.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]).norm().item())
     assert abs(losses[0] - losses[1]) < 1e-2 * abs(losses[1]), losses  # bf16 both ways
     assert abs(norms[0] - norms[1]) < 5e-2 * abs(norms[1]), norms
+
+
+def test_our_fla_backend_scope_covers_our_rules_backward_only():
+    """The dq/dk/dw/dg kernel installed into fla serves only calls made while the backward is inside one
+    of our layers' rule (`ours()`); any other backward in the process, before or after, is not ours."""
+    from bumblebee.primitives import linear_attention as la
+
+    seen = []
+
+    class Probe(torch.autograd.Function):  # stands in for fla's rule: records the scope its backward sees
+        @staticmethod
+        def forward(ctx, x, y):
+            return x * y
+
+        @staticmethod
+        def backward(ctx, grad):
+            seen.append(la.ours())
+            return grad, grad
+
+    x, y = (torch.randn(3, 5, requires_grad=True) for _ in range(2))
+    out = la.scoped(Probe.apply, x.exp(), y)
+    (Probe.apply(out, out) * 2).sum().backward()  # a Probe outside the scope, after it, and one inside
+    assert seen == [False, True] and not la.ours()
+    torch.testing.assert_close(y.grad, torch.ones_like(y) * 4)  # the marks are identities
+    with torch.no_grad():
+        assert la.scoped(Probe.apply, x, y).grad_fn is None
