@@ -188,12 +188,13 @@ class TrainState:
         return DTensor.from_local(t, self.mesh, [Shard(0)], run_check=False, shape=shape, stride=stride)
 
     @torch.no_grad()
-    def step(self) -> tuple[bool, float, int]:
+    def step(self, skip: str | None = None) -> tuple[bool, float, int]:
         """(ok, global grad norm before clipping, zero gradient entries). The update is skipped on
         every rank (they all see the same all-reduced values; `skip_reason` says why) when the norm
         is non-finite, or when no rank received a gradient since `zero_grad`: AdamW would still move
-        the weights by its moments and decay them, and count a step. A skip leaves the weights, the
-        optimizer state and `steps` as they were."""
+        the weights by its moments and decay them, and count a step. `skip`: a reason, given alike on
+        every rank, to skip after the norm is measured (the gradients are dropped, as without any). A
+        skip leaves the weights, the optimizer state and `steps` as they were."""
         got_grad = self.has_local_grad()  # before reduced_grad_shards, which fills absent gradients
         grads = self.reduced_grad_shards()
         dev = grads[0].device if grads else torch.device("cpu")
@@ -205,8 +206,8 @@ class TrainState:
         dist.all_reduce(acc, group=self.group)
         norm, zeros = math.sqrt(acc[0].item()), int(acc[1].item())
         self.skip_reason = None
-        if acc[2].item() == 0:
-            self.skip_reason = "no gradient"
+        if acc[2].item() == 0 or skip is not None:
+            self.skip_reason = "no gradient" if acc[2].item() == 0 else skip
             self.zero_grad()  # as before the call: no gradient anywhere
             return False, norm, zeros
         if not math.isfinite(norm):

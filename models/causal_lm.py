@@ -211,3 +211,6 @@ class CausalLM(HFCheckpointMixin, nn.Module):
         for name, value in (("labels", labels), ("position_ids", position_ids)):
             if value is not None:
                 check_is_tensor(name, value, "[B, T] like input_ids")
+        if position_ids is not None and (position_ids.is_floating_point() or position_ids.is_complex()
+                                         or position_ids.dtype == torch.bool):  # rotary angles of 0.5 are no position
+            raise ValueError(f"position_ids must be an integer tensor (int64 or int32), got {position_ids.dtype}")

@@ -2,8 +2,10 @@
 
 Same recursion and loss as the twin `bumblebee.baselines.mtp.MaterializedMTP` (see there for the
 formulation); what differs: each depth's loss goes through `loss_fn`, the model's `cross_entropy`
-slot, so with `linear_ce` no depth materializes its [B*T, V] logits; the shifted inputs are the
-token ids shifted (an int copy), looked up once per depth, never a shifted copy of embeddings.
+slot, so with `linear_ce` no depth materializes its [B*T, V] logits; without one (`loss_fn=None`)
+it is `linear_ce` itself (`bumblebee.primitives.cross_entropy.linear_cross_entropy`, its default
+options), never the twin's materialized logits; the shifted inputs are the token ids shifted (an int
+copy), looked up once per depth, never a shifted copy of embeddings.
 The depth modules (the model's layout and checkpoint names) and `run_block` come from the model.
 """
 from __future__ import annotations
@@ -13,22 +15,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from bumblebee.checks import check_mtp_inputs
-from bumblebee.norms import to_acc
+from bumblebee.primitives.cross_entropy import linear_cross_entropy
 from bumblebee.registry import register
 
 
 def _shift_left(x_BT, shift, fill):
     return torch.cat([x_BT[:, shift:], x_BT.new_full((x_BT.shape[0], shift), fill)], dim=1)
-
-
-def _materialized_ce(hidden, weight, labels, *, ignore_index=-100, reduction="mean"):
-    logits = to_acc(F.linear(hidden, weight))  # fp32 (a float64 reference stays float64)
-    if reduction != "mean":
-        return F.cross_entropy(logits, labels, ignore_index=ignore_index, reduction=reduction)
-    # the mean over the valid targets, 0 (with zero gradients) when every one is ignored, as the
-    # twin and the cross_entropy slot give; F.cross_entropy's own mean is 0 / 0 = NaN there
-    total = F.cross_entropy(logits, labels, ignore_index=ignore_index, reduction="sum")
-    return total / (labels != ignore_index).sum().clamp(min=1)
 
 
 @register("mtp", "lean", kind="primitive", twin="materialized", default=True)
@@ -45,7 +37,7 @@ class LeanMTP(nn.Module):
         """(loss_scale / D * sum of the depth losses, the depth losses [D] detached)."""
         D = len(self.layers)
         check_mtp_inputs(D, hidden_BTD, input_ids_BT, labels_BT, segment_ids_BT)
-        loss_fn = loss_fn or _materialized_ce
+        loss_fn = loss_fn or linear_cross_entropy  # no logits, as with the model's linear_ce slot
         W, ignore = hidden_BTD.shape[-1], self.ignore_index
         boundary = None  # [B, T] True where the next token starts another packed sequence
         if segment_ids_BT is not None:

@@ -81,13 +81,28 @@ def sources(model, state) -> dict[str, tuple]:
     return out
 
 
-@torch.no_grad()
+def _dtype(model, dtype) -> torch.dtype:
+    """The export's dtype: `dtype`, a floating one (an integer cast would truncate the weights), or
+    the model config's."""
+    if dtype is None:
+        return getattr(model.config, "dtype", torch.float32)
+    if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise ValueError(f"dtype must be a floating torch.dtype (torch.bfloat16, torch.float16, torch.float32, "
+                         f"...) or None (the model's), got {dtype!r}")
+    return dtype
+
+
 def export_weights(model, state, *, bucket_bytes: int, dtype=None):
     """(hf name, full tensor) pairs, all-gathered a bucket of about `bucket_bytes` at a time (a larger
-    tensor is a bucket alone). Every rank takes part in every gather: iterate to the end on all."""
+    tensor is a bucket alone). Every rank takes part in every gather: iterate to the end on all.
+    The arguments are checked at the call, before the first tensor is asked for."""
     if not (isinstance(bucket_bytes, int) and bucket_bytes > 0):
         raise ValueError(f"bucket_bytes must be an int > 0, got {bucket_bytes!r}")
-    dtype = dtype or getattr(model.config, "dtype", torch.float32)
+    return _export_weights(model, state, bucket_bytes, _dtype(model, dtype))
+
+
+@torch.no_grad()
+def _export_weights(model, state, bucket_bytes, dtype):
     src = sources(model, state)
     layout = hf_layout(model, {n: s[2] for n, s in src.items()})
     buffers = persistent_buffers(model)
@@ -117,13 +132,16 @@ def _flush(bucket, src, layout, buffers, dtype):
             yield hf_name, t.as_strided(size, stride, t.storage_offset() + offset)
 
 
-@torch.no_grad()
 def export_weight_shards(model, state, *, dtype=None):
     """WeightShard per HF tensor slice this rank holds (no collective). Sharded tensors are split on
     dim 0 (FSDP2 and ZeRO-1 alike; experts over ep, then efsdp): an HF tensor that is our whole
     tensor gets this rank's rows; one inside a single row of ours (an expert's projection) comes
     whole from the rank holding that row."""
-    dtype = dtype or getattr(model.config, "dtype", torch.float32)
+    return _export_weight_shards(model, state, _dtype(model, dtype))
+
+
+@torch.no_grad()
+def _export_weight_shards(model, state, dtype):
     src = sources(model, state)
     layout = hf_layout(model, {n: s[2] for n, s in src.items()})
     buffers = persistent_buffers(model)

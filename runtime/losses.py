@@ -16,6 +16,7 @@ at least one of their tokens is trained.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -45,6 +46,13 @@ def check_kl_penalty(name: str) -> str:
     if name not in KL_ESTIMATORS:
         raise ValueError(f"kl_penalty must be one of {sorted(KL_ESTIMATORS)}, got {name!r}")
     return KL_ESTIMATORS[name]
+
+
+def check_coef(name: str, value) -> float:
+    """A loss coefficient: a finite number (a NaN would turn every gradient into NaN)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    return float(value)
 
 
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, name: str = "low_var_kl") -> torch.Tensor:
@@ -93,6 +101,8 @@ def policy_loss(name, logprobs, weights, *, advantages=None, sampler_logprobs=No
         raise ValueError(f"loss must be one of {LOSSES}, got {name!r}")
     check_agg_mode(loss_agg_mode)
     check_kl_penalty(kl_penalty_name)
+    check_coef("kl_coef", kl_coef)
+    check_coef("entropy_coef", entropy_coef)
     w = weights.to(logprobs.dtype)
     trained = (w != 0) if trained is None else trained
     on = trained & (w != 0)

@@ -61,8 +61,9 @@ def token_logprobs(model, batch: Batch, *, temperature: float = 1.0, entropy: bo
 class Runtime:
     """Training operations on `model` (a bumblebee causal LM) and `state` (the TrainState that
     `state_sharding` returns for it, or None: forward-only, or the caller steps). Every rank calls
-    every operation (the sharded state holds collectives). `lr_schedule` scales the state's
-    learning rate by `lr_scheduler_step` (default: constant)."""
+    every operation (the sharded state holds collectives). `lr_schedule` scales the state's base
+    learning rate (`optim.base_lr`: the rate the state was built with, whenever this Runtime is
+    built) by `lr_scheduler_step` (default: constant), starting at the state's optimizer step count."""
 
     def __init__(self, model, state=None, *, router_bias_rate: float = 1e-3,
                  lr_schedule: optim.LRSchedule | None = None):
@@ -70,9 +71,11 @@ class Runtime:
         self.placement = Placement(model, state)
         self.lr_schedule = lr_schedule or optim.LRSchedule()
         self.lr_steps = 0
+        self._trained_tokens: int | None = None  # since the last step, over all ranks (None: no forward_backward)
         if state is not None:
-            self.base_lr = state.optimizer.param_groups[0]["lr"]
-            optim.set_hyperparameters(state.optimizer, lr=self.base_lr * self.lr_schedule.factor(0))
+            self.base_lr = optim.base_lr(state.optimizer)
+            self.lr_steps = state.steps  # 0 for a fresh state; a state that stepped resumes its schedule
+            optim.set_hyperparameters(state.optimizer, lr=self.base_lr * self.lr_schedule.factor(self.lr_steps))
 
     # ---- forward and backward ------------------------------------------------------------------
     @torch.no_grad()
@@ -107,6 +110,8 @@ class Runtime:
             raise ValueError(f"clip must be (low, high) with 0 <= low < 1 and high >= 0, got {clip}")
         losses.check_agg_mode(loss_agg_mode)
         losses.check_kl_penalty(kl_penalty)
+        losses.check_coef("kl_coef", kl_coef)
+        losses.check_coef("entropy_coef", entropy_coef)
         if named:
             opts = dict(clip=clip, entropy_coef=entropy_coef, kl_coef=kl_coef, kl_penalty_name=kl_penalty,
                         loss_agg_mode=loss_agg_mode)
@@ -122,6 +127,8 @@ class Runtime:
         group = self.state.group if self.state is not None else None
         micro = plan(batch, micro_batch_tokens, group if micro_batch_tokens is not None else None)
         norm = _global_counts(batch, group) if loss_fn else None
+        if loss_fn is not None:  # the same global count on every rank: optim_step's skip is unanimous
+            self._trained_tokens = (self._trained_tokens or 0) + norm.tokens
         dp = self.state.mesh.size() if self.state is not None else 1
         B, T = batch.input_ids.shape
         log_probs, ent, routes = None, None, None
@@ -173,18 +180,23 @@ class Runtime:
         hyperparameters given here (Tinker's AdamParams) hold from this step on (an `lr` until the
         next `lr_scheduler_step`). Without any gradient on any rank (no forward_backward since the
         last step) nothing changes: {"applied": False, "skipped": "no gradient"}, weights, optimizer
-        state, step count and router biases as they were."""
+        state, step count and router biases as they were. The same when the forward_backward calls
+        since the last step trained no token on any rank ({"skipped": "no trained token"}; AdamW
+        would still move the weights by its moments): their gradients and router counts are dropped."""
         state = self._need_state("optim_step")
         hp = optim.check_adam(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         self.placement.check("optim_step")
         optim.set_hyperparameters(state.optimizer, **hp)
-        applied, norm, zeros = state.step()
+        untrained = self._trained_tokens == 0  # a global count: every rank skips alike
+        self._trained_tokens = None
+        applied, norm, zeros = state.step(skip="no trained token" if untrained else None)
         state.zero_grad()
         out = {"applied": applied, "grad_norm": norm, "zero_grads": zeros, "step": state.steps,
                "lr": state.optimizer.param_groups[0]["lr"]}
         if not applied:
             out["skipped"] = state.skip_reason
-        if state.skip_reason == "no gradient":  # no tokens were trained on: the biases stay too
+        if state.skip_reason in ("no gradient", "no trained token"):  # nothing trained: the biases stay too
+            _drop_router_counts(self.model)
             return out
         if any(r.scoring == "sigmoid" for r in moe.routers(self.model).values()):
             moe.update_router_bias(self.model, rate=self.router_bias_rate, group=state.group)
@@ -195,8 +207,8 @@ class Runtime:
         """Drop the accumulated gradients (and the routers' token counts of those forwards)."""
         self._need_state("optimizer_zero_grad").zero_grad()
         self.placement.aside.clear()
-        for r in moe.routers(self.model).values():
-            r.tokens_per_expert = None
+        self._trained_tokens = None
+        _drop_router_counts(self.model)
 
     def lr_scheduler_step(self) -> float:
         """Advance the schedule one step; the learning rate the next `optim_step` uses."""
@@ -225,6 +237,9 @@ class Runtime:
         """Move the parts asked for (model: parameters and buffers; optimizer: Adam state and ZeRO-1's
         fp32 masters; grad: gradients) to `device`, each on its own, e.g. offload to "cpu" while an
         inference engine uses the GPU. `copy`: new storage even on the same device. Returns self."""
+        if torch.device(device).type == "meta":  # meta tensors hold no data: weights and moments would be gone
+            raise ValueError(f"Runtime.to: device must hold data (cpu, cuda, ...), got {device!r}: "
+                             f"'meta' would drop the weights and the optimizer state")
         self.placement.to(device, model=model, optimizer=optimizer, grad=grad, copy=copy)
         return self
 
@@ -299,6 +314,12 @@ def _lists(parts: list[dict]) -> dict:
 
 
 @contextlib.contextmanager
+def _drop_router_counts(model) -> None:
+    """Forget the routers' token counts of the forwards since the last bias update."""
+    for r in moe.routers(model).values():
+        r.tokens_per_expert = None
+
+
 def _counts_kept(model):
     """Router load counts as they were before (forwards that must not move the biases)."""
     counts = {n: r.tokens_per_expert for n, r in moe.routers(model).items()}

@@ -77,6 +77,15 @@ def check_adam(lr=None, betas=None, eps=None, weight_decay=None) -> dict:
     return out
 
 
+def base_lr(optimizer) -> float:
+    """The learning rate a schedule scales: each param group's "initial_lr" (torch LRScheduler's key),
+    taken from its "lr" the first time asked. A schedule then sets "lr" (0 at the start of a warm-up),
+    so a Runtime built later on the same optimizer still finds the rate it was built with."""
+    for group in optimizer.param_groups:
+        group.setdefault("initial_lr", group["lr"])
+    return optimizer.param_groups[0]["initial_lr"]
+
+
 def set_hyperparameters(optimizer, **hp) -> None:
     for group in optimizer.param_groups:
         group.update(hp)

@@ -10,8 +10,6 @@ test, so every new slot brings one. A pair whose signature differs from the slot
 """
 import torch
 
-from bumblebee import registry
-
 
 def attention_case(g):
     B, H, K, T, D = 2, 6, 2, 13, 8
@@ -112,10 +110,9 @@ def mtp_case(g):
     with torch.no_grad():
         embed.weight.copy_(torch.randn(V, D, generator=g))
     head_weight = torch.randn(V, D, generator=g) * 0.3
-    # the model's loss slot at its default (linear_ce): the primitive's depth losses go through it
-    loss_fn = registry.resolve("cross_entropy")
-    return (hidden, ids, labels), {"embed": embed, "head_weight": head_weight, "run_block": _run_block,
-                                   "loss_fn": loss_fn}, (0,)
+    # loss_fn left at its default (None): the primitive's own depth loss (linear_ce), the twin's
+    # materialized logits; tests/primitives/test_mtp.py passes the model's loss slot
+    return (hidden, ids, labels), {"embed": embed, "head_weight": head_weight, "run_block": _run_block}, (0,)
 
 
 def mtp_init(g):

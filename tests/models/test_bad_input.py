@@ -185,3 +185,25 @@ def test_inputs_that_are_not_tensors_name_the_argument():
         model(ids, labels=[[1, 2, 3]])
     with pytest.raises(TypeError, match=r"position_ids must be a torch.Tensor"):
         model(ids, position_ids=(0, 1, 2), cu_seqlens=torch.tensor([0, 3]))
+
+
+@pytest.mark.parametrize("name", ["qwen3-tiny", "deepseek-v3-tiny", "qwen3.5-tiny"])
+def test_position_ids_that_are_not_integers_are_refused(name):
+    # a float position would silently rotate by fractional angles
+    model = bb.models.build(name)
+    ids = torch.tensor([[1, 2, 3]])
+    for bad in (torch.tensor([[0.0, 1.0, 2.0]]), torch.tensor([[0.5, 1.5, 2.5]]), torch.ones(1, 3, dtype=torch.bool)):
+        with pytest.raises(ValueError, match=rf"position_ids must be an integer tensor .*got {bad.dtype}"):
+            model(ids, position_ids=bad)
+        with pytest.raises(ValueError, match="position_ids must be an integer tensor"):
+            model(ids, position_ids=bad, cu_seqlens=torch.tensor([0, 3]))
+    model(ids, position_ids=torch.tensor([[0, 1, 2]], dtype=torch.int32))  # int32 and int64 are positions
+
+
+def test_dtype_that_is_not_a_torch_dtype_is_refused(saved):
+    _, path = saved
+    for load in (lambda dtype: bb.models.build("qwen3-tiny", dtype=dtype),
+                 lambda dtype: bb.models.from_pretrained(path, dtype=dtype)):
+        for bad in ("bfloat16", torch.int64):
+            with pytest.raises(ValueError, match=r"dtype must be a floating torch.dtype .*got"):
+                load(bad)

@@ -169,9 +169,10 @@ def test_bad_input(cls):
             segment_ids_BT=torch.zeros(3, 8, dtype=torch.long))
 
 
-def test_no_logits_saved_with_linear_ce():
-    if "linear_ce" not in registry.slots()["cross_entropy"]:
-        pytest.skip("linear_ce not registered")
+@pytest.mark.parametrize("loss_fn", ["linear_ce", None])
+def test_no_logits_saved_with_linear_ce(loss_fn):
+    """With the model's linear_ce slot, and by default (loss_fn=None: linear_ce, the primitive's own
+    loss, never the twin's materialized logits): no [B*T, V] tensor is kept, and both give the same loss."""
     lean, _, embed, head = setup()
     hidden, ids, labels = inputs(B=2, T=40)
     sizes = []
@@ -180,10 +181,14 @@ def test_no_logits_saved_with_linear_ce():
         sizes.append(tuple(t.shape))
         return t
 
+    fn = registry.resolve("cross_entropy", loss_fn) if loss_fn else None
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        lean(hidden.requires_grad_(True), ids, labels, embed=embed, head_weight=head.requires_grad_(True),
-             run_block=run_block, loss_fn=registry.resolve("cross_entropy", "linear_ce"))
+        loss, _ = lean(hidden.requires_grad_(True), ids, labels, embed=embed, head_weight=head.requires_grad_(True),
+                       run_block=run_block, loss_fn=fn)
     assert not any(V in s and 80 in s for s in sizes), sizes
+    explicit, _ = lean(hidden, ids, labels, embed=embed, head_weight=head, run_block=run_block,
+                       loss_fn=registry.resolve("cross_entropy", "linear_ce"))  # the same path: the same bits
+    assert torch.equal(loss, explicit)
 
 
 @pytest.mark.gpu

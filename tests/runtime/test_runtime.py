@@ -143,6 +143,25 @@ def test_bad_input():
     for empty in (ids[:0], ids[:, :0]):  # an empty batch: refused up front, not deep in a reshape
         with pytest.raises(ValueError, match=r"batch.input_ids is an empty batch of shape"):
             rt.forward_backward(Batch(empty))
+    for coef in ("kl_coef", "entropy_coef"):  # a NaN coefficient would make every gradient NaN
+        with pytest.raises(ValueError, match=f"{coef} must be a finite number, got nan"):
+            rt.forward_backward(Batch(ids), **{coef: float("nan")})
+    assert not _grads(model)
+    for export in (rt.export_weights, rt.export_weight_shards):  # refused at the call, before any gather
+        with pytest.raises(ValueError, match=r"dtype must be a floating torch.dtype .* got torch.int32"):
+            export(dtype=torch.int32)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.raises(ValueError, match="Runtime.to: device must hold data .* got 'meta'"):
+        rt.to("meta")
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
+def test_policy_loss_refuses_a_coefficient_that_is_not_finite():
+    from bumblebee.runtime import losses
+    lp = torch.zeros(2, 3, dtype=torch.float64)
+    for coef in ("kl_coef", "entropy_coef"):
+        with pytest.raises(ValueError, match=f"{coef} must be a finite number, got inf"):
+            losses.policy_loss("cross_entropy", lp, torch.ones_like(lp), **{coef: float("inf")})
 
 
 # ---- two gloo ranks under a sharded state ------------------------------------------------------------
@@ -308,3 +327,79 @@ def test_saves_keep_other_files_and_refuse_a_file(two):
         assert "save_pretrained path" in rank["refused"]["save_weights"]
         for msg in rank["refused"].values():
             assert "rt-file exists and is not a folder" in msg
+def _runtime(mesh, impl="fsdp2", seed=0, **kw):
+    model = models.build("deepseek-v3-tiny", seed=seed)
+    state = registry.resolve("state_sharding", impl)(model, mesh, lr=LR, mixed_precision="fp32", grad_clip=None)
+    return Runtime(model, state, router_bias_rate=0.05, **kw)
+
+
+def _train(rt, i, trained=True):
+    """An importance-sampling step on this rank's half of batch i; `trained=False`: no token of it trained."""
+    n, r = rt.state.mesh.size(), rt.state.mesh.get_local_rank()
+    ids, adv = _batch(rt.model, i)
+    half = slice(r * 4 // n, (r + 1) * 4 // n)
+    batch = Batch(ids[half], loss_mask=torch.full(ids[half].shape, trained), advantages=adv[half],
+                  sampler_logprobs=rt.forward(Batch(ids[half])).log_probs)
+    rt.forward_backward(batch, "importance_sampling", loss_agg_mode="token-mean")
+    return rt.optim_step()
+
+
+def untrained_and_schedules(mesh, out: Path):
+    """Both twins: a step after a batch that trains no token on any rank, then on one rank only; a
+    second Runtime built on a state in learning-rate warm-up, and a resume of it."""
+    from bumblebee.models import moe
+    from bumblebee.runtime import LRSchedule
+    r = mesh.get_local_rank()
+    res = {}
+    for impl in ("fsdp2", "zero1"):
+        rt = _runtime(mesh, impl)
+        got = {"first": _train(rt, 0)}  # moments that a wrongly applied step would move the weights by
+        before = _snapshot(rt.state)
+        got["none"] = _train(rt, 1, trained=False)
+        after = _snapshot(rt.state)
+        got["changed"] = [k for k in before if not torch.equal(before[k], after[k])]
+        got["counts_left"] = [n for n, x in moe.routers(rt.model).items() if x.tokens_per_expert is not None]
+        got["one"] = _train(rt, 2, trained=r == 0)  # a token trained somewhere: every rank steps
+        got["next"] = _train(rt, 3)  # the ranks still agree on every collective
+        res[impl] = got
+    sched = LRSchedule("linear_warmup", warmup_steps=4)
+    first = _runtime(mesh, lr_schedule=sched)
+    lrs = [first.hyperparameters()["lr"]]  # 0: the warm-up's first step
+    _train(first, 0)
+    lrs.append(first.lr_scheduler_step())
+    second = Runtime(first.model, first.state, lr_schedule=sched)  # built while the optimizer's lr is LR / 4
+    lrs.append(second.hyperparameters()["lr"])
+    _train(second, 1)
+    lrs.append(second.lr_scheduler_step())
+    second.save_state(out / "lr-ckpt")
+    resumed = _runtime(mesh, seed=5, lr_schedule=sched)
+    resumed.load_state(out / "lr-ckpt")
+    lrs += [resumed.hyperparameters()["lr"], resumed.lr_scheduler_step()]
+    res["lrs"] = lrs
+    return res
+
+
+@pytest.fixture(scope="module")
+def untrained(tmp_path_factory):
+    return spawn(2, "untrained_and_schedules", tmp_path_factory.mktemp("untrained"), module=__name__)
+
+
+@pytest.mark.parametrize("impl", ["fsdp2", "zero1"])
+def test_a_batch_that_trains_no_token_takes_no_step(untrained, impl):
+    for rank in untrained:
+        res = rank[impl]
+        assert res["first"]["applied"] and res["first"]["step"] == 1
+        assert res["none"]["applied"] is False and res["none"]["skipped"] == "no trained token"
+        assert res["none"]["step"] == 1 and res["changed"] == []  # weights, moments, step counts, router biases
+        assert res["counts_left"] == []  # its router counts do not move the biases at the next step
+        assert res["one"]["applied"] and res["one"]["step"] == 2
+        assert res["next"]["applied"] and res["next"]["step"] == 3
+
+
+def test_a_runtime_built_during_warmup_keeps_the_base_learning_rate(untrained):
+    # warm-up over 4 steps: lr 0, LR / 4 (first Runtime), LR / 4 (the second, built then), LR / 2,
+    # and after a save and a load into a fresh state, LR / 2 and 3 LR / 4
+    for rank in untrained:
+        assert rank["lrs"] == pytest.approx([0.0, LR / 4, LR / 4, LR / 2, LR / 2, 3 * LR / 4], rel=1e-12)
+
+
