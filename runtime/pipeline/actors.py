@@ -3,7 +3,6 @@ rollout producers (an engine adapter, rule rewards) and the trainer (the runtime
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 
 import ray
@@ -11,6 +10,7 @@ import torch
 
 from bumblebee.runtime.pipeline.admission import Admission, Lease
 from bumblebee.runtime.pipeline.config import PipelineConfig, PipelineTimeout
+from bumblebee.runtime.pipeline.engine import rollout
 from bumblebee.runtime.pipeline.samples import Group
 from bumblebee.runtime.pipeline.weights import get
 
@@ -24,9 +24,9 @@ class Scheduler:
         self.it, self.prompts, self.groups = task.prompts(cfg.seed), {}, {}
         self.changed = asyncio.Event()
         self.generated_lengths: list[int] = []
-        self.load: dict[int, tuple[float, float]] = {}  # producer -> (busy s, idle s), cumulative
+        self.load: dict[str, tuple[float, float]] = {}  # producer -> (busy s, idle s), cumulative
 
-    async def admit(self, producer: int, version: int, most: int):
+    async def admit(self, producer: str, version: int, most: int):
         """(up to `most` [(lease, prompt, meta)], status): status "wait" (newer weights needed for the
         next one), "done" (all admitted) or None."""
         leases = []
@@ -39,7 +39,7 @@ class Scheduler:
             leases.append((got, *self.prompts[got.group]))
         return leases, None
 
-    async def submit(self, producer: int, groups: list[Group], busy_s: float, idle_s: float) -> None:
+    async def submit(self, producer: str, groups: list[Group], busy_s: float, idle_s: float) -> None:
         for group in groups:
             self.adm.submit(producer, group.group)
             self.groups[group.group] = group
@@ -67,7 +67,7 @@ class Scheduler:
         idle = sum(i for _, i in self.load.values())
         return groups, idle / max(busy + idle, 1e-9)
 
-    async def release(self, producer: int) -> list[int]:
+    async def release(self, producer: str) -> list[int]:
         return self.adm.release(producer)
 
     async def stats(self) -> dict:
@@ -80,14 +80,11 @@ class Producer:
     """Generates groups: asks the scheduler for a lease on the weights it holds, waits for newer
     weights when refused, samples `group_size` completions, scores them, submits the group."""
 
-    def __init__(self, pid: int, engine_factory, task, scheduler, channel, cfg: PipelineConfig):
+    def __init__(self, holder: str, engine_factory, task, scheduler, channel, cfg: PipelineConfig):
         torch.set_num_threads(cfg.threads)
-        self.pid, self.task, self.scheduler, self.channel, self.cfg = pid, task, scheduler, channel, cfg
+        self.holder, self.task, self.scheduler, self.channel, self.cfg = holder, task, scheduler, channel, cfg
         self.engine = engine_factory()
         self.busy_s = self.idle_s = 0.0
-
-    def pid_of_process(self) -> int:
-        return os.getpid()
 
     def _refresh(self) -> None:
         """Load the newest weights if they are newer than the engine's (between chunks, or on wait)."""
@@ -100,7 +97,7 @@ class Producer:
         self._refresh()
         groups = 0
         while True:
-            leases, status = get(self.scheduler.admit.remote(self.pid, self.engine.version, cfg.groups_per_call),
+            leases, status = get(self.scheduler.admit.remote(self.holder, self.engine.version, cfg.groups_per_call),
                                  call, "admission")
             if not leases and status == "done":
                 return {"groups": groups, "busy_s": self.busy_s, "idle_s": self.idle_s}
@@ -110,15 +107,10 @@ class Producer:
                 self._refresh()
                 self.idle_s += time.monotonic() - t0
                 continue
-            comps = self.engine.generate([p for _, p, _ in leases], cfg.group_size, cfg.sampling,
-                                         seed=cfg.seed * 1_000_003 + leases[0][0].group,
-                                         refresh=self._refresh if cfg.sampling.chunk_tokens else None)
-            out = []
-            for (lease, prompt, meta), cs in zip(leases, comps):
-                rewards = [float(self.task.reward(meta, c.tokens)) for c in cs]
-                out.append(Group(lease.group, lease.ticket, list(prompt), cs, rewards, producer=self.pid))
+            out = rollout(self.engine, self.task, leases, cfg, holder=self.holder,
+                          refresh=self._refresh if cfg.sampling.chunk_tokens else None)
             self.busy_s += time.monotonic() - t0
-            get(self.scheduler.submit.remote(self.pid, out, self.busy_s, self.idle_s), call, "submitting groups")
+            get(self.scheduler.submit.remote(self.holder, out, self.busy_s, self.idle_s), call, "submitting groups")
             groups += len(out)
             groups += 1
 
@@ -129,20 +121,9 @@ class Trainer:
     configured), one GRPO step per call on the step's groups, then its weights published."""
 
     def __init__(self, model_config: dict, cfg: PipelineConfig, scheduler, channel, pad_id: int):
-        import torch.distributed as dist
-        from torch.distributed.device_mesh import init_device_mesh
-
-        from bumblebee import models, registry
-        from bumblebee.runtime import Runtime
+        from bumblebee.runtime.pipeline.trainer import build_runtime
         torch.set_num_threads(cfg.threads)
-        if not dist.is_initialized():  # one rank: an in-memory store, no port to find
-            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-        mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))
-        model = models.build(model_config, impl=dict(cfg.impl), seed=cfg.seed)
-        state = registry.resolve("state_sharding", cfg.state_sharding)(model, mesh, lr=cfg.lr, mixed_precision="fp32",
-                                                                       grad_clip=cfg.grad_clip)
-        self.rt = Runtime(model, state)
-        self.ref = Runtime(models.build(model_config, seed=cfg.seed)) if cfg.objective.kl_coef else None
+        self.rt, self.ref = build_runtime(model_config, cfg)
         self.cfg, self.scheduler, self.channel, self.pad_id = cfg, scheduler, channel, pad_id
         self.version = 0
 

@@ -9,7 +9,7 @@ from typing import Callable, Iterable, Protocol
 import torch
 
 from bumblebee.runtime.pipeline.config import Sampling
-from bumblebee.runtime.pipeline.samples import Completion
+from bumblebee.runtime.pipeline.samples import Completion, Group
 
 
 class EngineAdapter(Protocol):
@@ -91,3 +91,13 @@ class TransformersEngine:
                 ids = gen.sequences
                 left -= new.shape[1]
         return [out[i * n:(i + 1) * n] for i in range(len(prompts))]
+
+
+def rollout(engine, task, leases, cfg, *, holder=0, refresh=None) -> list[Group]:
+    """The groups of `leases` [(Lease, prompt, meta)]: `cfg.group_size` completions of each prompt in
+    one engine call (seeded by the first lease's group, so a run is reproducible), scored by the
+    task's rule."""
+    comps = engine.generate([p for _, p, _ in leases], cfg.group_size, cfg.sampling,
+                            seed=cfg.seed * 1_000_003 + leases[0][0].group, refresh=refresh)
+    return [Group(lease.group, lease.ticket, list(prompt), cs, [float(task.reward(meta, c.tokens)) for c in cs],
+                  producer=holder) for (lease, prompt, meta), cs in zip(leases, comps)]

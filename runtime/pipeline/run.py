@@ -36,14 +36,18 @@ class Pipeline:
         self.trainer = Trainer.options(num_cpus=cfg.trainer_cpus).remote(model_config, cfg, self.scheduler,
                                                                          self.channel, task.pad_id)
         get(self.trainer.publish.remote(), cfg.call_timeout_s, "the trainer's start and first weights")
-        self.producers, self.runs, self.restarts = {}, {}, 0
+        self.producers, self.holders, self.incarnations, self.runs, self.restarts = {}, {}, {}, {}, 0
         for i in range(cfg.producers):
             self._start(i)
 
     def _start(self, i: int) -> None:
-        p = Producer.options(num_cpus=self.cfg.producer_cpus).remote(i, self.engine, self.task, self.scheduler,
+        """Start producer `i`; each incarnation leases under its own name ("i.n"), so that a late
+        answer of a dead one can never pass for its successor's."""
+        holder = f"{i}.{self.incarnations.get(i, 0)}"
+        self.incarnations[i] = self.incarnations.get(i, 0) + 1
+        p = Producer.options(num_cpus=self.cfg.producer_cpus).remote(holder, self.engine, self.task, self.scheduler,
                                                                        self.channel, self.cfg)
-        self.producers[i] = p
+        self.producers[i], self.holders[i] = p, holder
         self.runs[p.run.remote()] = i
 
     def kill_producer(self, i: int) -> None:
@@ -90,7 +94,8 @@ class Pipeline:
             if self.restarts >= self.cfg.restarts:
                 raise
             self.restarts += 1
-            get(self.scheduler.release.remote(i), self.cfg.call_timeout_s, f"releasing producer {i}'s prompts")
+            get(self.scheduler.release.remote(self.holders[i]), self.cfg.call_timeout_s,
+                f"releasing producer {i}'s prompts")
             self._start(i)
 
     def stats(self) -> dict:

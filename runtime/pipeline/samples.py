@@ -35,7 +35,7 @@ class Group:
     prompt: list[int]
     completions: list[Completion]
     rewards: list[float]
-    producer: int = 0
+    producer: str | int = 0  # the producer (incarnation) that generated it
     meta: dict = field(default_factory=dict)
 
     def oldest_version(self) -> int:

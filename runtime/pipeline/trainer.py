@@ -7,8 +7,48 @@ import torch
 
 from bumblebee.runtime import losses
 from bumblebee.runtime.batching import Batch
-from bumblebee.runtime.pipeline.config import Objective
+from bumblebee.runtime.pipeline.admission import Admission, Lease
+from bumblebee.runtime.pipeline.config import Objective, PipelineConfig
+from bumblebee.runtime.pipeline.engine import rollout
 from bumblebee.runtime.pipeline.samples import Group, informative, to_batch
+
+
+def build_runtime(model_config: dict, cfg: PipelineConfig):
+    """(Runtime of the policy, Runtime of the reference or None): the model under `cfg.state_sharding`
+    on a one-rank gloo group (created here when none exists: the trainer actor's own process)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from bumblebee import models, registry
+    from bumblebee.runtime import Runtime
+    if not dist.is_initialized():  # one rank: an in-memory store, no port to find
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))
+    model = models.build(model_config, impl=dict(cfg.impl), seed=cfg.seed)
+    state = registry.resolve("state_sharding", cfg.state_sharding)(model, mesh, lr=cfg.lr, mixed_precision="fp32",
+                                                                   grad_clip=cfg.grad_clip)
+    ref = Runtime(models.build(model_config, seed=cfg.seed)) if cfg.objective.kl_coef else None
+    return Runtime(model, state), ref
+
+
+def synchronous_run(cfg: PipelineConfig, model_config: dict, task, engine) -> list[dict]:
+    """The plain synchronous loop in one process, no Ray: export, generate every group of the step on
+    those weights, train, for `cfg.steps` steps. The pipeline at eta = 0 with one producer leasing a
+    whole step per call (`groups_per_call >= groups_per_step`) makes the same updates."""
+    rt, ref = build_runtime(model_config, cfg)
+    adm, prompts, log = Admission(cfg.groups_per_step, 0, cfg.steps), task.prompts(cfg.seed), []
+    for step in range(cfg.steps):
+        engine.load_weights(rt.export_weights(dtype=torch.float32), step)
+        groups = []
+        while len(groups) < cfg.groups_per_step:
+            leases = []
+            while len(leases) < min(cfg.groups_per_call, cfg.groups_per_step - len(groups)):
+                lease = adm.admit(0, step)
+                assert isinstance(lease, Lease)
+                leases.append((lease, *next(prompts)))
+            groups += rollout(engine, task, leases, cfg)
+        log.append(grpo_step(rt, groups, cfg.objective, version=step, pad_id=task.pad_id, ref=ref))
+    return log
 
 
 def grpo_step(rt, groups: list[Group], objective: Objective, *, version: int, pad_id: int, ref=None) -> dict:

@@ -1,0 +1,104 @@
+"""The asynchronous pipeline on a local Ray (2 CPUs): a tiny Qwen3 learns to copy two digits at
+eta = 2 while a producer is killed mid-run (every prompt trained exactly once), eta = 0 makes the
+plain synchronous loop's updates, and stalled waits raise PipelineTimeout. Skipped without Ray
+(the `rl` extra)."""
+from __future__ import annotations
+
+import math
+import statistics
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+ray = pytest.importorskip("ray", reason="the RL pipeline needs Ray: pip install -e '.[rl]'")
+
+from bumblebee import models  # noqa: E402
+from bumblebee.runtime.pipeline import (CopyDigits, Objective, Pipeline, PipelineConfig, PipelineTimeout,  # noqa: E402
+                                        Sampling)
+
+TASK = CopyDigits(length=2)
+CONFIG = {**models.NAMED["qwen3-tiny"], "vocab_size": 16, "bos_token_id": TASK.bos_id, "pad_token_id": TASK.pad_id,
+          "eos_token_id": None}
+STEPS, WINDOW, MARGIN = 40, 8, 0.15
+STALL_S = 2.0  # these waits are meant to stall: the limit is how long the test takes, not a speed bet
+
+
+def _cfg(**kw):
+    base = dict(steps=STEPS, groups_per_step=16, group_size=8, groups_per_call=8, eta=2, lr=5e-3, seed=0,
+                impl={"cross_entropy": "linear_ce"}, sampling=Sampling(max_new_tokens=TASK.length),
+                objective=Objective(entropy_coef=1e-3))
+    return PipelineConfig(**{**base, **kw})
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def test_learns_asynchronously_with_a_producer_killed(local_ray, tmp_path):
+    """Seeded, but the interleaving is the machine's: the margin is ~7 standard errors of a window's
+    mean reward under the initial policy (0.07 +- 0.02); measured rises are 0.2-0.35."""
+    def kill(pipeline, step):
+        if step == 12:
+            pipeline.kill_producer(0)
+
+    with Pipeline(_cfg(producers=1, restarts=1), CONFIG, TASK) as p:
+        log = p.run(log_path=tmp_path / "run.jsonl", on_step=None, before_step=kill)
+        stats = p.stats()
+        assert p.restarts == 1
+    trained = sorted(g for m in log for g in m["group_ids"])
+    assert trained == list(range(STEPS * 16))  # every prompt trained once: none lost, none twice
+    assert sorted(n for m in log for n in m["lengths"]) == sorted(stats["generated_lengths"])
+    assert max(m["staleness_max"] for m in log) <= 2
+    assert max(m["staleness_max"] for m in log[4:]) == 2  # the producer ran ahead as far as allowed
+    for m in log:
+        for key in ("loss", "grad_norm", "behave_kl", "kl", "entropy"):
+            assert math.isfinite(m[key]), (m["step"], key, m[key])
+    first = statistics.mean(m["reward"] for m in log[:WINDOW])
+    last = statistics.mean(m["reward"] for m in log[-WINDOW:])
+    assert last > first + MARGIN, (first, last, [round(m["reward"], 3) for m in log])
+    assert len((tmp_path / "run.jsonl").read_text().splitlines()) == STEPS
+
+
+def test_eta_zero_equals_the_synchronous_loop(local_ray):
+    from bumblebee.runtime.pipeline.engine import TransformersEngine
+    from bumblebee.runtime.pipeline.trainer import synchronous_run
+    cfg = _cfg(steps=3, eta=0, groups_per_step=4, group_size=4, groups_per_call=4)
+    with Pipeline(cfg, CONFIG, TASK) as p:
+        piped = p.run(on_step=None)
+    threads, had_group = torch.get_num_threads(), dist.is_initialized()
+    torch.set_num_threads(cfg.threads)  # as the actors run: one reduction order
+    try:
+        plain = synchronous_run(cfg, CONFIG, TASK, TransformersEngine(CONFIG, pad_token_id=TASK.pad_id))
+    finally:  # the loop's one-rank group and the thread count are this process's: put them back
+        torch.set_num_threads(threads)
+        if dist.is_initialized() and not had_group:
+            dist.destroy_process_group()
+    for a, b in zip(piped, plain):
+        assert a["staleness_max"] == 0 and a["reward"] == b["reward"] and a["lengths"] == b["lengths"]
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-6, abs=1e-9)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-6)
+
+
+def test_stalled_waits_raise(local_ray):
+    from bumblebee.runtime.pipeline.actors import Scheduler
+    from bumblebee.runtime.pipeline.weights import ObjectStoreChannel, WeightStore, get
+    cfg = _cfg()
+    scheduler, store = Scheduler.remote(TASK, cfg), WeightStore.remote()
+    channel = ObjectStoreChannel(store, STALL_S)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(PipelineTimeout, match="step 0: 0 of 16 groups.*take_timeout_s"):
+            ray.get(scheduler.take.remote(0, STALL_S))  # no producer ever submits
+        with pytest.raises(PipelineTimeout, match="no weights newer than version -1.*weight_timeout_s"):
+            channel.wait_newer(-1, STALL_S)  # the trainer never publishes
+        with pytest.raises(PipelineTimeout, match="a weight sync: no answer"):
+            get(store.wait_newer.remote(-1, 10 * STALL_S), STALL_S, "a weight sync")  # a remote call that hangs
+        assert time.monotonic() - t0 < 10 * STALL_S
+    finally:
+        ray.kill(scheduler)
+        ray.kill(store)
