@@ -14,6 +14,13 @@ remove. Nothing else in `path` is touched, so a checkpoint may share its folder 
 folder without the json is refused with a ValueError, as is a checkpoint of another model.
 Checkpoints of the earlier layout (DCP files directly in `path`) still load; a save over one removes
 exactly the files its `.metadata` names.
+
+A save holds the folder's writer lock on rank 0 from before its data folder is made until after the
+commit (a second save into the folder is refused on every rank; a killed writer's lock goes with
+it), and first removes what killed saves left there: `dcp-*` folders the json does not name (holding
+only DCP's files and ours) and temporary copies of the json. The data folder holds
+`integrity.MANIFEST`, the sha256 of every tensor chunk's bytes; a load checks it (every rank a share)
+before DCP reads a byte, and `check_finite=True` refuses NaN or inf in what was loaded.
 """
 from __future__ import annotations
 
@@ -21,18 +28,24 @@ import os
 import re
 import secrets
 import shutil
+from contextlib import ExitStack
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 
-from bumblebee import files
+from bumblebee import files, integrity
 from bumblebee.distributed import on_rank0
 
 MARKER = "bumblebee_checkpoint.json"
 DATA = re.compile(r"dcp-[0-9a-f]{12}")
 OLD_LAYOUT = re.compile(r"\.metadata|__\d+_\d+\.distcp")  # DCP's files directly in `path` (earlier saves)
+# what a data folder may hold (DCP's files, their temporary names, our manifest): a dcp-* folder
+# holding anything else is not removed as a leftover
+DATA_FILES = re.compile(r"(__\d+)?\.metadata(\.tmp)?|__\d+_\d+\.distcp|" + re.escape(integrity.MANIFEST)
+                        + "|" + files.aside_pattern(re.escape(integrity.MANIFEST)))
 
 
 def _aside(path: Path, what: str) -> Path:
@@ -43,30 +56,54 @@ def _rank(group) -> int:
     return dist.get_rank(group) if dist.is_initialized() else 0
 
 
-def _new_data_folder(path: Path) -> str:
+def _new_data_folder(path: Path, lock: ExitStack) -> str:
+    """(rank 0) The writer lock, entered into `lock`; leftovers of killed saves removed; a fresh data folder."""
     files.prepare_folder(path, "checkpoint path")
+    lock.enter_context(files.writer_lock(path, "checkpoint path"))
+    remove_leftovers(path)
     name = f"dcp-{secrets.token_hex(6)}"
     (path / name).mkdir()
     return name
 
 
+def remove_leftovers(path: Path) -> list[str]:
+    """Remove from `path` what killed saves left: `dcp-*` folders that the checkpoint json does not
+    name and that hold only DCP's files and ours, and temporary copies of the json. Call it holding
+    the writer lock. Returns the names removed; nothing when the json is unreadable (its data unknown)."""
+    marker = path / MARKER
+    meta = files.read_json(marker)
+    if marker.exists() and not isinstance(meta, dict):
+        return []
+    current = meta.get("data") if isinstance(meta, dict) else None
+    gone = []
+    for entry in sorted(path.iterdir()):
+        if (DATA.fullmatch(entry.name) and entry.name != current and entry.is_dir() and not entry.is_symlink()
+                and all(DATA_FILES.fullmatch(f.name) and f.is_file() for f in entry.iterdir())):
+            shutil.rmtree(entry, ignore_errors=True)
+            gone.append(entry.name)
+    return gone + files.remove_leftovers(path, files.aside_pattern(re.escape(MARKER)))
+
+
 def save(state_dict: dict, path, *, meta: dict, group=None) -> None:
     path = Path(path).absolute()
-    name = on_rank0(lambda: _new_data_folder(path), group)
-    try:
-        dcp.save(state_dict, checkpoint_id=str(path / name), process_group=group)
-    except BaseException:
-        if _rank(group) == 0:
-            shutil.rmtree(path / name, ignore_errors=True)  # ours, created above, named by no json yet
-        raise
-    if dist.is_initialized():
-        dist.barrier(group=group)  # every rank's files are on disk
-    on_rank0(lambda: _commit(path, name, meta), group)
+    with ExitStack() as lock:  # rank 0's writer lock, held until the commit is done
+        name = on_rank0(lambda: _new_data_folder(path, lock), group)
+        try:
+            dcp.save(state_dict, checkpoint_id=str(path / name), process_group=group)
+            if dist.is_initialized():
+                dist.barrier(group=group)  # every rank's files are on disk
+            manifest = integrity.dcp_manifest(path / name, group)
+        except BaseException:
+            if _rank(group) == 0:
+                shutil.rmtree(path / name, ignore_errors=True)  # ours, created above, named by no json yet
+            raise
+        on_rank0(lambda: _commit(path, name, meta, manifest), group)
 
 
-def _commit(path: Path, name: str, meta: dict) -> None:
+def _commit(path: Path, name: str, meta: dict, manifest: dict) -> None:
     """Make `path/name` current (rank 0), then remove the data of the checkpoint it replaces."""
     try:
+        os.replace(files.write_json_aside(path / name, integrity.MANIFEST, manifest), path / name / integrity.MANIFEST)
         stale = _stale(path) - {name}
         tmp = files.write_json_aside(path, MARKER, {**meta, "data": name, "stale": sorted(stale)})
     except BaseException:
@@ -114,7 +151,8 @@ def resolve(path) -> Path:
 
 
 def read_meta(path) -> dict:
-    return files.read_json(resolve(path) / MARKER) or {}
+    """The checkpoint json; a corrupt one is a ValueError naming the file and the JSON error."""
+    return files.read_json_object(resolve(path) / MARKER)
 
 
 def data_folder(path) -> Path:
@@ -143,10 +181,30 @@ def check_compatible(saved: dict, ours: dict, path) -> None:
         f"only in the checkpoint {only_saved[:3]}, only in the model {only_ours[:3]}, shapes differ {shapes[:3]}")
 
 
-def load(state_dict: dict, path, *, meta: dict, group=None) -> dict:
-    """Load `path` into `state_dict` in place (after checking it belongs to this model)."""
+def load(state_dict: dict, path, *, meta: dict, group=None, check_finite: bool = False) -> dict:
+    """Load `path` into `state_dict` in place, after checking it belongs to this model and that its
+    bytes match their checksums (checkpoints saved before checksums have none to check). Every rank
+    calls it. check_finite: then refuse NaN or inf in any floating tensor loaded (a ValueError on
+    every rank naming them)."""
     where = resolve(path)
     saved = read_meta(where)
     check_compatible(saved, meta, where)
-    dcp.load(state_dict, checkpoint_id=str(data_folder(where)), process_group=group)
+    data = data_folder(where)
+    if (data / integrity.MANIFEST).is_file():
+        integrity.verify_dcp(data, files.read_json_object(data / integrity.MANIFEST), group)
+    dcp.load(state_dict, checkpoint_id=str(data), process_group=group)
+    if check_finite:
+        bad = sorted({k for part in integrity.gather(_non_finite(state_dict), group) for k in part})
+        if bad:
+            raise ValueError(f"checkpoint {where}: {len(bad)} tensors hold NaN or inf (check_finite=True): {bad[:5]}")
     return saved
+
+
+def _non_finite(tree, prefix: str = "") -> list[str]:
+    """Names (dotted paths) of the floating tensors of a nested state dict holding NaN or inf here."""
+    if isinstance(tree, dict):
+        return [n for k, v in tree.items() for n in _non_finite(v, f"{prefix}{k}.")]
+    t = tree.to_local() if hasattr(tree, "to_local") else tree
+    if isinstance(t, torch.Tensor) and t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        return [prefix[:-1]]
+    return []

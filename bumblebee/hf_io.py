@@ -1,7 +1,10 @@
 """Hugging Face checkpoint I/O with our own code: config.json + *.safetensors (single or sharded).
 
 Saving writes only its own files into the target folder (a tokenizer or README beside them stays),
-each under a temporary name first, so a crash mid-save leaves the previous checkpoint loadable.
+each under a temporary name first, so a crash mid-save leaves the previous checkpoint loadable. A save
+holds the folder's writer lock (a second save into it is refused) and first removes the temporary
+files of saves that were killed there. Each safetensors file records the sha256 of its tensors in its
+header (bumblebee.integrity); a load checks every tensor it reads against them.
 """
 from __future__ import annotations
 
@@ -10,6 +13,7 @@ import json
 import os
 import re
 import shutil
+import warnings
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -18,11 +22,15 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from bumblebee import files as fs
+from bumblebee import integrity
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 # weight files of the HF layout, and their temporary names while a save is under way
 OWN_WEIGHTS = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors|\.model(-\d{5}-of-\d{5})?\.safetensors\.tmp-[0-9a-f]+")
+# the temporary names of every file a save writes: what a killed save leaves behind
+LEFTOVERS = fs.aside_pattern(r"config\.json|generation_config\.json|bumblebee_impl\.json|model\.safetensors\.index\.json"
+                             r"|model(-\d{5}-of-\d{5})?\.safetensors")
 
 
 # beside config.json: the implementation configs the saved model ran with ({slot: {"impl": name, **options}},
@@ -37,19 +45,7 @@ def read_config(path) -> dict:
     path = Path(path)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path} has no config.json")
-    return _read_json(path / "config.json")
-
-
-def _read_json(file: Path) -> dict:
-    """A JSON object from `file`; a ValueError naming the file and the place where it is not one."""
-    try:
-        with open(file) as f:
-            data = json.load(f)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{file} is not valid JSON: {e.msg} at line {e.lineno}, column {e.colno}") from e
-    if not isinstance(data, dict):
-        raise ValueError(f"{file} must hold a JSON object, got a {type(data).__name__}")
-    return data
+    return fs.read_json_object(path / "config.json")
 
 
 def _safe_open(file: Path):
@@ -63,10 +59,7 @@ def _safe_open(file: Path):
 def read_generation_config(path) -> dict | None:
     """generation_config.json of the folder `path` (sampling defaults, stop tokens), or None."""
     gen = Path(path) / "generation_config.json"
-    if not gen.is_file():
-        return None
-    with open(gen) as f:
-        return json.load(f)
+    return fs.read_json_object(gen) if gen.is_file() else None
 
 
 def export_configs(model) -> tuple[dict, dict]:
@@ -95,7 +88,7 @@ def _weight_files(path: Path) -> dict[str, Path]:
             return {name: single for name in f.keys()}
     if not (path / INDEX).is_file():
         raise FileNotFoundError(f"{path} has neither {SINGLE} nor {INDEX}")
-    weight_map = _read_json(path / INDEX).get("weight_map")
+    weight_map = fs.read_json_object(path / INDEX).get("weight_map")
     if not isinstance(weight_map, dict):
         raise ValueError(f"{path / INDEX} lacks its weight_map {{tensor name: file}}")
     files = {name: path / file for name, file in weight_map.items()}
@@ -111,9 +104,16 @@ def checkpoint_names(path) -> list[str]:
 
 
 def load_weights(model: torch.nn.Module, path, *, optional: tuple[str, ...] = (),
-                 ignore_prefixes: tuple[str, ...] = ()) -> None:
+                 ignore_prefixes: tuple[str, ...] = (), verify: bool = True, check_finite: bool = False,
+                 started: float | None = None) -> None:
     """Copy every parameter (and persistent buffer) of `model` from the safetensors files in `path`,
     checking names/shapes.
+
+    verify: check each tensor read against the sha256 its file records (files written by
+    `save_pretrained`; a file without checksums, e.g. transformers', has nothing to check);
+    check_finite: refuse NaN or inf in a floating tensor. Either failure is a ValueError naming the
+    file and the tensor; the model's weights are then partly loaded. started: when the whole load
+    began (`time.monotonic()`), from which the progress bar's delay counts.
 
     A tensor the model lacks is an error too (a silent partial load hides a wrong config), unless
     its name starts with one of `ignore_prefixes`. A model whose tensors are built from several
@@ -142,21 +142,53 @@ def load_weights(model: torch.nn.Module, path, *, optional: tuple[str, ...] = ()
             by_file.setdefault(files[name], []).append(name)
     todo = [n for names in by_file.values() for n in names] + list(sources)
     total = sum(params[n].numel() * params[n].element_size() for n in todo)
-    with torch.no_grad(), fs.progress(total, f"loading {path.name}") as bar:
+    with torch.no_grad(), fs.progress(total, f"loading {path.name}", started=started) as bar, \
+            integrity.TensorChecks(check_finite=check_finite) as checks, ExitStack() as stack:
+        handles: dict[Path, tuple] = {}
+
+        def read(name: str, file: Path) -> torch.Tensor:
+            if file not in handles:
+                f = stack.enter_context(_safe_open(file))
+                handles[file] = (f, integrity.recorded_checksums(f.metadata(), file) if verify else None)
+            f, sums = handles[file]
+            t = f.get_tensor(name)
+            if sums is not None and name not in sums:
+                raise ValueError(f"{file}: tensor {name} has no checksum in its header: {integrity.CORRUPT}")
+            checks.add(t, name, file, None if sums is None else sums[name])
+            return t
+
         for file, names in by_file.items():
-            with _safe_open(file) as f:
-                for name in names:
-                    _copy(params[name], f.get_tensor(name), name, file.name)
-                    bar.update(params[name].numel() * params[name].element_size())
-        with ExitStack() as stack:
-            handles: dict[Path, object] = {}
-            for name, (srcs, combine) in sources.items():
-                for src in srcs:
-                    if files[src] not in handles:
-                        handles[files[src]] = stack.enter_context(_safe_open(files[src]))
-                tensors = [handles[files[src]].get_tensor(src) for src in srcs]
-                _copy(params[name], combine(tensors), name, files[srcs[0]].name)
+            for name in names:
+                _copy(params[name], read(name, file), name, file.name)
                 bar.update(params[name].numel() * params[name].element_size())
+        for name, (srcs, combine) in sources.items():
+            _copy(params[name], combine([read(src, files[src]) for src in srcs]), name, files[srcs[0]].name)
+            bar.update(params[name].numel() * params[name].element_size())
+
+
+def load_pretrained(model: torch.nn.Module, path, *, optional: tuple[str, ...] = (),
+                    ignore_prefixes: tuple[str, ...] = (), verify: bool = True, check_finite: bool = False,
+                    started: float | None = None) -> None:
+    """`load_weights` into a causal LM, with transformers' rule for a tied head: when the config ties
+    the head to the embedding (tie_word_embeddings) and the checkpoint holds its own lm_head.weight,
+    the two are tied only if equal; a different head is kept, untied, with a warning (the model's
+    config then says tie_word_embeddings=False, so training and `save_pretrained` keep both)."""
+    path = Path(path)
+    own_head = model.config.tie_word_embeddings and "lm_head.weight" in checkpoint_names(path)
+    if own_head:  # read it into a tensor of its own, then decide
+        model.lm_head.weight = torch.nn.Parameter(torch.empty_like(model.lm_head.weight))
+    load_weights(model, path, optional=optional, ignore_prefixes=ignore_prefixes, verify=verify,
+                 check_finite=check_finite, started=started)
+    if not own_head:
+        return
+    if torch.equal(model.lm_head.weight, model.model.embed_tokens.weight):
+        model.tie_weights()
+        return
+    warnings.warn(f"{path}/config.json ties lm_head.weight to model.embed_tokens.weight (tie_word_embeddings: "
+                  f"true), but the checkpoint holds both with different values, so they are NOT tied (as "
+                  f"transformers does); the model's config now says tie_word_embeddings=False. Set it so in "
+                  f"config.json to silence this warning", stacklevel=3)
+    model.config.tie_word_embeddings = False
 
 
 def _copy(dst: torch.Tensor, t: torch.Tensor, name: str, file: str) -> None:
@@ -177,14 +209,23 @@ def save_weights(state: dict[str, torch.Tensor], config: dict, path, *, generati
     (`model.safetensors`, `model-XXXXX-of-YYYYY.safetensors`) that its index listed, or its single
     `model.safetensors` (which readers would otherwise take before the new index)."""
     folder = fs.prepare_folder(path, "save_pretrained path")
+    with fs.writer_lock(folder, "save_pretrained path"):
+        # temporary files of saves killed here (those an interim index names are the checkpoint's)
+        fs.remove_leftovers(folder, LEFTOVERS, keep=_listed_weight_files(folder))
+        _save_weights(folder, state, config, generation_config, impl_configs, max_shard_bytes)
+
+
+def _save_weights(folder: Path, state, config, generation_config, impl_configs, max_shard_bytes) -> None:
     shards = _plan_shards(state, max_shard_bytes)
     nbytes = {n: t.numel() * t.element_size() for n, t in state.items()}
     aside: dict[str, Path] = {}  # final name -> temporary path
     try:
         with fs.progress(sum(nbytes.values()), f"saving {folder.name}") as bar:
             for file, names in shards:
-                aside[file] = fs.write_aside(folder, file, lambda p, names=names: save_file(
-                    {n: state[n].detach().cpu().contiguous() for n in names}, p, metadata={"format": "pt"}))
+                tensors = {n: state[n].detach().cpu().contiguous() for n in names}
+                metadata = {"format": "pt", integrity.CHECKSUMS: json.dumps(integrity.tensor_checksums(tensors))}
+                aside[file] = fs.write_aside(folder, file, lambda p: save_file(tensors, p, metadata=metadata))
+                del tensors
                 bar.update(sum(nbytes[n] for n in names))
         index = {"metadata": {"total_size": sum(nbytes.values())},
                  "weight_map": {n: file for file, names in shards for n in names}}

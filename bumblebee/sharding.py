@@ -291,8 +291,9 @@ class TrainState:
         from bumblebee import checkpoint
         checkpoint.save(self.state_dict(), path, meta=self._meta(), group=self.group)
 
-    def load(self, path) -> None:
-        """Load a checkpoint written by either twin on any number of ranks (DCP reshards)."""
+    def load(self, path, *, check_finite: bool = False) -> None:
+        """Load a checkpoint written by either twin on any number of ranks (DCP reshards); check_finite:
+        refuse NaN or inf in what it holds (`checkpoint.load`)."""
         from bumblebee import checkpoint
         sd = self.state_dict()
         if "buffers" in sd and "buffers" not in checkpoint.read_meta(path):
@@ -300,7 +301,7 @@ class TrainState:
             warnings.warn(f"checkpoint {path} holds no buffers: {sorted(sd['buffers'])[:3]}... keep their "
                           f"current values", stacklevel=2)
             del sd["buffers"]
-        checkpoint.load(sd, path, meta=self._meta())
+        checkpoint.load(sd, path, meta=self._meta(), check_finite=check_finite)
         self.load_state_dict(sd)
 
     def _meta(self) -> dict:

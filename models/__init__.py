@@ -7,6 +7,8 @@
 from __future__ import annotations
 
 import copy
+import time
+
 import torch
 
 from bumblebee import registry
@@ -120,12 +122,15 @@ def build(name_or_config, impl: dict | None = None, *, seed: int = 0, dtype=None
     return model.to(device=device, dtype=dtype or config.dtype)
 
 
-def from_pretrained(path, impl: dict | None = None, *, dtype=None, device="cpu"):
+def from_pretrained(path, impl: dict | None = None, *, dtype=None, device="cpu", check_finite: bool = False):
     """Load config.json and *.safetensors written by transformers (or by `save_pretrained`). The model
     comes back in eval mode, as transformers returns it; call `.train()` where a framework checks the
     flag (bumblebee's modules compute the same in both modes: no dropout). A bar on stderr shows the
-    loading's progress once it takes more than a few seconds."""
+    loading's progress once it takes more than a few seconds. Tensors are checked against the sha256
+    their files record (written by `save_pretrained`; transformers' files record none) and, with
+    check_finite, refused when they hold NaN or inf (`hf_io.load_pretrained`)."""
     _check_dtype(dtype)
+    started = time.monotonic()  # the progress bar's delay counts from here: building the model takes time too
     hf = hf_io.read_config(path)
     cls = _model_class(hf)
     config = _parse_config(cls, hf, f"{path}/config.json")
@@ -142,7 +147,8 @@ def from_pretrained(path, impl: dict | None = None, *, dtype=None, device="cpu")
     if hasattr(model, "checkpoint_extras"):  # tensors a checkpoint may lack, or hold beyond the model's
         more, ignore = model.checkpoint_extras(path)
         optional += more
-    hf_io.load_weights(model, path, optional=optional, ignore_prefixes=ignore)
+    hf_io.load_pretrained(model, path, optional=optional, ignore_prefixes=ignore, check_finite=check_finite,
+                          started=started)
     model.hf_source = _source(cls, hf, hf_io.read_generation_config(path))
     return model.eval()  # as transformers' from_pretrained; no module here behaves differently in train()
 

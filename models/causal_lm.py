@@ -6,6 +6,7 @@ forward; `CausalLM` holds the rest so model files stay a list of their features.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -172,10 +173,11 @@ class CausalLM(HFCheckpointMixin, nn.Module):
                 out.loss = out.loss + self.config.router_aux_loss_coef * out.aux_loss
         return out
 
-    def init_missing_mtp(self, norm_value: float) -> tuple[str, ...]:
-        """Fresh MTP depths for a checkpoint that holds none (transformers saves none): normal(0,
-        initializer_range) matrices, norms at `norm_value`, biases 0. Returns their names, which the
-        loader then treats as optional."""
+    def init_missing_mtp(self, norm_value: float, path=None) -> tuple[str, ...]:
+        """Fresh MTP depths for a checkpoint (at `path`) that holds none (transformers saves none):
+        normal(0, initializer_range) matrices, norms at `norm_value`, biases 0, with a warning naming
+        them (as transformers' "newly initialized" one). Returns their names, which the loader then
+        treats as optional."""
         g = torch.Generator().manual_seed(0)
         with torch.no_grad():
             for name, t in self.mtp.state_dict(keep_vars=True).items():
@@ -183,7 +185,12 @@ class CausalLM(HFCheckpointMixin, nn.Module):
                     t.copy_(torch.randn(t.shape, generator=g) * self.config.initializer_range)
                 else:
                     t.fill_(norm_value if name.endswith("norm.weight") else 0.0)
-        return tuple(f"mtp.{name}" for name in self.mtp.state_dict())
+        names = tuple(f"mtp.{name}" for name in self.mtp.state_dict())
+        warnings.warn(f"Some weights of {type(self).__name__} were not initialized from the model checkpoint"
+                      f"{'' if path is None else f' at {path}'} and are newly initialized: {list(names)}. The "
+                      f"checkpoint holds no MTP weights; train them before relying on the MTP loss or on "
+                      f"speculative decoding with them", stacklevel=2)
+        return names
 
     def lm_outputs(self, hidden, labels, return_logits, out: CausalLMOutput | None = None) -> CausalLMOutput:
         """Loss through the `cross_entropy` slot; logits only when labels is None or asked for."""

@@ -237,4 +237,4 @@ class DeepseekV3ForCausalLM(CausalLM):
         names = hf_io.checkpoint_names(path)
         if not D or any(n.startswith(f"model.layers.{L + k}.") for n in names for k in range(D)):
             return (), ignore
-        return self.init_missing_mtp(norm_value=1.0), ignore
+        return self.init_missing_mtp(norm_value=1.0, path=path), ignore

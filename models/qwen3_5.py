@@ -392,7 +392,7 @@ class Qwen3_5ForCausalLM(CausalLM):
             return (), ignore + ("mtp.",)
         if any(n.startswith("mtp.") for n in names):
             return (), ignore
-        return self.init_missing_mtp(norm_value=0.0), ignore  # zero-centred norms
+        return self.init_missing_mtp(norm_value=0.0, path=path), ignore  # zero-centred norms
 
 
 class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):

@@ -257,10 +257,11 @@ class Runtime:
         """Model, optimizer and buffers (router biases) as a reshardable checkpoint, atomically."""
         self._need_state("save_state").save(path)
 
-    def load_state(self, path) -> None:
-        """Load a `save_state` checkpoint; the learning-rate schedule resumes at its optimizer step count."""
+    def load_state(self, path, *, check_finite: bool = False) -> None:
+        """Load a `save_state` checkpoint; the learning-rate schedule resumes at its optimizer step count.
+        Its checksums are verified; check_finite also refuses NaN or inf weights or optimizer state."""
         state = self._need_state("load_state")
-        state.load(path)
+        state.load(path, check_finite=check_finite)
         self.lr_steps = state.steps
         optim.set_hyperparameters(state.optimizer, lr=self.base_lr * self.lr_schedule.factor(self.lr_steps))
 

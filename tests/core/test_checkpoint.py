@@ -31,14 +31,14 @@ def _same(a, b):
     return torch.equal(a["model"]["w"], b["model"]["w"]) and int(a["step"]) == int(b["step"])
 
 
-def _put_foreign(path):
-    for rel, text in FOREIGN.items():
+def _put_foreign(path, foreign=FOREIGN):
+    for rel, text in foreign.items():
         (path / rel).parent.mkdir(parents=True, exist_ok=True)
         (path / rel).write_text(text)
 
 
-def _foreign_intact(path):
-    return all((path / rel).read_text() == text for rel, text in FOREIGN.items())
+def _foreign_intact(path, foreign=FOREIGN):
+    return all((path / rel).read_text() == text for rel, text in foreign.items())
 
 
 def _listing(path):

@@ -3,6 +3,7 @@ a crash at any point leaves a loadable checkpoint (the previous one, or the new 
 the export carries the loaded config's other fields and a generation_config.json."""
 import json
 import os
+import time
 
 import pytest
 import torch
@@ -212,3 +213,21 @@ def test_progress_bars_on_stderr_only_past_the_delay(tmp_path, capsys, monkeypat
     out = capsys.readouterr()
     assert "saving slow" in out.err and "loading slow" in out.err and "B/s" in out.err  # bytes bars
     assert out.out == ""
+
+
+def test_the_loading_bar_counts_its_delay_from_the_start_of_from_pretrained(tmp_path, capsys, monkeypatch):
+    """A load whose model construction takes most of the time (a large model on the meta device, the
+    first meta-device call importing torch's decompositions) shows its bar though the read is quick."""
+    from bumblebee import files, registry
+    _model(1).save_pretrained(tmp_path / "ckpt")
+    capsys.readouterr()
+    monkeypatch.setattr(files, "PROGRESS_DELAY_S", 0.5)
+    real = registry.check_used
+
+    def slow_build(*a, **kw):  # the construction alone outlasts the delay
+        time.sleep(0.6)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(registry, "check_used", slow_build)
+    bb.models.from_pretrained(tmp_path / "ckpt")
+    assert "loading ckpt" in capsys.readouterr().err

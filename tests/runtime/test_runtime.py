@@ -327,6 +327,8 @@ def test_saves_keep_other_files_and_refuse_a_file(two):
         assert "save_pretrained path" in rank["refused"]["save_weights"]
         for msg in rank["refused"].values():
             assert "rt-file exists and is not a folder" in msg
+
+
 def _runtime(mesh, impl="fsdp2", seed=0, **kw):
     model = models.build("deepseek-v3-tiny", seed=seed)
     state = registry.resolve("state_sharding", impl)(model, mesh, lr=LR, mixed_precision="fp32", grad_clip=None)
@@ -401,5 +403,3 @@ def test_a_runtime_built_during_warmup_keeps_the_base_learning_rate(untrained):
     # and after a save and a load into a fresh state, LR / 2 and 3 LR / 4
     for rank in untrained:
         assert rank["lrs"] == pytest.approx([0.0, LR / 4, LR / 4, LR / 2, LR / 2, 3 * LR / 4], rel=1e-12)
-
-
