@@ -314,13 +314,13 @@ def _lists(parts: list[dict]) -> dict:
     return {k: [p[k] for p in parts if k in p] for k in {k for p in parts for k in p}}
 
 
-@contextlib.contextmanager
 def _drop_router_counts(model) -> None:
     """Forget the routers' token counts of the forwards since the last bias update."""
     for r in moe.routers(model).values():
         r.tokens_per_expert = None
 
 
+@contextlib.contextmanager
 def _counts_kept(model):
     """Router load counts as they were before (forwards that must not move the biases)."""
     counts = {n: r.tokens_per_expert for n, r in moe.routers(model).items()}
