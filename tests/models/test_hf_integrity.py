@@ -42,15 +42,19 @@ def test_the_header_records_each_tensors_sha256(tmp_path):
     assert sums[VICTIM] == integrity.tensor_sha256(state[VICTIM])  # the bytes in memory, before the write
 
 
-@pytest.mark.parametrize("parts", [1, 3])
-def test_0xff_bytes_in_a_tensor_are_caught_naming_the_file_and_the_tensor(tmp_path, parts):
-    model = bb.models.build("qwen3-tiny", seed=1)
+@pytest.mark.parametrize("name,victim,parts", [
+    ("qwen3-tiny", VICTIM, 1), ("qwen3-tiny", VICTIM, 3),
+    ("qwen3-moe-tiny", "model.layers.1.mlp.experts.2.up_proj.weight", 2)])  # one of a fused tensor's sources
+def test_0xff_bytes_in_a_tensor_are_caught_naming_the_file_and_the_tensor(tmp_path, name, victim, parts):
+    model = bb.models.build(name, seed=1)
     size = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     model.save_pretrained(tmp_path, max_shard_bytes=size // parts)
-    file = hf_io._weight_files(tmp_path)[VICTIM]
-    start, end = _data_range(file, VICTIM)
-    _overwrite(file, (start + end) // 2, b"\xff" * 8)  # a float32 NaN and its neighbour
-    with pytest.raises(ValueError, match=rf"{file.name}: tensor {VICTIM} does not match the sha256"):
+    loaded = bb.models.from_pretrained(tmp_path).state_dict()  # intact: verified and equal
+    assert all(torch.equal(loaded[k], v) for k, v in model.state_dict().items())
+    file = hf_io._weight_files(tmp_path)[victim]
+    start, end = _data_range(file, victim)
+    _overwrite(file, (start + end) // 2, b"\xff" * 8)  # NaN in float32 and bfloat16 alike
+    with pytest.raises(ValueError, match=rf"{file.name}: tensor {victim} does not match the sha256"):
         bb.models.from_pretrained(tmp_path)
 
 
