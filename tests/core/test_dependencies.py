@@ -1,4 +1,5 @@
-"""The dependency direction of ARCHITECTURE.md, checked on every import statement; that no
+"""The dependency direction of docs/ARCHITECTURE.md ("Layers and the import direction"), checked on
+every import statement, and no import circle in the whole graph; that no
 primitive reaches its twin's code another way (a registry look-up of a baseline, a relative import
 of baselines/, a module named by string); and that what a primitive and its twin share lives in
 common/, named after its slot."""
