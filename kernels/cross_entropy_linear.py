@@ -1,4 +1,4 @@
-"""Blockwise softmax statistics and logit gradients for linear cross-entropy (Triton + torch refs).
+"""Blockwise softmax statistics and logit gradients for linear cross-entropy (Triton, and the same in torch).
 
 The LM-head matmul is done by cuBLAS one vocabulary chunk at a time (`z_NC = hidden @ w_C^T / T`,
 fp32 output); these kernels do the per-chunk work around it, so no [N, V] tensor ever exists:
@@ -11,7 +11,7 @@ fp32 output); these kernels do the per-chunk work around it, so no [N, V] tensor
   computed in fp32 and written in the dtype of the matmul operands.
 
 Each function runs its Triton kernel on CUDA tensors (or everywhere when TRITON_INTERPRET=1) and
-the torch reference of the same formula elsewhere. Shape suffixes: N tokens, C chunk columns.
+the same formula in torch elsewhere (`*_torch`). Shape suffixes: N tokens, C chunk columns.
 """
 from __future__ import annotations
 
@@ -122,12 +122,12 @@ def chunk_stats_(z_NC, lab_N, m_N, d_N, tgt_N, zsum_N, pz_N, inv_temp, *, smooth
                             float(inv_temp), HAS_SMOOTH=bool(smooth), HAS_ENT=bool(entropy),
                             BLOCK=_block(c), num_warps=8)
         return
-    chunk_stats_ref_(z_NC, lab_N, m_N, d_N, tgt_N, zsum_N, pz_N, inv_temp, smooth=smooth,
+    chunk_stats_torch_(z_NC, lab_N, m_N, d_N, tgt_N, zsum_N, pz_N, inv_temp, smooth=smooth,
                      entropy=entropy)
 
 
-def chunk_stats_ref_(z_NC, lab_N, m_N, d_N, tgt_N, zsum_N, pz_N, inv_temp, *, smooth, entropy):
-    """Torch reference of `chunk_stats_` (same online formula, vectorized over the chunk)."""
+def chunk_stats_torch_(z_NC, lab_N, m_N, d_N, tgt_N, zsum_N, pz_N, inv_temp, *, smooth, entropy):
+    """`chunk_stats_` in torch (same online formula, vectorized over the chunk)."""
     x = z_NC.to(m_N.dtype) * inv_temp
     m_new = torch.maximum(m_N, x.max(dim=1).values)
     alpha = torch.exp(m_N - m_new)
@@ -159,11 +159,11 @@ def chunk_grad(z_NC, g_NC, lab_N, lse_N, a_N, b_N, c_N, ge_N, s_N, inv_temp):
                            c_N, ge_N if ent else a_N, s_N if ent else a_N, float(inv_temp),
                            HAS_ENT=ent, BLOCK=_block(c), num_warps=8)
         return g_NC
-    return chunk_grad_ref(z_NC, g_NC, lab_N, lse_N, a_N, b_N, c_N, ge_N, s_N, inv_temp)
+    return chunk_grad_torch(z_NC, g_NC, lab_N, lse_N, a_N, b_N, c_N, ge_N, s_N, inv_temp)
 
 
-def chunk_grad_ref(z_NC, g_NC, lab_N, lse_N, a_N, b_N, c_N, ge_N, s_N, inv_temp):
-    """Torch reference of `chunk_grad`."""
+def chunk_grad_torch(z_NC, g_NC, lab_N, lse_N, a_N, b_N, c_N, ge_N, s_N, inv_temp):
+    """`chunk_grad` in torch."""
     x = z_NC.to(lse_N.dtype) * inv_temp
     p = torch.exp(x - lse_N[:, None])
     coef = a_N[:, None] if ge_N is None else a_N[:, None] + ge_N[:, None] * (s_N[:, None] - x)

@@ -349,19 +349,19 @@ INTERPRETED = textwrap.dedent("""
         st = [torch.full((n,), k.NEG_INIT), *torch.rand(4, n).unbind(0)]
         st2 = [s.clone() for s in st]
         k.chunk_stats_(z, lab, *st, 0.8, smooth=smooth, entropy=ent)
-        k.chunk_stats_ref_(z, lab, *st2, 0.8, smooth=smooth, entropy=ent)
+        k.chunk_stats_torch_(z, lab, *st2, 0.8, smooth=smooth, entropy=ent)
         for a, b in zip(st, st2):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
         coef = [torch.randn(n) for _ in range(6)]
         ge, s = (coef[4], coef[5]) if ent else (None, None)
         g = torch.full((n, c), float("nan"))  # poisoned: every element must be written
         k.chunk_grad(z, g, lab, coef[0] + 5, *coef[1:4], ge, s, 0.8)
-        g2 = k.chunk_grad_ref(z, torch.empty(n, c), lab, coef[0] + 5, *coef[1:4], ge, s, 0.8)
+        g2 = k.chunk_grad_torch(z, torch.empty(n, c), lab, coef[0] + 5, *coef[1:4], ge, s, 0.8)
         torch.testing.assert_close(g, g2, rtol=1e-5, atol=1e-5)
     # in place: the fp16 gradient over the first half of each fp32 logit row (as the primitive does)
     z = torch.randn(n, 9000) * 3  # three 4096-column blocks
     coef = [torch.randn(n) for _ in range(6)]
-    want = k.chunk_grad_ref(z, torch.empty(n, 9000, dtype=torch.float16), lab, coef[0] + 5,
+    want = k.chunk_grad_torch(z, torch.empty(n, 9000, dtype=torch.float16), lab, coef[0] + 5,
                             *coef[1:6], 0.8)
     g = lce._grad_view(z, torch.float16)
     assert g.data_ptr() == z.data_ptr() and g.stride(0) == 18000
