@@ -224,12 +224,19 @@ def test_bad_cu_seqlens(cu, match):
 # ---- every slot at its primitive vs every slot at its twin -----------------------------------------
 
 def test_all_primitives_vs_all_twins_same_loss_and_gradients():
-    prim = {"mla": "flash", "mtp": "lean"}
-    twin = {"mla": "naive", "mtp": "materialized"}
-    if "linear_ce" in registry.slots().get("cross_entropy", {}):
-        prim["cross_entropy"], twin["cross_entropy"] = "linear_ce", "materialized_ce"
+    """Every slot the model uses at its primitive against every slot at its twin (one rank: the chunked
+    dispatch against all_to_all), the MTP depths' blocks included."""
+    prim = {"mla": "flash", "mtp": "lean", "cross_entropy": "linear_ce", "router": "aux_free",
+            "moe_dispatch": "chunked"}
+    twin = {slot: registry.get(slot, name).twin for slot, name in prim.items()}
     cfg = {**bb.models.NAMED["deepseek-v3-tiny"], "num_nextn_predict_layers": 2}
     a, b = bb.models.build(cfg, impl=prim, seed=6), bb.models.build(cfg, impl=twin, seed=6)
+    assert set(a.slots_used()) == set(b.slots_used()) == set(prim)  # no slot left at a default on either side
+    for model, impl in ((a, prim), (b, twin)):
+        routers = bb.models.moe.routers(model)
+        assert routers and all(r.route is registry.resolve("router", impl["router"]) for r in routers.values())
+        dispatch = {m.dispatch for m in model.modules() if isinstance(m, bb.models.moe.MoEBlock)}
+        assert dispatch == {registry.resolve("moe_dispatch", impl["moe_dispatch"])}, dispatch
     ids = torch.randint(0, 1024, (2, 21))
     la, lb = a(ids, labels=ids), b(ids, labels=ids)
     assert abs(la.loss.item() - lb.loss.item()) < 1e-5 * lb.loss.item()
