@@ -143,10 +143,10 @@ def load_weights(model: torch.nn.Module, path, *, optional: tuple[str, ...] = ()
     todo = [n for names in by_file.values() for n in names] + list(sources)
     total = sum(params[n].numel() * params[n].element_size() for n in todo)
     with torch.no_grad(), fs.progress(total, f"loading {path.name}", started=started) as bar, \
-            integrity.TensorChecks(check_finite=check_finite) as checks, ExitStack() as stack:
-        handles: dict[Path, tuple] = {}
+            integrity.TensorChecks(check_finite=check_finite) as checks:
+        handles: dict[Path, tuple] = {}  # open files: (handle, their recorded checksums or None)
 
-        def read(name: str, file: Path) -> torch.Tensor:
+        def read(name: str, file: Path, stack: ExitStack) -> torch.Tensor:
             if file not in handles:
                 f = stack.enter_context(_safe_open(file))
                 handles[file] = (f, integrity.recorded_checksums(f.metadata(), file) if verify else None)
@@ -158,12 +158,16 @@ def load_weights(model: torch.nn.Module, path, *, optional: tuple[str, ...] = ()
             return t
 
         for file, names in by_file.items():
-            for name in names:
-                _copy(params[name], read(name, file), name, file.name)
+            with ExitStack() as stack:  # one file open at a time
+                for name in names:
+                    _copy(params[name], read(name, file, stack), name, file.name)
+                    bar.update(params[name].numel() * params[name].element_size())
+            handles.pop(file)
+        with ExitStack() as stack:  # a fused tensor's sources may lie in several files
+            for name, (srcs, combine) in sources.items():
+                tensors = [read(src, files[src], stack) for src in srcs]
+                _copy(params[name], combine(tensors), name, files[srcs[0]].name)
                 bar.update(params[name].numel() * params[name].element_size())
-        for name, (srcs, combine) in sources.items():
-            _copy(params[name], combine([read(src, files[src]) for src in srcs]), name, files[srcs[0]].name)
-            bar.update(params[name].numel() * params[name].element_size())
 
 
 def load_pretrained(model: torch.nn.Module, path, *, optional: tuple[str, ...] = (),
