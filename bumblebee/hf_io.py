@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import os
 import re
 import shutil
@@ -24,6 +25,7 @@ from safetensors.torch import save_file
 from bumblebee import files as fs
 from bumblebee import integrity
 
+log = logging.getLogger(__name__)
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 # weight files of the HF layout, and their temporary names while a save is under way
@@ -145,11 +147,14 @@ def load_weights(model: torch.nn.Module, path, *, optional: tuple[str, ...] = ()
     with torch.no_grad(), fs.progress(total, f"loading {path.name}", started=started) as bar, \
             integrity.TensorChecks(check_finite=check_finite) as checks:
         handles: dict[Path, tuple] = {}  # open files: (handle, their recorded checksums or None)
+        unverified: set[str] = set()
 
         def read(name: str, file: Path, stack: ExitStack) -> torch.Tensor:
             if file not in handles:
                 f = stack.enter_context(_safe_open(file))
                 handles[file] = (f, integrity.recorded_checksums(f.metadata(), file) if verify else None)
+                if verify and handles[file][1] is None:
+                    unverified.add(file.name)
             f, sums = handles[file]
             t = f.get_tensor(name)
             if sums is not None and name not in sums:
@@ -168,6 +173,9 @@ def load_weights(model: torch.nn.Module, path, *, optional: tuple[str, ...] = ()
                 tensors = [read(src, files[src], stack) for src in srcs]
                 _copy(params[name], combine(tensors), name, files[srcs[0]].name)
                 bar.update(params[name].numel() * params[name].element_size())
+    if unverified:
+        log.info("%s: %s record no checksums (not written by save_pretrained): nothing to verify", path,
+                 ", ".join(sorted(unverified)))
 
 
 def load_pretrained(model: torch.nn.Module, path, *, optional: tuple[str, ...] = (),

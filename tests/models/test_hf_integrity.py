@@ -69,16 +69,19 @@ def test_check_finite_refuses_nan_weights_that_match_their_checksums(tmp_path):
         bb.models.from_pretrained(tmp_path, check_finite=True)
 
 
-def test_a_checkpoint_without_checksums_loads_unverified(tmp_path):
-    """transformers' save_pretrained records no checksums: nothing to verify, the load goes on."""
+def test_a_checkpoint_without_checksums_loads_unverified(tmp_path, caplog):
+    """transformers' save_pretrained records no checksums: nothing to verify, the load goes on (and
+    says so in an info line)."""
     transformers = pytest.importorskip("transformers")
     ours = bb.models.build("qwen3-tiny", seed=1)
     ours.save_pretrained(tmp_path / "ours")
     transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ours").save_pretrained(tmp_path / "hf")
     with safe_open(tmp_path / "hf" / hf_io.SINGLE, "pt") as f:
         assert integrity.CHECKSUMS not in (f.metadata() or {})
-    loaded = bb.models.from_pretrained(tmp_path / "hf", check_finite=True).state_dict()
+    with caplog.at_level("INFO", logger="bumblebee.hf_io"):
+        loaded = bb.models.from_pretrained(tmp_path / "hf", check_finite=True).state_dict()
     assert all(torch.equal(loaded[k], v) for k, v in ours.state_dict().items())
+    assert "model.safetensors record no checksums (not written by save_pretrained)" in caplog.text
 
 
 def test_corrupt_json_files_are_reported_as_corrupt_naming_the_file(tmp_path):
