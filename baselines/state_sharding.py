@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from bumblebee.registry import register
-from bumblebee.sharding import TrainState, check_args, chunk_rows, named_params, shard_rows
+from bumblebee.common.state_sharding import TrainState, check_args, chunk_rows, named_params, shard_rows
 
 warnings.filterwarnings("ignore", message=r".*is deprecated\. Please use `torch\.distributed\.")
 

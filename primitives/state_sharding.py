@@ -21,7 +21,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from bumblebee.registry import register
-from bumblebee.sharding import MIXED_PRECISION, TrainState, check_args, named_params
+from bumblebee.common.state_sharding import MIXED_PRECISION, TrainState, check_args, named_params
 
 
 class FSDP2State(TrainState):

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils._pytree import tree_flatten
 
-from bumblebee.sharding import persistent_buffers
+from bumblebee.common.state_sharding import persistent_buffers
 
 
 @dataclass
