@@ -86,15 +86,17 @@ class Producer:
         self.engine = engine_factory()
         self.busy_s = self.idle_s = 0.0
 
+    def attach(self, rank: int) -> None:
+        self.channel.attach(rank, self.engine)
+
     def _refresh(self) -> None:
         """Load the newest weights if they are newer than the engine's (between chunks, or on wait)."""
-        if self.channel.latest_version() > self.engine.version:
-            version, weights = self.channel.fetch()
-            self.engine.load_weights(weights, version)
+        self.channel.refresh(self.engine)
 
     def run(self) -> dict:
         cfg, call = self.cfg, self.cfg.call_timeout_s
-        self._refresh()
+        if not self.channel.refresh(self.engine) and self.engine.version < 0:
+            self.channel.wait_newer(self.engine, cfg.weight_timeout_s)
         groups = 0
         while True:
             leases, status = get(self.scheduler.admit.remote(self.holder, self.engine.version, cfg.groups_per_call),
@@ -103,8 +105,7 @@ class Producer:
                 return {"groups": groups, "busy_s": self.busy_s, "idle_s": self.idle_s}
             t0 = time.monotonic()
             if not leases:  # the next prompt would be too stale on these weights
-                self.channel.wait_newer(self.engine.version, cfg.weight_timeout_s)
-                self._refresh()
+                self.channel.wait_newer(self.engine, cfg.weight_timeout_s)
                 self.idle_s += time.monotonic() - t0
                 continue
             out = rollout(self.engine, self.task, leases, cfg, holder=self.holder,
@@ -112,23 +113,37 @@ class Producer:
             self.busy_s += time.monotonic() - t0
             get(self.scheduler.submit.remote(self.holder, out, self.busy_s, self.idle_s), call, "submitting groups")
             groups += len(out)
-            groups += 1
 
 
 @ray.remote
 class Trainer:
-    """The policy under the runtime (a one-rank gloo group inside the actor: FSDP2 or ZeRO-1 as
-    configured), one GRPO step per call on the step's groups, then its weights published."""
+    """The policy under the runtime (FSDP2 or ZeRO-1 as configured, on the channel's trainer group or
+    a one-rank gloo group of the actor's own), one GRPO step per call on the step's groups, then its
+    weights published."""
 
     def __init__(self, model_config: dict, cfg: PipelineConfig, scheduler, channel, pad_id: int):
-        from bumblebee.runtime.pipeline.trainer import build_runtime
         torch.set_num_threads(cfg.threads)
-        self.rt, self.ref = build_runtime(model_config, cfg)
-        self.cfg, self.scheduler, self.channel, self.pad_id = cfg, scheduler, channel, pad_id
+        self.model_config, self.cfg, self.scheduler, self.channel, self.pad_id = (model_config, cfg, scheduler,
+                                                                                  channel, pad_id)
         self.version = 0
 
+    def address(self) -> str:
+        """host:port for the channel's group: this node's address and a port free on it."""
+        import socket
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return f"{ray.util.get_node_ip_address()}:{s.getsockname()[1]}"
+
+    def attach(self, channel=None) -> None:
+        """Join the weight channel (rank 0), then build the policy on the trainer's own group."""
+        from bumblebee.runtime.pipeline.trainer import build_runtime
+        self.channel = channel or self.channel
+        self.channel.attach(0)
+        self.rt, self.ref = build_runtime(self.model_config, self.cfg,
+                                          group=getattr(self.channel, "trainer_group", None))
+
     def publish(self) -> int:
-        self.channel.publish(self.version, self.rt.export_weights(dtype=torch.float32))
+        self.channel.publish(self.version, self.rt)
         return self.version
 
     def step(self, ticket: int) -> dict:
@@ -142,8 +157,9 @@ class Trainer:
         t1 = time.monotonic()
         m = grpo_step(self.rt, groups, cfg.objective, version=self.version, pad_id=self.pad_id, ref=self.ref)
         self.version += 1
-        self.publish()
         t2 = time.monotonic()
-        return {**m, "wait_s": t1 - t0, "train_s": t2 - t1, "tokens_per_s": m["tokens"] / max(t2 - t0, 1e-9),
-                "producer_idle": producer_idle, "trainer_idle": (t1 - t0) / max(t2 - t0, 1e-9),
+        self.publish()
+        t3 = time.monotonic()
+        return {**m, "wait_s": t1 - t0, "train_s": t2 - t1, "publish_s": t3 - t2, "tokens_per_s": m["tokens"] / max(t3 - t0, 1e-9),
+                "producer_idle": producer_idle, "trainer_idle": (t1 - t0) / max(t3 - t0, 1e-9),
                 "group_ids": [g.group for g in groups]}

@@ -6,6 +6,9 @@ from dataclasses import dataclass, field
 from bumblebee.runtime.losses import BEHAVE_MODES
 
 
+WEIGHT_CHANNELS = ("object_store", "p2p")
+
+
 @dataclass(frozen=True)
 class Sampling:
     """How producers sample. `chunk_tokens`: generate this many tokens per engine call and take newer
@@ -75,10 +78,16 @@ class PipelineConfig:
     producer_cpus: float = 1.0
     trainer_cpus: float = 1.0
     restarts: int = 1  # producer restarts allowed over the run
+    weights: str = "object_store"  # the weight channel: "object_store" (Ray's) or "p2p" (the primitive)
 
     def __post_init__(self):
         for name in ("steps", "groups_per_step", "group_size", "producers", "groups_per_call", "threads"):
             _positive(name, getattr(self, name))
+        if self.weights not in WEIGHT_CHANNELS:
+            raise ValueError(f"weights must be one of {WEIGHT_CHANNELS}, got {self.weights!r}")
+        if self.weights == "p2p" and self.restarts:
+            raise ValueError("restarts must be 0 with weights='p2p': a dead rank breaks the transfer's group "
+                             "(the object_store channel survives restarts)")
         if not (isinstance(self.eta, int) and self.eta >= 0):
             raise ValueError(f"eta must be an int >= 0, got {self.eta!r}")
         for name in ("take_timeout_s", "weight_timeout_s", "call_timeout_s", "lr"):

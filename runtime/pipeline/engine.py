@@ -53,6 +53,14 @@ class TransformersEngine:
             self.model.tie_weights()
         self.version = version
 
+    def weight_targets(self):
+        """(loader, {name: parameter}) for a transfer that writes the engine's parameters in place
+        (the weight-transfer primitive infers its layout from the loader)."""
+        @torch.no_grad()
+        def load(weights):
+            self.model.load_state_dict(dict(weights), strict=False)
+        return load, dict(self.model.named_parameters())
+
     @torch.no_grad()
     def generate(self, prompts, n, sampling: Sampling, *, seed: int, refresh=None) -> list[list[Completion]]:
         if self.version < 0:

@@ -13,17 +13,21 @@ from bumblebee.runtime.pipeline.engine import rollout
 from bumblebee.runtime.pipeline.samples import Group, informative, to_batch
 
 
-def build_runtime(model_config: dict, cfg: PipelineConfig):
+def build_runtime(model_config: dict, cfg: PipelineConfig, group=None):
     """(Runtime of the policy, Runtime of the reference or None): the model under `cfg.state_sharding`
-    on a one-rank gloo group (created here when none exists: the trainer actor's own process)."""
+    on `group` (the trainer's own ranks), or on a one-rank gloo group, created here when none exists
+    (the trainer actor's own process)."""
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
     from bumblebee import models, registry
     from bumblebee.runtime import Runtime
-    if not dist.is_initialized():  # one rank: an in-memory store, no port to find
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))
+    if group is not None:
+        mesh = DeviceMesh.from_group(group, "cpu", mesh_dim_names=("dp",))
+    else:
+        if not dist.is_initialized():  # one rank: an in-memory store, no port to find
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))
     model = models.build(model_config, impl=dict(cfg.impl), seed=cfg.seed)
     state = registry.resolve("state_sharding", cfg.state_sharding)(model, mesh, lr=cfg.lr, mixed_precision="fp32",
                                                                    grad_clip=cfg.grad_clip)

@@ -1,14 +1,20 @@
-"""Weight distribution from the trainer to the producers, behind a small interface (`publish` on the
-trainer's side; `latest_version`, `wait_newer`, `fetch` on the producers'), so that a point-to-point
-transfer primitive can replace the shipped channel. The shipped `ObjectStoreChannel` puts the
-trainer's export (`Runtime.export_weights`: HF names, full tensors) into Ray's object store once per
-version; a small store actor holds the newest reference, and producers read it (zero-copy on the
-same node). Only the newest version is kept: an older one is freed once no producer holds it."""
+"""Weight distribution from the trainer to the producers, behind a small interface:
+`attach(rank, engine)` once in each process (the trainer is rank 0, producer i rank i + 1),
+`publish(version, runtime)` on the trainer after each step, `refresh(engine)` and
+`wait_newer(engine, timeout_s)` on the producers.
+
+- `ObjectStoreChannel` (the default, survives producer restarts): the trainer's gathered export
+  (`Runtime.export_weights`: HF names, full tensors) goes into Ray's object store once per version;
+  a small store actor holds the newest reference; producers read it and call the engine's
+  `load_weights`. Only the newest version is kept.
+- `P2PChannel` (in `weights_p2p.py`): the weight-transfer primitive, point to point over a gloo
+  group spanning the trainer and the producers.
+"""
 from __future__ import annotations
 
 import asyncio
 import time
-from typing import Iterable, Protocol
+from typing import Protocol
 
 import ray
 import torch
@@ -17,13 +23,13 @@ from bumblebee.runtime.pipeline.config import PipelineTimeout
 
 
 class WeightChannel(Protocol):
-    def publish(self, version: int, weights: Iterable[tuple[str, torch.Tensor]]) -> None: ...
+    def attach(self, rank: int, engine=None) -> None: ...
 
-    def latest_version(self) -> int: ...
+    def publish(self, version: int, runtime) -> None: ...
 
-    def wait_newer(self, version: int, timeout_s: float) -> int: ...
+    def refresh(self, engine) -> bool: ...
 
-    def fetch(self) -> tuple[int, list[tuple[str, torch.Tensor]]]: ...
+    def wait_newer(self, engine, timeout_s: float) -> int: ...
 
 
 @ray.remote(num_cpus=0)
@@ -63,27 +69,32 @@ class ObjectStoreChannel:
     def __init__(self, store, call_timeout_s: float):
         self.store, self.call_timeout_s = store, call_timeout_s
 
-    def publish(self, version, weights) -> None:
+    def attach(self, rank: int, engine=None) -> None:
+        pass
+
+    def publish(self, version: int, runtime) -> None:
+        weights = runtime.export_weights(dtype=torch.float32)
         ref = ray.put({name: t.detach().cpu().contiguous() for name, t in weights})
         get(self.store.publish.remote(version, [ref]), self.call_timeout_s, f"publishing weights version {version}")
 
-    def latest_version(self) -> int:
-        return get(self.store.latest.remote(), self.call_timeout_s, "asking the weight store its version")[0]
+    def refresh(self, engine) -> bool:
+        """Load the newest weights into `engine` if they are newer than its own."""
+        version, refs = get(self.store.latest.remote(), self.call_timeout_s, "asking the weight store")
+        if version <= engine.version:
+            return False
+        weights = get(refs[0], self.call_timeout_s, f"fetching weights version {version}")
+        engine.load_weights(weights.items(), version)
+        return True
 
-    def wait_newer(self, version: int, timeout_s: float) -> int:
+    def wait_newer(self, engine, timeout_s: float) -> int:
+        version = engine.version
         got = get(self.store.wait_newer.remote(version, timeout_s), timeout_s + self.call_timeout_s,
                   f"waiting for weights newer than version {version}")
         if got <= version:
             raise PipelineTimeout(f"no weights newer than version {version} within {timeout_s:g} s "
                                   f"(weight_timeout_s): the trainer stalled or died")
-        return got
-
-    def fetch(self):
-        version, refs = get(self.store.latest.remote(), self.call_timeout_s, "asking the weight store")
-        if refs is None:
-            raise RuntimeError("no weights published yet")
-        weights = get(refs[0], self.call_timeout_s, f"fetching weights version {version}")
-        return version, list(weights.items())
+        self.refresh(engine)
+        return engine.version
 
 
 def get(ref, timeout_s: float, what: str):

@@ -1,12 +1,13 @@
 """The asynchronous pipeline on a local Ray (2 CPUs): a tiny Qwen3 learns to copy two digits at
 eta = 2 while a producer is killed mid-run (every prompt trained exactly once), eta = 0 makes the
-plain synchronous loop's updates, and stalled waits raise PipelineTimeout. Skipped without Ray
+plain synchronous loop's updates with weights sent by the transfer primitive, and stalled waits raise PipelineTimeout. Skipped without Ray
 (the `rl` extra)."""
 from __future__ import annotations
 
 import math
 import statistics
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -64,10 +65,12 @@ def test_learns_asynchronously_with_a_producer_killed(local_ray, tmp_path):
     assert len((tmp_path / "run.jsonl").read_text().splitlines()) == STEPS
 
 
-def test_eta_zero_equals_the_synchronous_loop(local_ray):
+def test_eta_zero_through_the_transfer_primitive_equals_the_synchronous_loop(local_ray):
+    """Weights reach the producer through the weight-transfer primitive (p2p, async mode) exactly:
+    the samples, rewards and updates are the plain loop's, which loads the export directly."""
     from bumblebee.runtime.pipeline.engine import TransformersEngine
     from bumblebee.runtime.pipeline.trainer import synchronous_run
-    cfg = _cfg(steps=3, eta=0, groups_per_step=4, group_size=4, groups_per_call=4)
+    cfg = _cfg(steps=3, eta=0, groups_per_step=4, group_size=4, groups_per_call=4, weights="p2p", restarts=0)
     with Pipeline(cfg, CONFIG, TASK) as p:
         piped = p.run(on_step=None)
     threads, had_group = torch.get_num_threads(), dist.is_initialized()
@@ -91,14 +94,15 @@ def test_stalled_waits_raise(local_ray):
     scheduler, store = Scheduler.remote(TASK, cfg), WeightStore.remote()
     channel = ObjectStoreChannel(store, STALL_S)
     try:
+        ray.get([scheduler.stats.remote(), store.latest.remote()])  # both started: only the waits are timed
         t0 = time.monotonic()
         with pytest.raises(PipelineTimeout, match="step 0: 0 of 16 groups.*take_timeout_s"):
             ray.get(scheduler.take.remote(0, STALL_S))  # no producer ever submits
         with pytest.raises(PipelineTimeout, match="no weights newer than version -1.*weight_timeout_s"):
-            channel.wait_newer(-1, STALL_S)  # the trainer never publishes
+            channel.wait_newer(SimpleNamespace(version=-1), STALL_S)  # the trainer never publishes
         with pytest.raises(PipelineTimeout, match="a weight sync: no answer"):
             get(store.wait_newer.remote(-1, 10 * STALL_S), STALL_S, "a weight sync")  # a remote call that hangs
-        assert time.monotonic() - t0 < 10 * STALL_S
+        assert time.monotonic() - t0 < 10 * STALL_S  # three waits of STALL_S each, with room for a loaded machine
     finally:
         ray.kill(scheduler)
         ray.kill(store)
