@@ -106,6 +106,27 @@ def test_a_checkpoint_saved_before_checksums_loads(tmp_path):
 
 # ---- two gloo ranks -----------------------------------------------------------------------------
 
+def _worker(rank, world, port, out):
+    """A gloo rank that runs `two_ranks` and saves its result: only this module is imported in the
+    child (no models), so the spawn costs little more than importing torch."""
+    import os
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from tests.limits import PROCESS_GROUP_TIMEOUT
+    from tests.ranks import leave_group
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=PROCESS_GROUP_TIMEOUT)
+    try:
+        result = two_ranks(init_device_mesh("cpu", (world,)), Path(out))
+        torch.save(result, Path(out) / f"two_ranks-{rank}.pt")
+    except BaseException:
+        dist.destroy_process_group()
+        raise
+    leave_group()
+
+
 def two_ranks(mesh, out: Path):
     """Each rank saves its own rows of `w` (a DTensor); a held lock, a corrupt byte of rank 0's rows and
     NaN in rank 1's are refused on both ranks alike."""
@@ -150,10 +171,13 @@ def two_ranks(mesh, out: Path):
 
 
 def test_two_ranks_share_the_lock_the_checksums_and_the_refusals(tmp_path):
-    from tests.primitives.test_state_sharding import spawn
+    import torch.multiprocessing as mp
+
+    from tests.primitives.test_state_sharding import _free_port
     (tmp_path / "locked").mkdir()
     with files.writer_lock(tmp_path / "locked", "test"):  # another writer holds the folder
-        results = spawn(2, "two_ranks", tmp_path, module=__name__)
+        mp.spawn(_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    results = [torch.load(tmp_path / f"two_ranks-{r}.pt") for r in range(2)]
     for res in results:
         assert res["locked"].startswith("SaveInProgressError: checkpoint path") and "another save" in res["locked"]
         assert res["ok"]
