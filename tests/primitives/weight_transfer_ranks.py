@@ -45,8 +45,8 @@ def _port() -> int:
 def _worker(rank, world, port, module, scenario, trainers, out, params):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    import datetime
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300))
+    from tests.limits import PROCESS_GROUP_TIMEOUT
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=PROCESS_GROUP_TIMEOUT)
     ctx = Ctx(rank, tuple(range(trainers)), tuple(range(trainers, world)), Path(out), params)
     try:
         result = getattr(importlib.import_module(module), scenario)(ctx)
