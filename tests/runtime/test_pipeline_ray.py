@@ -1,5 +1,5 @@
 """The asynchronous pipeline on a local Ray (2 CPUs): a tiny Qwen3 learns to copy two digits at
-eta = 2 while a producer is killed mid-run (every prompt trained exactly once), eta = 0 makes the
+eta = 1 while a producer is killed mid-run (every prompt trained exactly once), eta = 0 makes the
 plain synchronous loop's updates with weights sent by the transfer primitive, and stalled waits raise PipelineTimeout. Skipped without Ray
 (the `rl` extra)."""
 from __future__ import annotations
@@ -27,7 +27,7 @@ STALL_S = 2.0  # these waits are meant to stall: the limit is how long the test 
 
 
 def _cfg(**kw):
-    base = dict(steps=STEPS, groups_per_step=16, group_size=8, groups_per_call=8, eta=2, lr=5e-3, seed=0,
+    base = dict(steps=STEPS, groups_per_step=16, group_size=8, groups_per_call=8, eta=1, lr=5e-3, seed=0,
                 impl={"cross_entropy": "linear_ce"}, sampling=Sampling(max_new_tokens=TASK.length),
                 objective=Objective(entropy_coef=1e-3))
     return PipelineConfig(**{**base, **kw})
@@ -41,8 +41,10 @@ def local_ray():
 
 
 def test_learns_asynchronously_with_a_producer_killed(local_ray, tmp_path):
-    """Seeded, but the interleaving is the machine's: the margin is ~7 standard errors of a window's
-    mean reward under the initial policy (0.07 +- 0.02); measured rises are 0.2-0.35."""
+    """Seeded, but the interleaving is the machine's, so the run is not reproducible bit for bit: the
+    margin is over 10 standard errors of the difference of two window means under the initial
+    policy (a step's mean reward 0.07 +- 0.02), and half the rise measured at eta = 1 (0.27 from
+    0.07; eta = 2 rose 0.20 and plateaus lower, eta = 0 0.28: skills/rl-pipeline/SKILL.md)."""
     def kill(pipeline, step):
         if step == 12:
             pipeline.kill_producer(0)
@@ -54,8 +56,8 @@ def test_learns_asynchronously_with_a_producer_killed(local_ray, tmp_path):
     trained = sorted(g for m in log for g in m["group_ids"])
     assert trained == list(range(STEPS * 16))  # every prompt trained once: none lost, none twice
     assert sorted(n for m in log for n in m["lengths"]) == sorted(stats["generated_lengths"])
-    assert max(m["staleness_max"] for m in log) <= 2
-    assert max(m["staleness_max"] for m in log[4:]) == 2  # the producer ran ahead as far as allowed
+    assert max(m["staleness_max"] for m in log) <= 1
+    assert max(m["staleness_max"] for m in log[4:]) == 1  # the producer ran ahead as far as allowed
     for m in log:
         for key in ("loss", "grad_norm", "behave_kl", "kl", "entropy"):
             assert math.isfinite(m[key]), (m["step"], key, m[key])
@@ -70,7 +72,7 @@ def test_eta_zero_through_the_transfer_primitive_equals_the_synchronous_loop(loc
     the samples, rewards and updates are the plain loop's, which loads the export directly."""
     from bumblebee.runtime.pipeline.engine import TransformersEngine
     from bumblebee.runtime.pipeline.trainer import synchronous_run
-    cfg = _cfg(steps=3, eta=0, groups_per_step=4, group_size=4, groups_per_call=4, weights="p2p", restarts=0)
+    cfg = _cfg(steps=2, eta=0, groups_per_step=4, group_size=4, groups_per_call=4, weights="p2p", restarts=0)
     with Pipeline(cfg, CONFIG, TASK) as p:
         piped = p.run(on_step=None)
     threads, had_group = torch.get_num_threads(), dist.is_initialized()
