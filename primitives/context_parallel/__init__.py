@@ -1,0 +1,13 @@
+"""Context parallelism: one sequence sharded over the ranks of a `cp` group.
+
+- `layout.py`: the one permutation of the whole model (rank r holds chunks r and 2 CP - 1 - r),
+  shard / unshard, `shard_batch` (positions, targets shifted on the full sequence, global count),
+  `CPBatch` (what the layers need, passed where they take `cu_seqlens`);
+- `comm.py`: the differentiable all-gather (reduce-scatter backward) and the ring shift;
+- `attention.py`: causal GQA attention by all-gather of K/V or by a ring exchange;
+- `gdn.py`: gated DeltaNet: conv halo, exact fp32 state passing through the chunks' affine maps.
+
+The twin is the same layer on the full sequence on one rank (tests/primitives/test_context_parallel*.py).
+"""
+from bumblebee.primitives.context_parallel.layout import (  # noqa: F401
+    CPBatch, Shard, make_batch, shard, shard_batch, unshard)

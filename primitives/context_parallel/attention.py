@@ -1,0 +1,167 @@
+"""Causal GQA attention over a context-parallel shard: all-gather of K/V, or a ring exchange.
+
+Queries stay local ([B, H, 2L, D]: the rank's chunks c0 = r and c1 = 2 CP - 1 - r, L tokens each);
+keys and values come from every rank. A query at global position i attends to the key at j when
+start(i) <= j <= i (start: its document's first position), so packed documents need no alignment.
+
+- `allgather`: one differentiable all-gather of K and V (backward: a reduce-scatter of dK, dV), then
+  per local chunk c one masked SDPA call against the keys [lo_c, (c + 1) L) in global order. Exact
+  through autograd; moves (CP - 1) / CP of the sequence's K/V to every rank at once.
+- `ring`: K/V blocks (a rank's two chunks) travel around the ring, the next block's transfer
+  overlapping this block's compute; each (query chunk, key chunk) pair with any allowed entry gives a
+  partial output and log-sum-exp, merged in fp32. The backward runs the ring again from the saved
+  log-sum-exp (the FlashAttention backward in torch, fp32) and sends each block's dK, dV accumulators
+  along with it, so after CP steps every rank holds its own keys' full gradient.
+
+Both compute in fp32 here (the CPU path); shape legend: B batch, H query heads, K key/value heads,
+G = H / K, T global tokens, L chunk length, D head dim.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from bumblebee.checks import check_attention_inputs
+from bumblebee.primitives.context_parallel.comm import gather, ring_shift
+from bumblebee.primitives.context_parallel.layout import CPBatch, layout_index, rank_chunks
+
+
+def check_batch(batch, q) -> CPBatch:
+    if not isinstance(batch, CPBatch):
+        raise ValueError("a context-parallel layer takes cu_seqlens=CPBatch (primitives/context_parallel "
+                         f"shard_batch(...).batch), got {type(batch).__name__}")
+    if q.shape[2] != batch.local:
+        raise ValueError(f"q holds {q.shape[2]} tokens, the cp shard {batch.local} (T={batch.T}, CP={batch.cp})")
+    return batch
+
+
+def _mask(q_pos, q_start, k_pos):
+    return (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] >= q_start[:, None])
+
+
+def allgather_attention(q, k, v, *, scale, batch: CPBatch):
+    """q [B, H, 2L, D], k, v [B, K, 2L, D] of this rank -> o [B, H, 2L, D] in q's dtype."""
+    check_attention_inputs(q, k, v)
+    batch = check_batch(batch, q)
+    L, dtype = batch.chunk, q.dtype
+    order = torch.argsort(layout_index(batch.T, batch.cp, q.device))
+    k_all, v_all = (gather(t, batch.group, dim=2).index_select(2, order) for t in (k, v))  # global order
+    pos = torch.arange(batch.T, device=q.device)
+    outs = []
+    for i, c in enumerate(rank_chunks(batch.rank, batch.cp)):
+        lo, hi = batch.lo[i], (c + 1) * L
+        mask = _mask(batch.chunk_index(i), batch.starts[i * L:(i + 1) * L], pos[lo:hi])
+        qc = q[:, :, i * L:(i + 1) * L].float()
+        o = F.scaled_dot_product_attention(qc, k_all[:, :, lo:hi].float(), v_all[:, :, lo:hi].float(),
+                                           attn_mask=mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+        outs.append(o)
+    return torch.cat(outs, dim=2).to(dtype)
+
+
+def _pairs(batch: CPBatch, src: int):
+    """(query chunk slot, key chunk slot, mask) of every pair of this rank's chunks with the chunks
+    of rank `src` that has an allowed entry."""
+    L, dev = batch.chunk, batch.index.device
+    out = []
+    for i, cq in enumerate(rank_chunks(batch.rank, batch.cp)):
+        for j, ck in enumerate(rank_chunks(src, batch.cp)):
+            if ck > cq or (ck + 1) * L <= batch.lo[i]:
+                continue  # all in the future, or all before the chunk's earliest document
+            k_pos = torch.arange(ck * L, (ck + 1) * L, device=dev)
+            out.append((i, j, _mask(batch.chunk_index(i), batch.starts[i * L:(i + 1) * L], k_pos)))
+    return out
+
+
+def _scores(q, k, mask, scale):
+    return (q @ k.transpose(-1, -2) * scale).masked_fill(~mask, float("-inf"))
+
+
+def _block_forward(q, k, v, mask, scale):
+    """q [B, K, G, L, D], k, v [B, K, 1, L, D] fp32 -> (o, lse [B, K, G, L]; -inf on empty rows)."""
+    s = _scores(q, k, mask, scale)
+    m = s.amax(-1, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    p = (s - m).exp()
+    l = p.sum(-1, keepdim=True)  # noqa: E741
+    return (p @ v) / l.clamp_min(torch.finfo(l.dtype).tiny), (l.log() + m)[..., 0]
+
+
+def _merge(o, lse, o_b, lse_b):
+    new = torch.logaddexp(lse, lse_b)
+    w, w_b = (lse - new).exp(), (lse_b - new).exp()
+    return o * w[..., None] + o_b * w_b[..., None], new
+
+
+def _split(t, L):
+    return [t[..., :L, :], t[..., L:, :]]
+
+
+class _Ring(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, scale, batch):
+        B, H, T2, D = q.shape
+        K, L, cp, rank = k.shape[1], batch.chunk, batch.cp, batch.rank
+        qg = q.float().view(B, K, H // K, T2, D)
+        kv = [k.float()[:, :, None], v.float()[:, :, None]]
+        o = [None, None]
+        lse = [None, None]
+        for s in range(cp):
+            src = (rank - s) % cp
+            pending = ring_shift(kv, batch.group) if s < cp - 1 else None  # next block in flight
+            ks, vs = _split(kv[0], L), _split(kv[1], L)
+            for i, j, mask in _pairs(batch, src):
+                ob, lb = _block_forward(_split(qg, L)[i], ks[j], vs[j], mask, scale)
+                o[i], lse[i] = (ob, lb) if o[i] is None else _merge(o[i], lse[i], ob, lb)
+            if pending is not None:
+                bufs, reqs = pending
+                for r in reqs:
+                    r.wait()
+                kv = bufs
+        o, lse = torch.cat(o, dim=-2), torch.cat(lse, dim=-1)  # every query sees itself: both set
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.scale, ctx.batch = scale, batch
+        return o.reshape(B, H, T2, D).to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse = ctx.saved_tensors
+        batch, scale = ctx.batch, ctx.scale
+        B, H, T2, D = q.shape
+        K, L, cp, rank = k.shape[1], batch.chunk, batch.cp, batch.rank
+        qg = _split(q.float().view(B, K, H // K, T2, D), L)
+        dog = do.float().reshape(o.shape)
+        delta = _split((dog * o).sum(-1, keepdim=True), L)
+        dog, lse = _split(dog, L), [lse[..., :L], lse[..., L:]]
+        dq = [torch.zeros_like(t) for t in qg]
+        held = [k.float()[:, :, None], v.float()[:, :, None]]
+        held += [torch.zeros_like(held[0]), torch.zeros_like(held[1])]  # dK, dV of the held block
+        for s in range(cp):
+            src = (rank - s) % cp
+            ks, vs = _split(held[0], L), _split(held[1], L)
+            dk, dv = _split(held[2].clone(), L), _split(held[3].clone(), L)
+            for i, j, mask in _pairs(batch, src):
+                p = (_scores(qg[i], ks[j], mask, scale) - lse[i][..., None]).exp()
+                dv[j] = dv[j] + (p.transpose(-1, -2) @ dog[i]).sum(2, keepdim=True)
+                ds = p * (dog[i] @ vs[j].transpose(-1, -2) - delta[i])
+                dq[i] = dq[i] + ds @ ks[j] * scale
+                dk[j] = dk[j] + (ds.transpose(-1, -2) @ qg[i]).sum(2, keepdim=True) * scale
+            held = held[:2] + [torch.cat(dk, dim=-2), torch.cat(dv, dim=-2)]
+            # pass the block on; after the last step only its gradients, home to their owner
+            bufs, reqs = ring_shift(held if s < cp - 1 else held[2:], batch.group)
+            for r in reqs:
+                r.wait()
+            held = bufs if s < cp - 1 else held[:2] + bufs
+        dq = torch.cat(dq, dim=-2).reshape(q.shape).to(q.dtype)
+        return dq, held[2][:, :, 0].to(k.dtype), held[3][:, :, 0].to(v.dtype), None, None
+
+
+def ring_attention(q, k, v, *, scale, batch: CPBatch):
+    """q [B, H, 2L, D], k, v [B, K, 2L, D] of this rank -> o [B, H, 2L, D] in q's dtype."""
+    check_attention_inputs(q, k, v)
+    batch = check_batch(batch, q)
+    if batch.cp == 1:
+        return allgather_attention(q, k, v, scale=scale, batch=batch)
+    return _Ring.apply(q, k, v, scale, batch)
+
+
+EXCHANGES = {"allgather": allgather_attention, "ring": ring_attention}

@@ -1,0 +1,55 @@
+"""Multi-rank harness of the context-parallel tests: `spawn(world, scenario, out)` runs
+`scenario(group)` of tests.primitives.test_context_parallel* on `world` gloo ranks (CPU, fp32, one
+thread each) and returns every rank's result; and the tolerance rule they share."""
+from __future__ import annotations
+
+import importlib
+import os
+import socket
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from tests.limits import PROCESS_GROUP_TIMEOUT
+from tests.ranks import leave_group
+
+EPS32 = torch.finfo(torch.float32).eps
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world, port, module, scenario, out):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=PROCESS_GROUP_TIMEOUT)
+    try:
+        result = getattr(importlib.import_module(module), scenario)(dist.group.WORLD)
+        torch.save(result, Path(out) / f"{scenario}-{world}-{rank}.pt")
+    except BaseException:
+        dist.destroy_process_group()
+        raise
+    leave_group()
+
+
+def spawn(world: int, module: str, scenario: str, out: Path) -> list:
+    mp.spawn(_worker, args=(world, _port(), module, scenario, str(out)), nprocs=world, join=True)
+    return [torch.load(out / f"{scenario}-{world}-{r}.pt", weights_only=False) for r in range(world)]
+
+
+def error(got: torch.Tensor, want64: torch.Tensor, fp32: torch.Tensor) -> tuple[float, float, float]:
+    """(max |got - want64|, the fp32 single-rank run's own max error, 8 ulps of the reference's max):
+    a check passes when the first is within 4x the second plus the third (`within`)."""
+    want64 = want64.double()
+    return ((got.double() - want64).abs().max().item(), (fp32.double() - want64).abs().max().item(),
+            8 * EPS32 * want64.abs().max().item())
+
+
+def within(errors: dict) -> list[str]:
+    """The names of the checks outside the rule, with their numbers."""
+    return [f"{name}: {e} > 4 x {r} + {floor}" for name, (e, r, floor) in errors.items() if not e <= 4 * r + floor]

@@ -1,0 +1,165 @@
+"""Context parallelism against the same layer on the full sequence on one rank (fp32, gloo, CPU).
+
+Layout (no ranks): shard / unshard, positions, targets shifted on the full sequence, bad input.
+Layers at CP = 2 and 4 (one spawn of 4 ranks): causal GQA attention (ratios 1, 4, 8; all-gather and ring;
+unpacked with B = 2, and packed with one-token documents and documents that do not divide by 2 x CP,
+span chunks and ranks), and gated DeltaNet (state passing across 2 x CP chunks, a chunk longer than
+the rule's 64-token block, conv halo, packed). Every rank's outputs and input gradients at its own
+positions, and the sum of its parameter gradients over ranks, lie within 4x the fp32 single-rank
+layer's own error against float64 plus 8 ulps; input gradients off the rank's positions are zero.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from bumblebee.baselines.attention import eager_attention
+from bumblebee.baselines.linear_attention import ChunkedGatedDeltaNet
+from bumblebee.primitives.context_parallel import layout
+from bumblebee.primitives.context_parallel.attention import EXCHANGES
+from bumblebee.primitives.context_parallel.gdn import gdn_forward
+from tests.primitives.context_parallel_ranks import error, spawn, within
+
+PACKED = torch.tensor([0, 5, 6, 30, 31, 48])  # one-token documents at 5 and 30; 48 tokens
+LONG = torch.tensor([0, 1, 100, 288])  # chunks of 72 (CP = 2) or 36 (CP = 4) tokens
+
+
+# ---- the layout, on one process ----------------------------------------------------------------
+
+@pytest.mark.parametrize("cp", [1, 2, 4])
+def test_shard_unshard_round_trip(cp):
+    x = torch.arange(2 * 24).view(2, 24)
+    pieces = [layout.shard(x, cp, r) for r in range(cp)]
+    assert torch.equal(layout.unshard(pieces), x)
+    L = 24 // (2 * cp)
+    for r, p in enumerate(pieces):  # chunk r, then chunk 2 CP - 1 - r
+        assert torch.equal(p[0], torch.cat([x[0, r * L:(r + 1) * L], x[0, (2 * cp - 1 - r) * L:(2 * cp - r) * L]]))
+
+
+def test_shard_batch_positions_and_targets_cross_chunk_boundaries():
+    ids = torch.arange(100, 148)[None]
+    shards = [layout.shard_batch(ids, None, None, cu_seqlens=PACKED) for _ in range(1)]
+    s = shards[0]
+    assert s.count == 48 - 5  # one target fewer per document
+    starts = [0] * 5 + [5] + [6] * 24 + [30] + [31] * 17
+    assert s.position_ids[0].tolist() == [t - a for t, a in zip(range(48), starts)]
+    want = [ids[0, t + 1].item() if t + 1 < 48 and starts[t + 1] == starts[t] else -100 for t in range(48)]
+    assert s.targets[0].tolist() == want
+
+
+def test_targets_are_shifted_before_sharding():
+    """A chunk's last token predicts the next chunk's first token, held by another rank."""
+    ids = torch.arange(16)[None]
+    targets = layout.next_token_targets(ids, layout.doc_starts(None, 16, ids.device))
+    for r in range(2):
+        local_ids, local_t = layout.shard(ids, 2, r), layout.shard(targets, 2, r)
+        assert torch.equal(local_t[0, :3], local_ids[0, 1:4])  # inside chunk r
+        assert local_t[0, 3].item() == (4 * r + 4 if r == 0 else 8)  # the next chunk's first token
+    assert targets[0, -1].item() == -100
+
+
+def test_bad_layout_input_names_the_argument():
+    with pytest.raises(ValueError, match="T=30 must be divisible by 2 x CP = 4"):
+        layout.check_cp(30, 2)
+    with pytest.raises(ValueError, match="B = 1"):
+        layout.shard_batch(torch.zeros(2, 8, dtype=torch.long), None, None, cu_seqlens=torch.tensor([0, 3, 16]))
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        layout.make_batch(None, 8, torch.tensor([0, 3, 7]))
+    with pytest.raises(ValueError, match="CPBatch"):
+        EXCHANGES["allgather"](*(torch.zeros(1, 2, 8, 4) for _ in range(3)), scale=1.0, batch=None)
+
+
+# ---- the layers at CP = 2 and 4 ----------------------------------------------------------------
+
+def _inputs(shapes, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(*s, generator=g, dtype=torch.float64) for s in shapes]
+
+
+def _grads_of(fn, leaves, w):
+    leaves = [t.clone().requires_grad_() for t in leaves]
+    out = fn(*leaves)
+    (out * w.to(out.dtype)).sum().backward()
+    return out.detach(), [t.grad for t in leaves]
+
+
+def _attention_checks(group, errors, off):
+    cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    H, D, T = 8, 8, 48
+    for kv in (8, 2, 1):  # GQA ratios 1, 4, 8
+        for cu in (None, PACKED):
+            B = 2 if cu is None else 1
+            q, k, v, w = _inputs([(B, H, T, D), (B, kv, T, D), (B, kv, T, D), (B, H, T, D)], seed=kv)
+            ref = lambda *t: eager_attention(*t, scale=0.3, cu_seqlens=cu)  # noqa: E731
+            o64, g64 = _grads_of(ref, (q, k, v), w)
+            o32, g32 = _grads_of(ref, [t.float() for t in (q, k, v)], w)
+            batch = layout.make_batch(group, T, cu)
+            idx = batch.index
+            for name, exchange in EXCHANGES.items():
+                def cp_fn(*full):
+                    return exchange(*(layout.shard(t, cp, rank, dim=2) for t in full), scale=0.3, batch=batch)
+                o, grads = _grads_of(cp_fn, [t.float() for t in (q, k, v)], layout.shard(w, cp, rank, dim=2))
+                case = f"attention {name} kv={kv} packed={cu is not None}"
+                errors[f"{case} out"] = error(o, o64[:, :, idx], o32[:, :, idx])
+                for n, g, a, b in zip("qkv", grads, g64, g32):
+                    errors[f"{case} d{n}"] = error(g[:, :, idx], a[:, :, idx], b[:, :, idx])
+                    g = g.clone()
+                    g[:, :, idx] = 0
+                    off[f"{case} d{n}"] = g.abs().max().item()
+
+
+def _gdn_checks(group, errors, off):
+    cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    for T, cu in ((48, None), (48, PACKED), (288, LONG)):
+        B = 2 if cu is None else 1
+        torch.manual_seed(T)
+        layer64 = ChunkedGatedDeltaNet(32, 2, 4, 8, 8).double()  # 2 key heads, 4 value heads
+        layer32 = ChunkedGatedDeltaNet(32, 2, 4, 8, 8)
+        layer32.load_state_dict(layer64.state_dict())
+        x, w = _inputs([(B, T, 32), (B, T, 32)], seed=T)
+        o64, (gx64,) = _grads_of(lambda t: layer64(t, cu_seqlens=cu), [x], w)
+        o32, (gx32,) = _grads_of(lambda t: layer32(t, cu_seqlens=cu), [x.float()], w)
+        p64 = {n: p.grad for n, p in layer64.named_parameters()}
+        p32 = {n: p.grad.clone() for n, p in layer32.named_parameters()}
+        layer32.zero_grad()
+        batch = layout.make_batch(group, T, cu)
+        idx = batch.index
+        o, (gx,) = _grads_of(lambda t: gdn_forward(layer32, layout.shard(t, cp, rank), batch), [x.float()],
+                             layout.shard(w, cp, rank))
+        case = f"gdn T={T} packed={cu is not None}"
+        errors[f"{case} out"] = error(o, o64[:, idx], o32[:, idx])
+        errors[f"{case} dx"] = error(gx[:, idx], gx64[:, idx], gx32[:, idx])
+        gx = gx.clone()
+        gx[:, idx] = 0
+        off[f"{case} dx"] = gx.abs().max().item()
+        for n, p in layer32.named_parameters():
+            total = p.grad.clone()
+            dist.all_reduce(total, group=group)
+            errors[f"{case} d{n}"] = error(total, p64[n], p32[n])
+
+
+def layers(world):
+    """CP = 4 over the 4 ranks, then CP = 2 over ranks {0, 1} and {2, 3} (one spawn for both)."""
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank creates every group
+    out = {}
+    for cp, group in ((4, world), (2, pairs[dist.get_rank() // 2])):
+        errors, off = {}, {}
+        _attention_checks(group, errors, off)
+        _gdn_checks(group, errors, off)
+        out[cp] = {"errors": errors, "off": off}
+    return out
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory):
+    return spawn(4, __name__, "layers", tmp_path_factory.mktemp("cp"))
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_layers_equal_the_single_rank_layer(cp, four_ranks):
+    for rank, result in enumerate(four_ranks):
+        result = result[cp]
+        assert len(result["errors"]) >= 60
+        assert within(result["errors"]) == [], f"rank {rank} of CP = {cp}"
+        assert max(result["off"].values()) == 0.0, f"rank {rank} of CP = {cp}: gradient off its positions"
