@@ -2,7 +2,8 @@
 
 Same functions, arguments and return values as `unpermute`, `unpermute_grads` and `sum_copies` in
 `common/moe_dispatch_permute.py` (the torch path the twins use); the chunked expert-parallel primitive
-calls these instead when `primitives/moe_dispatch.py:FUSED_PERMUTE` is "on". Each output row is
+calls these where `ChunkedDispatch.fused_permute` is on, and their `*_torch` algorithm elsewhere
+(never the twins' functions). Each output row is
 written by one program from the rows it needs, read once; nothing [M, D]-sized is materialized, no
 atomics (deterministic). Shape legend: N tokens, K copies per token, M = N K copies (sorted order),
 D width; inv_M maps token-major copy id n K + k to its sorted row.
@@ -145,8 +146,8 @@ def _out_for(out, N, D, dtype, device):
     return out
 
 
-def _gather_sum(y_MD, w_NK, inv_M, K, out, dtype):
-    """Shared launcher of unpermute (w_NK given) and sum_copies (w_NK None)."""
+def _gather_sum(y_MD, w_NK, inv_M, K, out, dtype, kernel=True):
+    """Shared launcher of unpermute (w_NK given) and sum_copies (w_NK None); kernel=False: the torch path."""
     if y_MD.dim() != 2 or K < 1 or inv_M.numel() % K:
         raise ValueError(f"y must be [M, D] and inv_M a multiple of K={K} long; got {tuple(y_MD.shape)}, "
                          f"{inv_M.numel()}")
@@ -154,7 +155,7 @@ def _gather_sum(y_MD, w_NK, inv_M, K, out, dtype):
     out = _out_for(out, N, D, dtype or y_MD.dtype, y_MD.device)
     if N == 0 or D == 0:
         return out
-    if not use_triton(y_MD):
+    if not (kernel and use_triton(y_MD)):
         return out.copy_(_gather_sum_torch(y_MD, w_NK, inv_M, K, out.dtype))
     y, inv = _rows(y_MD), inv_M.contiguous()
     dst = out if out.stride(-1) == 1 else torch.empty(N, D, dtype=out.dtype, device=out.device)
@@ -175,7 +176,7 @@ def _gather_sum_torch(y_MD, w_NK, inv_M, K, dtype):
     acc = _acc_dtype(y_MD, w_NK)
     t = y_MD.index_select(0, inv_M).view(-1, K, y_MD.shape[-1]).to(acc)
     if w_NK is not None:
-        t = t * w_NK.to(acc).unsqueeze(-1)
+        t.mul_(w_NK.to(acc).unsqueeze(-1))  # in place: t is a fresh gathered copy (a cast's or index_select's)
     return t.sum(1).to(dtype)
 
 
@@ -191,6 +192,19 @@ def unpermute(y_MD, weights_NK, inv_M, out=None, dtype=None):
 def sum_copies(dx_MD, inv_M, K, out=None):
     """gx[n] = sum_k dx_MD[inv_M[n K + k]], fp32 sum, one rounding to out's dtype (else dx's)."""
     return _gather_sum(dx_MD, None, inv_M, K, out, None)
+
+
+def unpermute_torch(y_MD, weights_NK, inv_M, out=None, dtype=None):
+    """`unpermute`'s algorithm in torch on any device (the primitive's path where the kernel is off)."""
+    N, K = weights_NK.shape
+    if inv_M.numel() != N * K:
+        raise ValueError(f"inv_M has {inv_M.numel()} entries for weights [{N}, {K}]")
+    return _gather_sum(y_MD, weights_NK, inv_M, K, out, dtype, kernel=False)
+
+
+def sum_copies_torch(dx_MD, inv_M, K, out=None):
+    """`sum_copies`'s algorithm in torch on any device."""
+    return _gather_sum(dx_MD, None, inv_M, K, out, None, kernel=False)
 
 
 def add_group_copies(gx_ND, dx_RD, inv_M, r0, r1):

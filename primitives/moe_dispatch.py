@@ -20,7 +20,9 @@ CUDA with communication on its own stream ("comm", one per device) ordered again
   input-gradient copies.
 Chunk i+1's dispatch and chunk i-1's combine run while chunk i's experts compute; chunk 0's
 dispatch starts right after its own gather. The expert math comes from `kernels/moe_dispatch_expert_gemm.py`
-(dgrad/wgrad split); the permutation from `common/moe_dispatch_permute.py`, shared with the twin: every
+(dgrad/wgrad split); the permutation is the primitive's own (`kernels/moe_dispatch_permute.py` and
+`kernels/moe_dispatch_regroup.py`, their algorithms in torch where they do not run, and the row
+bookkeeping of `primitives/moe_dispatch_rows.py`: a counting sort off CUDA), not the twin's: every
 un-permute is a gather and a sum over K, no atomics, deterministic. Chunks are contiguous token
 ranges and the copies sort by chunk * E + expert, so chunk c's copies are one range of the sorted
 order and U/S write disjoint rows of the output. On the CPU (gloo) there are no streams: the same
@@ -69,12 +71,12 @@ import torch.distributed as dist
 from bumblebee.distributed import agree_once
 from bumblebee.kernels.moe_dispatch_expert_gemm import (TokensPerExpert, WgradJob, expert_dgrad, expert_dgrad_weighted,
                                            expert_forward, expert_wgrad, use_grouped_mm)
-from bumblebee.common.moe_dispatch_permute import expert_major_index, inverse_index
 from bumblebee.options import Bound
 from bumblebee.primitives.moe_dispatch_local import LocalGroupedExperts
 from bumblebee.primitives.moe_dispatch_options import (ChunkedDispatch, chunk_spec, fused_recompute_phase, min_tokens,
                                                        permute_fns, sm_carveout, swiglu_fns)
 from bumblebee.primitives.moe_dispatch_plan import exchange_counts, spec_word
+from bumblebee.primitives.moe_dispatch_rows import expert_major_rows
 from bumblebee.registry import register
 
 _AGREED = weakref.WeakKeyDictionary()  # experts -> the config its first-call agreement check passed
@@ -282,7 +284,7 @@ class _ChunkedEP(torch.autograd.Function):
         # W: the wgrad of every chunk after the last dgrad, while the tail dispatch-backward runs
         if gather:  # regroup the chunk-major buffers by expert (gathers), one GEMM per weight
             tpe = TokensPerExpert(counts_CL.sum(0), [sum(col) for col in zip(*(p["tpe"] for p in plan))])
-            src2_R = inverse_index(expert_major_index(counts_CL, R))
+            src2_R = expert_major_rows(counts_CL, R)
             jobs = [WgradJob(*(t.index_select(0, src2_R) for t in (x_cm, dh_cm, a_cm, g_cm)), tpe, ctx.grouped, L)]
             del g_cm, dh_cm, a_cm
         dw1 = dw2 = None

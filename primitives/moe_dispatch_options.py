@@ -15,8 +15,8 @@ from bumblebee import recompute
 from bumblebee.kernels import moe_dispatch_permute as _fused
 from bumblebee.kernels import moe_dispatch_regroup as _regroup_kernel
 from bumblebee.kernels import moe_dispatch_swiglu as _swiglu
-from bumblebee.common.moe_dispatch_permute import regroup_rows, sum_copies, unpermute, unpermute_grads
 from bumblebee.options import check_bool, check_choice, check_int, option
+from bumblebee.primitives.moe_dispatch_rows import regroup_rows
 
 # "auto" chunking: AUTO_CHUNKS where the ep group's largest token count is >= the threshold for its
 # ep size, else one chunk (always one at EP = 1: nothing to overlap). Per ep size: the entry of the
@@ -138,8 +138,10 @@ def swiglu_fns(config: ChunkedDispatch, t: torch.Tensor):
 
 def permute_fns(config: ChunkedDispatch, t: torch.Tensor):
     """(unpermute, unpermute_grads, sum_copies, regroup, add_group_copies) for this call: the fused kernels
-    where fused_permute is on and Triton runs on t (CUDA, or TRITON_INTERPRET=1), else the torch ones."""
+    where fused_permute is on and Triton runs on t (CUDA, or TRITON_INTERPRET=1), else the kernels'
+    algorithms in torch (`*_torch`, `moe_dispatch_rows.regroup_rows`): never the twins' functions."""
     if config.fused_permute and _fused.use_triton(t):
         return (_fused.unpermute, _fused.unpermute_grads, _fused.sum_copies, _regroup_kernel.regroup,
                 _fused.add_group_copies)
-    return unpermute, unpermute_grads, sum_copies, regroup_rows, _fused.add_group_copies_torch
+    return (_fused.unpermute_torch, _fused.unpermute_grads_torch, _fused.sum_copies_torch, regroup_rows,
+            _fused.add_group_copies_torch)

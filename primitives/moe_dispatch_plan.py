@@ -17,7 +17,7 @@ import functools
 import torch
 import torch.distributed as dist
 
-from bumblebee.common.moe_dispatch_permute import copy_order
+from bumblebee.primitives.moe_dispatch_rows import copy_order
 
 HEAD = 5  # header words per message: local token count, bad-shape flag, bad-index flag, E, chunking
 

@@ -1,6 +1,7 @@
 """kernels/moe_dispatch_permute.py (fused un-permute, its gradients, sum over copies, the grouped
 backward's add_group_copies) against float64 references and against the torch functions of common/moe_dispatch_permute.py, and the chunked primitive
-with FUSED_PERMUTE = "on" against its twin.
+with `fused_permute` on against its twin; where the kernels are off the primitive takes their `*_torch`
+algorithms, never common/'s.
 
 The Triton kernels run under TRITON_INTERPRET=1 in fp32 and fp16 (this file run as a script in a
 subprocess, `--interpret`): odd N, K in {1, 2, 8}, D not a multiple of the block (and several
@@ -335,12 +336,22 @@ def test_add_group_copies_torch_fallback():
 
 
 def test_config_picks_functions():
+    """The fused kernels, or their algorithms in torch (never common/'s, the twins' functions)."""
+    from bumblebee.primitives.moe_dispatch_rows import regroup_rows
+
     x = torch.zeros(1)
-    assert permute_fns(ChunkedDispatch(fused_permute=False), x)[0] is ref_mod.unpermute
-    assert permute_fns(ChunkedDispatch(fused_permute=False), x)[4] is fused.add_group_copies_torch
+    torch_path = (fused.unpermute_torch, fused.unpermute_grads_torch, fused.sum_copies_torch, regroup_rows,
+                  fused.add_group_copies_torch)
+    assert permute_fns(ChunkedDispatch(fused_permute=False), x) == torch_path
     assert (permute_fns(ChunkedDispatch(), x)[4] is fused.add_group_copies) == fused.use_triton(x)
     # CPU tensors: the fused kernels only under the interpreter
-    assert permute_fns(ChunkedDispatch(), x)[2] is (fused.sum_copies if fused.INTERPRET else ref_mod.sum_copies)
+    assert permute_fns(ChunkedDispatch(), x)[2] is (fused.sum_copies if fused.INTERPRET else fused.sum_copies_torch)
+    g = torch.Generator().manual_seed(3)  # the torch entry points: the torch fallback's bits, out= rows too
+    y, w, inv = torch.randn(12, 5, generator=g), torch.rand(4, 3, generator=g), torch.randperm(12, generator=g)
+    out = torch.full((6, 5), float("nan"))
+    fused.unpermute_torch(y, w, inv, out=out[1:5])
+    assert torch.equal(out[1:5], fused._gather_sum_torch(y, w, inv, 3, torch.float32)) and out[[0, 5]].isnan().all()
+    assert torch.equal(fused.sum_copies_torch(y, inv, 3), fused._gather_sum_torch(y, None, inv, 3, torch.float32))
     with pytest.raises(ValueError, match="fused_permute"):
         ChunkedDispatch(fused_permute="yes")
 

@@ -1,6 +1,7 @@
-"""kernels/moe_dispatch_regroup.py (the chunked dispatch's row indices from the received counts, one launch)
-and its torch path (common/moe_dispatch_permute.py:regroup_rows) against a plain-Python reference built
-block by block.
+"""kernels/moe_dispatch_regroup.py (the chunked dispatch's row indices from the received counts, one launch),
+its algorithm in torch (primitives/moe_dispatch_rows.py:regroup_rows, the primitive's path where the
+kernel does not run) and the twins' torch path (common/moe_dispatch_permute.py:regroup_rows) against a
+plain-Python reference built block by block.
 
 The Triton kernel runs under TRITON_INTERPRET=1 (this file run as a script in a subprocess,
 `--interpret`): several chunks, sources and experts, zero counts (empty experts, a source that
@@ -16,7 +17,8 @@ import pytest
 import torch
 
 from bumblebee.kernels import moe_dispatch_regroup as rg
-from bumblebee.common.moe_dispatch_permute import regroup_rows
+from bumblebee.common import moe_dispatch_permute as twins
+from bumblebee.primitives import moe_dispatch_rows as rows
 from tests.interpreter import interpreted_fixture
 
 
@@ -87,8 +89,9 @@ def test_kernel_under_triton_interpreter(interpreted):
     assert not interpreted["fails"], interpreted["fails"]
 
 
-def test_torch_path_matches_reference():
-    assert not compare(regroup_rows, "cpu")
+@pytest.mark.parametrize("fn", [rows.regroup_rows, twins.regroup_rows], ids=["primitive", "twins"])
+def test_torch_path_matches_reference(fn):
+    assert not compare(fn, "cpu")
 
 
 def test_bad_input():
