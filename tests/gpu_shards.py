@@ -1,0 +1,92 @@
+"""The GPU suite (`pytest -m gpu`) in shards meant to finish within ten minutes each on one H200.
+
+    python tests/gpu_shards.py                # lists the shards and their files
+    python tests/gpu_shards.py 2              # runs shard 2: python -m pytest -m gpu -q <its files>
+    python tests/gpu_shards.py 2 -- -x -ra    # pytest arguments after --
+    python tests/gpu_shards.py all            # every shard in turn, one pytest process each
+
+A shard groups the files that compile the same kernels, so each pays its compilations once: FA4's
+CuTe DSL kernels (seconds per configuration), fla's and Liger's autotuned Triton kernels (minutes on a
+fresh machine), Inductor's compiled chains, spawned NCCL ranks. The minutes below are estimates from
+what each file compiles and launches, not timings: run a shard with `--durations=0` to time it, and
+move a file when a shard passes ten minutes. `tests/core/test_gpu_shards.py` checks that every file
+with a `gpu` mark is in exactly one shard.
+"""
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+SHARDS = {
+    1: ("attention: FA4, varlen, kept output (FA4 JIT compiles; ~5 min)", (
+        "tests/primitives/test_attention_fa4.py",
+        "tests/primitives/test_attention_packed.py",
+        "tests/primitives/test_attention_recompute_kept.py",
+        "tests/primitives/test_attention_varlen.py",
+    )),
+    2: ("MLA and DeepSeek-V3 (FA4 at head dims 192/128, fused Q/K Triton kernels; ~5 min)", (
+        "tests/primitives/test_mla.py",
+        "tests/primitives/test_mla_rope_fused.py",
+        "tests/models/test_deepseek_v3_hf_parity.py",
+    )),
+    3: ("gated DeltaNet and compiled chains (fla autotuning, Inductor; ~6 min)", (
+        "tests/primitives/test_linear_attention.py",
+        "tests/primitives/test_linear_attention_gdn_backward.py",
+        "tests/primitives/test_linear_attention_recompute_kept.py",
+        "tests/models/test_fused_chains.py",
+    )),
+    4: ("MoE dispatch, routers, loss, MTP (our Triton kernels, one- and two-GPU spawns; ~5 min)", (
+        "tests/primitives/test_moe_dispatch.py",
+        "tests/primitives/test_moe_dispatch_fused_recompute.py",
+        "tests/primitives/test_moe_dispatch_permute.py",
+        "tests/primitives/test_moe_dispatch_regroup.py",
+        "tests/primitives/test_moe_dispatch_swiglu.py",
+        "tests/primitives/test_router.py",
+        "tests/primitives/test_cross_entropy_linear.py",
+        "tests/primitives/test_mtp.py",
+    )),
+    5: ("whole models and processes (a training step per model in subprocesses, NCCL spawns; ~5 min)", (
+        "tests/primitives/test_attention_sdpa_backend_state.py",
+        "tests/models/test_qwen3_gpu.py",
+        "tests/primitives/test_state_sharding.py",
+        "tests/runtime/test_rl_gpu.py",
+        "tests/e2e/test_verl_gpu.py",
+    )),
+}
+
+GPU_MARK = re.compile(r"pytest\.mark\.gpu\b|\bmark\.gpu\b")
+
+
+def gpu_files(root: Path = ROOT) -> set[str]:
+    """Test files under tests/ that carry a `gpu` mark (on a case or as `pytestmark`)."""
+    return {p.relative_to(root).as_posix() for p in (root / "tests").rglob("test_*.py")
+            if GPU_MARK.search(p.read_text())}
+
+
+def command(shard: int, extra: list[str]) -> list[str]:
+    if shard not in SHARDS:
+        raise ValueError(f"shard must be one of {sorted(SHARDS)} or 'all', got {shard!r}")
+    return [sys.executable, "-m", "pytest", "-m", "gpu", "-q", *SHARDS[shard][1], *extra]
+
+
+def main(argv: list[str]) -> int:
+    extra = argv[argv.index("--") + 1:] if "--" in argv else []
+    args = argv[:argv.index("--")] if "--" in argv else argv
+    if not args:
+        for n, (what, files) in SHARDS.items():
+            print(f"shard {n}: {what}\n  " + "\n  ".join(files))
+        return 0
+    shards = list(SHARDS) if args[0] == "all" else [int(args[0])]
+    status = 0
+    for n in shards:
+        print(f"== shard {n}: {SHARDS[n][0]}", flush=True)
+        status = subprocess.run(command(n, extra), cwd=ROOT).returncode or status
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
