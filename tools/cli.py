@@ -84,7 +84,7 @@ recorded them). A slot's older runs are the lines of its results/history.jsonl, 
 RESULTS_EPILOG = """example:
   bumblebee results                      # the slots and their files
   bumblebee results training_step        # tokens/s, peak GiB, ratios against transformers + Liger
-  bumblebee results --file benchmarks/state_sharding/results/state_sharding.json
+  bumblebee results --file benchmarks/training_step/results/training_step_qwen3-30b-a3b_h200_x1.json
   bumblebee results moe_dispatch --history   # and every older run of moe_dispatch/results/history.jsonl"""
 
 
