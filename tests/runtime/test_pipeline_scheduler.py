@@ -157,3 +157,26 @@ def test_dynamic_sampling_and_batch_layout():
     want = grpo_advantages(torch.tensor([[1.0, 0.0, 0.5], [0.0, 0.0, 1.0]])).reshape(-1)
     torch.testing.assert_close(batch.advantages[:, 0], want)
     batch.check()
+
+
+def test_launch_config_is_typed_and_refuses_unknown_keys(tmp_path):
+    import json
+
+    from bumblebee.runtime.pipeline import CopyDigits, PipelineConfig
+    from bumblebee.runtime.pipeline.launch import load_config
+    raw = {"model": "qwen3-tiny", "model_overrides": {"vocab_size": 16}, "task": {"name": "copy_digits", "length": 2},
+           "pipeline": {"steps": 3, "eta": 2, "sampling": {"max_new_tokens": 2}, "objective": {"behave_mode": "mask"}},
+           "log": "run.jsonl"}
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps(raw))
+    cfg = load_config(path)
+    assert isinstance(cfg.pipeline, PipelineConfig) and cfg.pipeline.eta == 2
+    assert cfg.pipeline.sampling.max_new_tokens == 2 and cfg.pipeline.objective.behave_mode == "mask"
+    assert cfg.task == CopyDigits(length=2) and cfg.model["vocab_size"] == 16 and cfg.model["model_type"] == "qwen3"
+    for bad, match in (({**raw, "pipline": {}}, "pipline"),
+                       ({**raw, "pipeline": {**raw["pipeline"], "objective": {"cap": 2}}}, "pipeline.objective"),
+                       ({**raw, "pipeline": {**raw["pipeline"], "eta": -1}}, "eta"),
+                       ({**raw, "task": {"name": "sort"}}, "task.name")):
+        path.write_text(json.dumps(bad))
+        with pytest.raises(ValueError, match=match):
+            load_config(path)
