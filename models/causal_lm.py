@@ -116,6 +116,8 @@ class CausalLM(HFCheckpointMixin, nn.Module):
         """For a packed batch (the B*T tokens are sequences cut at `cu_seqlens` [S+1]): segment ids
         [B, T], positions restarting per sequence (unless given), and labels whose target never
         crosses a sequence boundary. Returns (segment_ids, position_ids, labels)."""
+        if getattr(cu_seqlens, "context_parallel", False):  # a cp shard's CPBatch (primitives/context_parallel):
+            return None, position_ids, labels  # positions and targets were set on the full sequence
         check_batch_shape(input_ids)
         self._check_types(labels, position_ids)
         n, dev = input_ids.numel(), input_ids.device

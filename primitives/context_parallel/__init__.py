@@ -5,9 +5,13 @@
   `CPBatch` (what the layers need, passed where they take `cu_seqlens`);
 - `comm.py`: the differentiable all-gather (reduce-scatter backward) and the ring shift;
 - `attention.py`: causal GQA attention by all-gather of K/V or by a ring exchange;
-- `gdn.py`: gated DeltaNet: conv halo, exact fp32 state passing through the chunks' affine maps.
+- `gdn.py`: gated DeltaNet: conv halo, exact fp32 state passing through the chunks' affine maps;
+- `mla.py`: MLA by an all-gather of the latent and RoPE key, heads expanded on each rank;
+- `model.py`: `apply(model, cp_group, ContextParallel(...))` swaps a built model's sequence-mixing
+  layers, `loss(model, shard)` its share of the mean loss (MTP included), `sync_grads`.
 
 The twin is the same layer on the full sequence on one rank (tests/primitives/test_context_parallel*.py).
 """
 from bumblebee.primitives.context_parallel.layout import (  # noqa: F401
     CPBatch, Shard, make_batch, shard, shard_batch, unshard)
+from bumblebee.primitives.context_parallel.model import ContextParallel, apply, loss, sync_grads  # noqa: F401

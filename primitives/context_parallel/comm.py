@@ -51,7 +51,8 @@ def ring_shift(tensors: list[torch.Tensor], group, reverse: bool = False) -> tup
     step = -1 if reverse else 1
     dst = dist.get_global_rank(group, (rank + step) % n)
     src = dist.get_global_rank(group, (rank - step) % n)
-    bufs = [torch.empty_like(t) for t in tensors]
-    ops = [dist.P2POp(dist.isend, t.contiguous(), dst, group) for t in tensors]
+    tensors = [t.contiguous() for t in tensors]
+    bufs = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]
+    ops = [dist.P2POp(dist.isend, t, dst, group) for t in tensors]
     ops += [dist.P2POp(dist.irecv, b, src, group) for b in bufs]
     return bufs, dist.batch_isend_irecv(ops)

@@ -76,14 +76,21 @@ def doc_starts(cu_seqlens, n: int, device) -> torch.Tensor:
     return torch.repeat_interleave(torch.tensor(cu[:-1], device=device), lengths)
 
 
-def next_token_targets(labels_BT: torch.Tensor, starts_T: torch.Tensor, ignore_index: int = -100):
-    """Labels shifted left on the full sequence: token t's target is label t + 1, ignore_index at a
-    row's end and where t + 1 starts another document."""
+def next_token_targets(labels_BT: torch.Tensor, starts_T: torch.Tensor, ignore_index: int = -100, shift: int = 1):
+    """Labels shifted left on the full sequence: token t's target is label t + shift, ignore_index
+    past a row's end and where t + shift lies in another document."""
+    T = labels_BT.shape[1]
     out = torch.full_like(labels_BT, ignore_index)
-    out[:, :-1] = labels_BT[:, 1:]
-    crosses = torch.zeros_like(starts_T, dtype=torch.bool)
-    crosses[:-1] = starts_T[1:] != starts_T[:-1]
-    return out.masked_fill(crosses, ignore_index)
+    out[:, :T - shift] = labels_BT[:, shift:]
+    other = torch.ones_like(starts_T, dtype=torch.bool)
+    other[:T - shift] = starts_T[shift:] != starts_T[:T - shift]
+    return out.masked_fill(other, ignore_index)
+
+
+def shifted_ids(ids_BT: torch.Tensor, shift: int) -> torch.Tensor:
+    """ids[t + shift] (the last token past the end: its targets are masked), as MTP depth `shift` reads them."""
+    T = ids_BT.shape[1]
+    return torch.cat([ids_BT[:, shift:], ids_BT[:, -1:].expand(-1, min(shift, T))], dim=1)
 
 
 @dataclass(frozen=True, eq=False)
@@ -140,12 +147,16 @@ class Shard:
     targets: torch.Tensor  # [B, T / cp] next-token targets, shifted on the full sequence
     count: int  # valid targets of the whole batch (every rank's loss divides by it)
     batch: CPBatch
+    mtp_ids: tuple = ()  # per MTP depth k = 1..D: [B, T / cp] the tokens k ahead
+    mtp_targets: tuple = ()  # per depth: [B, T / cp] the labels k + 1 ahead, in the token's document
+    mtp_counts: tuple = ()  # per depth: valid targets of the whole batch
 
 
 def shard_batch(input_ids: torch.Tensor, labels: torch.Tensor | None, group, cu_seqlens=None,
-                ignore_index: int = -100) -> Shard:
+                ignore_index: int = -100, mtp_depths: int = 0) -> Shard:
     """Shard a full batch [B, T] (each cp rank holds the same one): positions restart per document,
-    labels (default input_ids) are shifted before sharding, the count is global."""
+    labels (default input_ids) are shifted before sharding, the counts are global; `mtp_depths`: the
+    shifted tokens and targets of that many MTP depths too."""
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids must be [B, T], got {tuple(input_ids.shape)}")
     B, T = input_ids.shape
@@ -159,4 +170,7 @@ def shard_batch(input_ids: torch.Tensor, labels: torch.Tensor | None, group, cu_
     targets = next_token_targets(labels, batch.all_starts, ignore_index)
     count = int((targets != ignore_index).sum())
     pick = lambda t: t.index_select(1, batch.index)  # noqa: E731
-    return Shard(pick(input_ids), pick(positions), pick(targets), count, batch)
+    mtp = [next_token_targets(labels, batch.all_starts, ignore_index, k + 1) for k in range(1, mtp_depths + 1)]
+    return Shard(pick(input_ids), pick(positions), pick(targets), count, batch,
+                 tuple(pick(shifted_ids(input_ids, k)) for k in range(1, mtp_depths + 1)),
+                 tuple(pick(t) for t in mtp), tuple(int((t != ignore_index).sum()) for t in mtp))

@@ -1,0 +1,133 @@
+"""A built model under context parallelism: its layers swapped for their cp forms, and the loss.
+
+`apply(model, cp_group, ContextParallel(...))` (after loading the full checkpoint, beside
+`bumblebee.parallelize.shard_experts` and state sharding): every attention module's `attend` (the
+`attention` slot) becomes the cp exchange, every gated DeltaNet layer (the `linear_attention` slot)
+and MLA layer (the `mla` slot) runs its cp forward. The model then takes a `Shard`
+(`layout.shard_batch`): `loss(model, shard)` runs the model's own forward on the shard with its
+`CPBatch` where packed batches pass `cu_seqlens` (the layers read the layout from it; it travels
+through full recompute with the layer's arguments), positions and targets set on the full sequence,
+and the loss slot's sum over this rank's targets divided by the whole batch's count. Summed over the
+cp ranks that is the single-rank mean: the replicated parameters' gradients are summed over the
+group (`sync_grads`, or a data-parallel reduction that sums over cp).
+
+Token-wise layers (norms, MLPs, MoE routing and dispatch) need nothing: each rank's tokens are a
+batch of their own. MTP depths read tokens and targets shifted on the full sequence (`Shard.mtp_*`).
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from bumblebee import recompute
+from bumblebee.options import check_choice, option
+from bumblebee.primitives.context_parallel.attention import EXCHANGES, check_batch
+from bumblebee.primitives.context_parallel.gdn import gdn_forward
+from bumblebee.primitives.context_parallel.layout import Shard
+from bumblebee.primitives.context_parallel.mla import mla_forward
+
+
+@dataclass(frozen=True)
+class ContextParallel:
+    """Options of context parallelism: `apply(model, group, ContextParallel(exchange="ring"))`."""
+
+    exchange: str = option("allgather", "how attention layers get the other ranks' keys and values: "
+                           "allgather (one all-gather of K/V, reduce-scatter backward) or ring (blocks "
+                           "passed around the ring, overlapped with compute; fp32 log-sum-exp merging)")
+
+    def __post_init__(self):
+        check_choice(self, "exchange", tuple(EXCHANGES))
+
+
+class CPAttend:
+    """The attention slot's call, `(q, k, v, *, scale, cu_seqlens=CPBatch)`, over the cp group."""
+
+    def __init__(self, config: ContextParallel):
+        self.config = config
+        self.exchange = EXCHANGES[config.exchange]
+
+    def __call__(self, q, k, v, *, scale=None, cu_seqlens=None):
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        return self.exchange(q, k, v, scale=scale, batch=check_batch(cu_seqlens, q))
+
+
+def _is_gdn(m: nn.Module) -> bool:
+    return all(hasattr(m, n) for n in ("A_log", "dt_bias", "conv1d", "in_proj_qkv"))
+
+
+def _is_mla(m: nn.Module) -> bool:
+    return all(hasattr(m, n) for n in ("kv_a_proj_with_mqa", "kv_b_proj", "softmax_scale"))
+
+
+def apply(model: nn.Module, cp_group, config: ContextParallel | None = None) -> nn.Module:
+    """Swap every sequence-mixing layer of `model` for its cp form over `cp_group`; returns the model.
+    Refuses a model applied twice and a module that mixes tokens in a way this file does not know."""
+    config = ContextParallel() if config is None else config
+    if getattr(model, "cp_config", None) is not None:
+        raise ValueError("context parallelism is already applied to this model")
+    for m in model.modules():
+        if _is_gdn(m):
+            m.forward = functools.partial(gdn_forward, m)
+        elif _is_mla(m):
+            m.forward = functools.partial(mla_forward, m)
+        elif hasattr(m, "attend"):
+            m.attend = CPAttend(config)
+    model.cp_group, model.cp_config = cp_group, config
+    return model
+
+
+def loss(model: nn.Module, shard: Shard) -> torch.Tensor:
+    """This rank's share of the batch's mean next-token loss: sum over its targets / the global count
+    (through the model's own forward, so FSDP2's hooks run; the loss is its `cross_entropy` slot),
+    plus the MTP term of a model with depths, each depth's sum over its global count."""
+    if not isinstance(shard, Shard):
+        raise ValueError(f"shard must be a context_parallel Shard (layout.shard_batch), got {type(shard).__name__}")
+    depths = len(model.mtp.layers) if hasattr(model, "mtp") else 0
+    if len(shard.mtp_ids) != depths:
+        raise ValueError(f"the model has {depths} MTP depths: shard with shard_batch(..., mtp_depths={depths}), "
+                         f"got {len(shard.mtp_ids)}")
+    targets = shard.targets.reshape(-1)
+
+    def head(hidden, weight, _labels):  # the model's own shift is local: the targets were shifted in full
+        total = model.loss_fn(hidden, weight, targets, ignore_index=-100, reduction="sum") / max(shard.count, 1)
+        if depths:
+            total = total + _mtp_loss(model, hidden.view(*shard.input_ids.shape, -1), weight, shard)
+        return total
+
+    with model.custom_head(head):
+        return model(shard.input_ids, labels=shard.targets, position_ids=shard.position_ids,
+                     cu_seqlens=shard.batch).loss
+
+
+def _mtp_loss(model, hidden_BTD, weight, shard: Shard):
+    """The MTP slot's function (loss_scale / D * sum over depths of the mean CE) on this rank's share:
+    depth k reads the tokens k ahead and predicts the labels k + 1 ahead, both shifted in full."""
+    stack, mtp = model.model, model.mtp
+    cos, sin = stack.rotary_emb(shard.position_ids, model.compute_dtype())
+
+    def run_block(block, x):  # the model's run_layer: recompute as the model does it
+        if stack.recompute and torch.is_grad_enabled():
+            return checkpoint(block, x, cos, sin, shard.batch, use_reentrant=False,
+                              context_fn=lambda: recompute.contexts(stack.kept))[0]
+        return block(x, cos, sin, shard.batch)[0]
+
+    h, total = hidden_BTD, 0
+    for layer, ids, targets, count in zip(mtp.layers, shard.mtp_ids, shard.mtp_targets, shard.mtp_counts):
+        h = layer(stack.embed_tokens(ids), h, run_block)
+        hn = layer.head_norm(h)
+        total = total + model.loss_fn(hn.reshape(-1, hn.shape[-1]), weight, targets.reshape(-1), ignore_index=-100,
+                                      reduction="sum") / max(count, 1)
+    return mtp.loss_scale / len(mtp.layers) * total
+
+
+@torch.no_grad()
+def sync_grads(model: nn.Module, cp_group) -> None:
+    """Sum every parameter's gradient over the cp group (replicated parameters, no FSDP)."""
+    for p in model.parameters():
+        if p.grad is not None:
+            dist.all_reduce(p.grad, group=cp_group)

@@ -1,0 +1,93 @@
+"""Whole tiny models at CP = 2 against CP = 1 over a few AdamW steps (fp32, gloo, one spawn).
+
+Qwen3 (unpacked B = 2; packed with one-token documents; the ring exchange), Qwen3.5 (gated
+DeltaNet and gated attention layers in one layout, under full recompute, with its MTP depth) and
+DeepSeek-V3 (MLA by an all-gather of the latent and RoPE key, MoE, MTP). Each step's loss (the ranks' shares summed) and the
+final weights lie within the fp32 single-rank run's own error against float64 (4x plus 8 ulps for
+losses, 8x per tensor for weights); the single-rank run is the model's plain forward with labels.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from bumblebee import models
+from bumblebee.primitives.context_parallel import layout
+from bumblebee.primitives.context_parallel import model as cp_model
+from tests.primitives.context_parallel_ranks import EPS32, error, spawn, within
+
+PACKED = torch.tensor([0, 5, 6, 30, 31, 48])
+STEPS = 3
+HP = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-6, weight_decay=0.1)  # eps above fp32 gradient noise
+CASES = {  # name -> (config, B, T, cu_seqlens, exchange, recompute)
+    "qwen3": ("qwen3-tiny", 2, 32, None, "allgather", False),
+    "qwen3_packed": ("qwen3-tiny", 1, 48, PACKED, "allgather", False),
+    "qwen3_ring": ("qwen3-tiny", 1, 48, PACKED, "ring", False),
+    "qwen3.5": ("qwen3.5-tiny", 1, 48, PACKED, "allgather", True),
+    "deepseek-v3": ("deepseek-v3-tiny", 2, 32, None, "allgather", False),
+}
+
+
+def _batches(vocab, B, T):
+    g = torch.Generator().manual_seed(7)
+    return [torch.randint(0, vocab, (B, T), generator=g) for _ in range(STEPS)]
+
+
+def _train(case, dtype, group=None):
+    name, B, T, cu, exchange, recompute = CASES[case]
+    model = models.build(name, seed=0, dtype=dtype).set_recompute(recompute)
+    if group is not None:
+        cp_model.apply(model, group, cp_model.ContextParallel(exchange=exchange))
+    opt = torch.optim.AdamW(model.parameters(), **HP)
+    losses = []
+    for ids in _batches(model.config.vocab_size, B, T):
+        if group is None:
+            loss = model(ids, labels=ids, cu_seqlens=cu).loss
+            loss.backward()
+            total = loss.detach()
+        else:
+            depths = len(model.mtp.layers) if hasattr(model, "mtp") else 0
+            loss = cp_model.loss(model, layout.shard_batch(ids, None, group, cu_seqlens=cu, mtp_depths=depths))
+            loss.backward()
+            cp_model.sync_grads(model, group)
+            total = loss.detach().clone()
+            dist.all_reduce(total, group=group)
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    return torch.stack(losses), {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def models_at_cp2(group):
+    errors = {}
+    for case in CASES:
+        l64, w64 = _train(case, torch.float64)
+        l32, w32 = _train(case, torch.float32)
+        l, w = _train(case, torch.float32, group)
+        errors[f"{case} losses"] = error(l, l64, l32)
+        for k in w64:
+            e, r, _ = error(w[k], w64[k], w32[k])
+            errors[f"{case} {k}"] = (e, 2 * r, 8 * EPS32 * w64[k].abs().max().item())  # 8x: within() takes 4x
+    return errors
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    return spawn(2, __name__, "models_at_cp2", tmp_path_factory.mktemp("cp_models"))
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_model_at_cp2_equals_cp1(case, two_ranks):
+    for rank, errors in enumerate(two_ranks):
+        mine = {k: v for k, v in errors.items() if k.startswith(case + " ")}
+        assert len(mine) > 5
+        assert within(mine) == [], f"rank {rank}"
+
+
+def test_apply_refuses_a_second_time():
+    model = cp_model.apply(models.build("qwen3-tiny"), None)
+    with pytest.raises(ValueError, match="already applied"):
+        cp_model.apply(model, None)
+    with pytest.raises(ValueError, match="exchange"):
+        cp_model.ContextParallel(exchange="a2a")
