@@ -172,6 +172,9 @@ def build(stack: str, path, device, mesh, *, ep: int = 1, mixed_precision="bf16"
     if base == "bumblebee":
         s = Bumblebee(path, device, mesh, ep=ep, impl=opts, mixed_precision=mixed_precision)
     elif base in ("transformers+liger", "transformers", "transformers+liger-reference"):
+        if set(opts) - {"attn", "optim"}:
+            raise ValueError(f"stack {stack!r}: unknown peer options {sorted(set(opts) - {'attn', 'optim'})}; "
+                             "accepted: attn, optim")
         if base.endswith("-reference"):
             opts = {**REFERENCE, **opts}
         s = TransformersLiger(path, device, mesh, liger=base != "transformers", mixed_precision=mixed_precision,

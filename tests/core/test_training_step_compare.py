@@ -65,3 +65,16 @@ def test_a_peer_of_another_family_is_paired_only_saying_so(monkeypatch):
     rows.append(_row("transformers+liger:attn=sdpa", 680, 0, fam="cudnn"))
     (c,) = cmp.compare(rows)
     assert c["peer"] == "transformers+liger:attn=sdpa" and c["same_attention_kernel"]
+
+
+def test_peer_options_are_checked(monkeypatch):
+    import torch
+    monkeypatch.syspath_prepend(str(BENCH / "training_step"))
+    stacks = _load("step_stacks", monkeypatch)
+    with pytest.raises(ValueError, match="unknown peer options"):
+        stacks.build("transformers+liger:atn=sdpa", None, torch.device("cpu"), None)
+    with pytest.raises(ValueError, match="attn"):
+        stacks.build("transformers+liger:attn=flash", None, torch.device("cpu"), None)
+    assert stacks.peer_attention(torch.device("cpu")) == "sdpa"
+    with pytest.raises(ValueError, match="unknown stack"):
+        stacks.build("megatron", None, torch.device("cpu"), None)
