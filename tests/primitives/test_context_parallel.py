@@ -4,7 +4,8 @@ Layout (no ranks): shard / unshard, positions, targets shifted on the full seque
 Layers at CP = 2 and 4 (one spawn of 4 ranks): causal GQA attention (ratios 1, 4, 8; all-gather and ring;
 unpacked with B = 2, and packed with one-token documents and documents that do not divide by 2 x CP,
 span chunks and ranks), and gated DeltaNet (state passing across 2 x CP chunks, a chunk longer than
-the rule's 64-token block, conv halo, packed). Every rank's outputs and input gradients at its own
+the rule's 64-token block, conv halo, packed), and MLA (with and without a query LoRA, all-gather of
+the latent and RoPE key, packed). Every rank's outputs and input gradients at its own
 positions, and the sum of its parameter gradients over ranks, lie within 4x the fp32 single-rank
 layer's own error against float64 plus 8 ulps; input gradients off the rank's positions are zero.
 """
@@ -16,9 +17,11 @@ import torch.distributed as dist
 
 from bumblebee.baselines.attention import eager_attention
 from bumblebee.baselines.linear_attention import ChunkedGatedDeltaNet
+from bumblebee.baselines.mla import NaiveMLA
 from bumblebee.primitives.context_parallel import layout
 from bumblebee.primitives.context_parallel.attention import EXCHANGES
 from bumblebee.primitives.context_parallel.gdn import gdn_forward
+from bumblebee.primitives.context_parallel.mla import mla_forward
 from tests.primitives.context_parallel_ranks import error, spawn, within
 
 PACKED = torch.tensor([0, 5, 6, 30, 31, 48])  # one-token documents at 5 and 30; 48 tokens
@@ -139,6 +142,45 @@ def _gdn_checks(group, errors, off):
             errors[f"{case} d{n}"] = error(total, p64[n], p32[n])
 
 
+def _rope_tables(positions_BT, R):
+    freqs = positions_BT[..., None].double() / 10000 ** (torch.arange(0, R, 2, dtype=torch.float64) / R)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def _mla_checks(group, errors, off):
+    cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    T = 48
+    for q_lora, cu in ((24, None), (None, PACKED)):
+        B = 2 if cu is None else 1
+        torch.manual_seed(3)
+        dims = dict(q_lora_rank=q_lora, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8)
+        layer64 = NaiveMLA(32, 4, **dims).double()
+        layer32 = NaiveMLA(32, 4, **dims)
+        layer32.load_state_dict(layer64.state_dict())
+        batch = layout.make_batch(group, T, cu)
+        cos, sin = _rope_tables((torch.arange(T) - batch.all_starts).expand(B, T), 4)
+        x, w = _inputs([(B, T, 32), (B, T, 32)], seed=5)
+        o64, (gx64,) = _grads_of(lambda t: layer64(t, cos, sin, cu_seqlens=cu), [x], w)
+        o32, (gx32,) = _grads_of(lambda t: layer32(t, cos.float(), sin.float(), cu_seqlens=cu), [x.float()], w)
+        p64 = {n: p.grad for n, p in layer64.named_parameters()}
+        p32 = {n: p.grad.clone() for n, p in layer32.named_parameters()}
+        layer32.zero_grad()
+        idx = batch.index
+        o, (gx,) = _grads_of(lambda t: mla_forward(layer32, layout.shard(t, cp, rank), cos[:, idx].float(),
+                                                   sin[:, idx].float(), batch), [x.float()], layout.shard(w, cp, rank))
+        case = f"mla q_lora={q_lora} packed={cu is not None}"
+        errors[f"{case} out"] = error(o, o64[:, idx], o32[:, idx])
+        errors[f"{case} dx"] = error(gx[:, idx], gx64[:, idx], gx32[:, idx])
+        gx = gx.clone()
+        gx[:, idx] = 0
+        off[f"{case} dx"] = gx.abs().max().item()
+        for n, p in layer32.named_parameters():
+            total = p.grad.clone()
+            dist.all_reduce(total, group=group)
+            errors[f"{case} d{n}"] = error(total, p64[n], p32[n])
+
+
 def layers(world):
     """CP = 4 over the 4 ranks, then CP = 2 over ranks {0, 1} and {2, 3} (one spawn for both)."""
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank creates every group
@@ -147,6 +189,7 @@ def layers(world):
         errors, off = {}, {}
         _attention_checks(group, errors, off)
         _gdn_checks(group, errors, off)
+        _mla_checks(group, errors, off)
         out[cp] = {"errors": errors, "off": off}
     return out
 
