@@ -112,34 +112,45 @@ def _attention_checks(group, errors, off):
                     off[f"{case} d{n}"] = g.abs().max().item()
 
 
-def _gdn_checks(group, errors, off):
+def _module_checks(group, errors, off, case, layers, full, local, x, w, idx):
+    """A module (float64 and fp32 copies in `layers`) whole on one rank (`full(layer, x)`) against this
+    rank's cp form (`local(layer, x_shard)`): output and input gradient at idx, parameter gradients
+    summed over the group; the input gradient off idx in `off`."""
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    layer64, layer32 = layers
+    o64, (gx64,) = _grads_of(lambda t: full(layer64, t), [x], w)
+    o32, (gx32,) = _grads_of(lambda t: full(layer32, t), [x.float()], w)
+    p64 = {n: p.grad for n, p in layer64.named_parameters()}
+    p32 = {n: p.grad.clone() for n, p in layer32.named_parameters()}
+    layer32.zero_grad()
+    o, (gx,) = _grads_of(lambda t: local(layer32, layout.shard(t, cp, rank)), [x.float()], layout.shard(w, cp, rank))
+    errors[f"{case} out"] = error(o, o64[:, idx], o32[:, idx])
+    errors[f"{case} dx"] = error(gx[:, idx], gx64[:, idx], gx32[:, idx])
+    gx = gx.clone()
+    gx[:, idx] = 0
+    off[f"{case} dx"] = gx.abs().max().item()
+    for n, p in layer32.named_parameters():
+        total = p.grad.clone()
+        dist.all_reduce(total, group=group)
+        errors[f"{case} d{n}"] = error(total, p64[n], p32[n])
+
+
+def _twins(cls, *args, **kw):
+    layer64 = cls(*args, **kw).double()
+    layer32 = cls(*args, **kw)
+    layer32.load_state_dict(layer64.state_dict())
+    return layer64, layer32
+
+
+def _gdn_checks(group, errors, off):
     for T, cu in ((48, None), (48, PACKED), (288, LONG)):
         B = 2 if cu is None else 1
         torch.manual_seed(T)
-        layer64 = ChunkedGatedDeltaNet(32, 2, 4, 8, 8).double()  # 2 key heads, 4 value heads
-        layer32 = ChunkedGatedDeltaNet(32, 2, 4, 8, 8)
-        layer32.load_state_dict(layer64.state_dict())
-        x, w = _inputs([(B, T, 32), (B, T, 32)], seed=T)
-        o64, (gx64,) = _grads_of(lambda t: layer64(t, cu_seqlens=cu), [x], w)
-        o32, (gx32,) = _grads_of(lambda t: layer32(t, cu_seqlens=cu), [x.float()], w)
-        p64 = {n: p.grad for n, p in layer64.named_parameters()}
-        p32 = {n: p.grad.clone() for n, p in layer32.named_parameters()}
-        layer32.zero_grad()
         batch = layout.make_batch(group, T, cu)
-        idx = batch.index
-        o, (gx,) = _grads_of(lambda t: gdn_forward(layer32, layout.shard(t, cp, rank), batch), [x.float()],
-                             layout.shard(w, cp, rank))
-        case = f"gdn T={T} packed={cu is not None}"
-        errors[f"{case} out"] = error(o, o64[:, idx], o32[:, idx])
-        errors[f"{case} dx"] = error(gx[:, idx], gx64[:, idx], gx32[:, idx])
-        gx = gx.clone()
-        gx[:, idx] = 0
-        off[f"{case} dx"] = gx.abs().max().item()
-        for n, p in layer32.named_parameters():
-            total = p.grad.clone()
-            dist.all_reduce(total, group=group)
-            errors[f"{case} d{n}"] = error(total, p64[n], p32[n])
+        _module_checks(group, errors, off, f"gdn T={T} packed={cu is not None}",
+                       _twins(ChunkedGatedDeltaNet, 32, 2, 4, 8, 8),  # 2 key heads, 4 value heads
+                       lambda layer, t: layer(t, cu_seqlens=cu), lambda layer, t: gdn_forward(layer, t, batch),
+                       *_inputs([(B, T, 32), (B, T, 32)], seed=T), batch.index)
 
 
 def _rope_tables(positions_BT, R):
@@ -149,36 +160,22 @@ def _rope_tables(positions_BT, R):
 
 
 def _mla_checks(group, errors, off):
-    cp, rank = dist.get_world_size(group), dist.get_rank(group)
     T = 48
     for q_lora, cu in ((24, None), (None, PACKED)):
         B = 2 if cu is None else 1
         torch.manual_seed(3)
         dims = dict(q_lora_rank=q_lora, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8)
-        layer64 = NaiveMLA(32, 4, **dims).double()
-        layer32 = NaiveMLA(32, 4, **dims)
-        layer32.load_state_dict(layer64.state_dict())
         batch = layout.make_batch(group, T, cu)
-        cos, sin = _rope_tables((torch.arange(T) - batch.all_starts).expand(B, T), 4)
-        x, w = _inputs([(B, T, 32), (B, T, 32)], seed=5)
-        o64, (gx64,) = _grads_of(lambda t: layer64(t, cos, sin, cu_seqlens=cu), [x], w)
-        o32, (gx32,) = _grads_of(lambda t: layer32(t, cos.float(), sin.float(), cu_seqlens=cu), [x.float()], w)
-        p64 = {n: p.grad for n, p in layer64.named_parameters()}
-        p32 = {n: p.grad.clone() for n, p in layer32.named_parameters()}
-        layer32.zero_grad()
         idx = batch.index
-        o, (gx,) = _grads_of(lambda t: mla_forward(layer32, layout.shard(t, cp, rank), cos[:, idx].float(),
-                                                   sin[:, idx].float(), batch), [x.float()], layout.shard(w, cp, rank))
-        case = f"mla q_lora={q_lora} packed={cu is not None}"
-        errors[f"{case} out"] = error(o, o64[:, idx], o32[:, idx])
-        errors[f"{case} dx"] = error(gx[:, idx], gx64[:, idx], gx32[:, idx])
-        gx = gx.clone()
-        gx[:, idx] = 0
-        off[f"{case} dx"] = gx.abs().max().item()
-        for n, p in layer32.named_parameters():
-            total = p.grad.clone()
-            dist.all_reduce(total, group=group)
-            errors[f"{case} d{n}"] = error(total, p64[n], p32[n])
+        cos, sin = _rope_tables((torch.arange(T) - batch.all_starts).expand(B, T), 4)
+
+        def full(layer, t):
+            return layer(t, cos.to(t.dtype), sin.to(t.dtype), cu_seqlens=cu)
+
+        def local(layer, t):
+            return mla_forward(layer, t, cos[:, idx].float(), sin[:, idx].float(), batch)
+        _module_checks(group, errors, off, f"mla q_lora={q_lora} packed={cu is not None}",
+                       _twins(NaiveMLA, 32, 4, **dims), full, local, *_inputs([(B, T, 32), (B, T, 32)], seed=5), idx)
 
 
 def layers(world):
