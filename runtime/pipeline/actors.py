@@ -80,14 +80,16 @@ class Producer:
     """Generates groups: asks the scheduler for a lease on the weights it holds, waits for newer
     weights when refused, samples `group_size` completions, scores them, submits the group."""
 
-    def __init__(self, holder: str, engine_factory, task, scheduler, channel, cfg: PipelineConfig):
+    def __init__(self, holder: str, engine_factory, task, scheduler, cfg: PipelineConfig):
         torch.set_num_threads(cfg.threads)
-        self.holder, self.task, self.scheduler, self.channel, self.cfg = holder, task, scheduler, channel, cfg
+        self.holder, self.task, self.scheduler, self.cfg = holder, task, scheduler, cfg
         self.engine = engine_factory()
         self.busy_s = self.idle_s = 0.0
 
-    def attach(self, rank: int) -> None:
-        self.channel.attach(rank, self.engine)
+    def attach(self, rank: int, channel) -> None:
+        """Join the weight channel as `rank` (before `run`)."""
+        self.channel = channel
+        channel.attach(rank, self.engine)
 
     def _refresh(self) -> None:
         """Load the newest weights if they are newer than the engine's (between chunks, or on wait)."""
@@ -121,10 +123,9 @@ class Trainer:
     a one-rank gloo group of the actor's own), one GRPO step per call on the step's groups, then its
     weights published."""
 
-    def __init__(self, model_config: dict, cfg: PipelineConfig, scheduler, channel, pad_id: int):
+    def __init__(self, model_config: dict, cfg: PipelineConfig, scheduler, pad_id: int):
         torch.set_num_threads(cfg.threads)
-        self.model_config, self.cfg, self.scheduler, self.channel, self.pad_id = (model_config, cfg, scheduler,
-                                                                                  channel, pad_id)
+        self.model_config, self.cfg, self.scheduler, self.pad_id = model_config, cfg, scheduler, pad_id
         self.version = 0
 
     def address(self) -> str:
@@ -134,11 +135,11 @@ class Trainer:
             s.bind(("", 0))
             return f"{ray.util.get_node_ip_address()}:{s.getsockname()[1]}"
 
-    def attach(self, channel=None) -> None:
+    def attach(self, channel) -> None:
         """Join the weight channel (rank 0), then build the policy on the trainer's own group."""
         from bumblebee.runtime.pipeline.trainer import build_runtime
-        self.channel = channel or self.channel
-        self.channel.attach(0)
+        self.channel = channel
+        channel.attach(0)
         self.rt, self.ref = build_runtime(self.model_config, self.cfg,
                                           group=getattr(self.channel, "trainer_group", None))
 

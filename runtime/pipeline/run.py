@@ -32,34 +32,37 @@ class Pipeline:
                                                   pad_token_id=task.pad_id)
         self.store = WeightStore.remote()
         self.scheduler = Scheduler.remote(task, cfg)
-        self.channel = ObjectStoreChannel(self.store, cfg.call_timeout_s)
         self.trainer = Trainer.options(num_cpus=cfg.trainer_cpus).remote(model_config, cfg, self.scheduler,
-                                                                         self.channel, task.pad_id)
+                                                                         task.pad_id)
         self.producers, self.holders, self.incarnations, self.runs, self.restarts = {}, {}, {}, {}, 0
+        for i in range(cfg.producers):  # their processes start beside the trainer's
+            self._create(i)
+        self.channel = ObjectStoreChannel(self.store, cfg.call_timeout_s)
         if cfg.weights == "p2p":  # one group over all of them, joined at once
             from bumblebee.runtime.pipeline.weights_p2p import P2PChannel
             address = get(self.trainer.address.remote(), cfg.call_timeout_s, "the trainer's address")
             self.channel = P2PChannel(cfg.producers, address, cfg.weight_timeout_s)
         joins = [self.trainer.attach.remote(self.channel)]
-        joins += [self._start(i, run=False) for i in range(cfg.producers)]
+        joins += [p.attach.remote(i + 1, self.channel) for i, p in self.producers.items()]
         get(joins, cfg.call_timeout_s, "the trainer's and producers' start")
         get(self.trainer.publish.remote(), cfg.call_timeout_s, "the first weights")
         for i, p in self.producers.items():
             self.runs[p.run.remote()] = i
 
-    def _start(self, i: int, run: bool = True):
-        """Start producer `i` and its attach to the channel (rank i + 1); then its run loop, unless
-        `run` is False. Each incarnation leases under its own name ("i.n"), so that a late answer
-        of a dead one can never pass for its successor's."""
+    def _create(self, i: int):
+        """Producer `i`'s actor. Each incarnation leases under its own name ("i.n"), so that a late
+        answer of a dead one can never pass for its successor's."""
         holder = f"{i}.{self.incarnations.get(i, 0)}"
         self.incarnations[i] = self.incarnations.get(i, 0) + 1
         p = Producer.options(num_cpus=self.cfg.producer_cpus).remote(holder, self.engine, self.task, self.scheduler,
-                                                                       self.channel, self.cfg)
+                                                                       self.cfg)
         self.producers[i], self.holders[i] = p, holder
-        attached = p.attach.remote(i + 1)
-        if run:
-            self.runs[p.run.remote()] = i
-        return attached
+        return p
+
+    def _restart(self, i: int) -> None:
+        p = self._create(i)
+        p.attach.remote(i + 1, self.channel)
+        self.runs[p.run.remote()] = i
 
     def kill_producer(self, i: int) -> None:
         """Kill producer `i` (a fault, for tests): the driver restarts it and its prompts are re-leased."""
@@ -107,7 +110,7 @@ class Pipeline:
             self.restarts += 1
             get(self.scheduler.release.remote(self.holders[i]), self.cfg.call_timeout_s,
                 f"releasing producer {i}'s prompts")
-            self._start(i)
+            self._restart(i)
 
     def stats(self) -> dict:
         return get(self.scheduler.stats.remote(), self.cfg.call_timeout_s, "scheduler stats")

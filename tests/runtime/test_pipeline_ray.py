@@ -1,6 +1,7 @@
 """The asynchronous pipeline on a local Ray (2 CPUs): a tiny Qwen3 learns to copy two digits at
-eta = 1 while a producer is killed mid-run (every prompt trained exactly once), eta = 0 makes the
-plain synchronous loop's updates with weights sent by the transfer primitive, and stalled waits raise PipelineTimeout. Skipped without Ray
+eta = 1 while a producer is killed mid-run (every prompt trained exactly once) and stalled waits
+raise PipelineTimeout, eta = 0 makes the
+plain synchronous loop's updates with weights sent by the transfer primitive. Skipped without Ray
 (the `rl` extra)."""
 from __future__ import annotations
 
@@ -40,6 +41,20 @@ def local_ray():
     ray.shutdown()
 
 
+def _stalled_waits_raise(p):
+    """On the run's own actors (no extra start-up), waits that cannot end raise PipelineTimeout
+    within their limits, leaving the run intact."""
+    from bumblebee.runtime.pipeline.weights import ObjectStoreChannel, get
+    t0 = time.monotonic()
+    with pytest.raises(PipelineTimeout, match=f"step {STEPS - 1}: 0 of 16 groups.*take_timeout_s"):
+        ray.get(p.scheduler.take.remote(STEPS - 1, STALL_S))  # its prompts are not even admitted yet
+    with pytest.raises(PipelineTimeout, match="no weights newer than version 99.*weight_timeout_s"):
+        ObjectStoreChannel(p.store, STALL_S).wait_newer(SimpleNamespace(version=99), STALL_S)  # never published
+    with pytest.raises(PipelineTimeout, match="a weight sync: no answer"):
+        get(p.store.wait_newer.remote(99, 10 * STALL_S), STALL_S, "a weight sync")  # a remote call that hangs
+    assert time.monotonic() - t0 < 10 * STALL_S  # three waits of STALL_S each, with room for a loaded machine
+
+
 def test_learns_asynchronously_with_a_producer_killed(local_ray, tmp_path):
     """Seeded, but the interleaving is the machine's, so the run is not reproducible bit for bit: the
     margin is over 10 standard errors of the difference of two window means under the initial
@@ -50,6 +65,7 @@ def test_learns_asynchronously_with_a_producer_killed(local_ray, tmp_path):
             pipeline.kill_producer(0)
 
     with Pipeline(_cfg(producers=1, restarts=1), CONFIG, TASK) as p:
+        _stalled_waits_raise(p)
         log = p.run(log_path=tmp_path / "run.jsonl", on_step=None, before_step=kill)
         stats = p.stats()
         assert p.restarts == 1
@@ -87,24 +103,3 @@ def test_eta_zero_through_the_transfer_primitive_equals_the_synchronous_loop(loc
         assert a["staleness_max"] == 0 and a["reward"] == b["reward"] and a["lengths"] == b["lengths"]
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-6, abs=1e-9)
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-6)
-
-
-def test_stalled_waits_raise(local_ray):
-    from bumblebee.runtime.pipeline.actors import Scheduler
-    from bumblebee.runtime.pipeline.weights import ObjectStoreChannel, WeightStore, get
-    cfg = _cfg()
-    scheduler, store = Scheduler.remote(TASK, cfg), WeightStore.remote()
-    channel = ObjectStoreChannel(store, STALL_S)
-    try:
-        ray.get([scheduler.stats.remote(), store.latest.remote()])  # both started: only the waits are timed
-        t0 = time.monotonic()
-        with pytest.raises(PipelineTimeout, match="step 0: 0 of 16 groups.*take_timeout_s"):
-            ray.get(scheduler.take.remote(0, STALL_S))  # no producer ever submits
-        with pytest.raises(PipelineTimeout, match="no weights newer than version -1.*weight_timeout_s"):
-            channel.wait_newer(SimpleNamespace(version=-1), STALL_S)  # the trainer never publishes
-        with pytest.raises(PipelineTimeout, match="a weight sync: no answer"):
-            get(store.wait_newer.remote(-1, 10 * STALL_S), STALL_S, "a weight sync")  # a remote call that hangs
-        assert time.monotonic() - t0 < 10 * STALL_S  # three waits of STALL_S each, with room for a loaded machine
-    finally:
-        ray.kill(scheduler)
-        ray.kill(store)
