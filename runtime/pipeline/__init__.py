@@ -23,6 +23,10 @@ __all__ = ["Admission", "Completion", "CopyDigits", "Group", "Lease", "Objective
 
 def __getattr__(name):  # Pipeline needs Ray: imported on first use
     if name == "Pipeline":
+        try:
+            import ray  # noqa: F401
+        except ImportError:
+            raise ImportError("the RL pipeline needs Ray: pip install -e '.[rl]'") from None
         from bumblebee.runtime.pipeline.run import Pipeline
         return Pipeline
     raise AttributeError(name)
