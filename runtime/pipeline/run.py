@@ -30,11 +30,19 @@ class Pipeline:
         self.cfg, self.task = cfg, task
         self.engine = engine or functools.partial(TransformersEngine, model_config, eos_token_id=task.eos_id,
                                                   pad_token_id=task.pad_id)
+        self.producers, self.holders, self.incarnations, self.runs, self.restarts = {}, {}, {}, {}, 0
+        self.trainer = self.scheduler = None
         self.store = WeightStore.remote()
+        try:
+            self._start(cfg, model_config, task)
+        except BaseException:  # no actor outlives a failed start
+            self.shutdown()
+            raise
+
+    def _start(self, cfg, model_config, task) -> None:
         self.scheduler = Scheduler.remote(task, cfg)
         self.trainer = Trainer.options(num_cpus=cfg.trainer_cpus).remote(model_config, cfg, self.scheduler,
                                                                          task.pad_id)
-        self.producers, self.holders, self.incarnations, self.runs, self.restarts = {}, {}, {}, {}, 0
         for i in range(cfg.producers):  # their processes start beside the trainer's
             self._create(i)
         self.channel = ObjectStoreChannel(self.store, cfg.call_timeout_s)
@@ -118,7 +126,8 @@ class Pipeline:
     def shutdown(self) -> None:
         """Stop every actor of the run (their processes end; Ray itself stays up)."""
         for actor in [*self.producers.values(), self.trainer, self.scheduler, self.store]:
-            ray.kill(actor, no_restart=True)
+            if actor is not None:
+                ray.kill(actor, no_restart=True)
         self.producers, self.runs = {}, {}
 
     def __enter__(self):

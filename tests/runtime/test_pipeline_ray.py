@@ -103,3 +103,13 @@ def test_eta_zero_through_the_transfer_primitive_equals_the_synchronous_loop(loc
         assert a["staleness_max"] == 0 and a["reward"] == b["reward"] and a["lengths"] == b["lengths"]
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-6, abs=1e-9)
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-6)
+
+
+def test_a_start_that_cannot_finish_raises(local_ray):
+    """A producer asking for more CPUs than the cluster has never starts: the start raises within
+    its limit (and kills what it started) instead of waiting forever."""
+    cfg = _cfg(producer_cpus=3.0, call_timeout_s=STALL_S)
+    t0 = time.monotonic()
+    with pytest.raises(PipelineTimeout, match="producers' start: no answer"):
+        Pipeline(cfg, CONFIG, TASK)
+    assert time.monotonic() - t0 < 10 * STALL_S
