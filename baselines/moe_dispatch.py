@@ -14,7 +14,7 @@ are sharded over the `ep` process group held by `experts.ep_group` (rank r holds
   4. undo the regroup, the reverse all_to_all, weight and sum each token's K copies.
 Autograd runs through both all_to_alls (their backward is the opposite all_to_all). The permutation
 steps (sort, counts, regroup index, gather / weighted sum over K and their gradients) come from
-`common/moe_dispatch_permute.py`, shared with the chunked primitive: gathers and sums, no atomics.
+`common/moe_dispatch_permute.py` (the chunked primitive has its own): gathers and sums, no atomics.
 
 Both accept `chunks=` for signature parity with the chunked primitive and ignore it.
 

@@ -1,4 +1,4 @@
-"""Token permutation for the MoE dispatchers, shared by `local`, `all_to_all` and `chunked`.
+"""Token permutation of the twin MoE dispatchers `local` and `all_to_all`.
 
 Every token has exactly K routed copies. The dispatchers sort the copies by a key (expert, or
 chunk * E + expert with chunks that are contiguous token ranges), run the experts on the sorted
@@ -15,8 +15,9 @@ results are deterministic, and no host sync.
   regroup:     rows that arrive from an all_to_all in (chunk, source, expert) order, to (chunk,
                expert, source) order, as one destination index computed from the counts
 
-`Permute`, `Unpermute` and `RowPermutation` are the autograd forms (the twins' path); the chunked
-primitive calls the plain functions from its own backward.
+`Permute`, `Unpermute` and `RowPermutation` are the autograd forms. The chunked primitive has its own
+permutation (its kernels, their algorithms in torch, `primitives/moe_dispatch_rows.py`); of this file
+it uses only `copy_order` on CUDA, the one radix sort.
 
 Shape legend: N tokens, K copies per token, M = N K copies, D width, E experts (keys), C chunks,
 S source ranks, L local experts, R received rows.

@@ -82,7 +82,7 @@ def regroup(counts_CSL: torch.Tensor, chunk_rows: list):
                          f"got {counts_CSL.dtype} {tuple(counts_CSL.shape)}")
     if not use_triton(counts_CSL):
         raise ValueError("regroup runs the Triton kernel: counts_CSL must be on CUDA (or TRITON_INTERPRET=1); "
-                         "bumblebee.common.moe_dispatch_permute.regroup_rows is the torch path")
+                         "bumblebee.primitives.moe_dispatch_rows.regroup_rows is the torch path")
     C, S, L = counts_CSL.shape
     rows = sum(chunk_rows)
     dev = counts_CSL.device
