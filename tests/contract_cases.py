@@ -153,6 +153,20 @@ SAME_BITS_BY_DESIGN = {
     "weight_transfer": "moves weights between ranks: copies",
 }
 
+class RanksPair:
+    """A slot whose twins run across processes (weight_transfer: trainer ranks to rollout ranks): the
+    contract test calls `check(name, twin, out_dir)` ("module.function"), which spawns the ranks and
+    asserts that both twins give the same result; the slot's other tests: `tests`."""
+
+    def __init__(self, check: str, tests: str):
+        self.check, self.tests = check, tests
+
+    def check_pair(self, name: str, twin: str, out_dir) -> None:
+        import importlib
+        module, fn = self.check.rsplit(".", 1)
+        getattr(importlib.import_module(module), fn)(name, twin, out_dir)
+
+
 CASES = {
     "router": router_case,
     "router/softmax_fused": softmax_router_case,
@@ -167,4 +181,6 @@ CASES = {
     "mtp.init": mtp_init,
     "linear_attention": linear_attention_case,
     "linear_attention.init": linear_attention_init,
+    "weight_transfer": RanksPair("tests.primitives.test_weight_transfer_ranks.contract",
+                                 "tests/primitives/test_weight_transfer_ranks.py"),
 }

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from bumblebee.common.weight_transfer import Link, TransferError, TransferInFlight
 from bumblebee.options import check_bool, check_choice, check_int, option
-from bumblebee.primitives.weight_transfer.endpoints import Link, WeightReceiver, WeightSender
-from bumblebee.primitives.weight_transfer.execute import TransferError, TransferInFlight
+from bumblebee.primitives.weight_transfer.endpoints import WeightReceiver, WeightSender
 from bumblebee.primitives.weight_transfer.infer import LayoutCache, LayoutError, check, infer_layout
 from bumblebee.primitives.weight_transfer.plan import HEADER_BYTES, Plan, make_plan
 from bumblebee.registry import register
@@ -51,13 +51,13 @@ class P2PTransfer:
 
 
 @register("weight_transfer", "p2p", kind="primitive", twin="broadcast", default=True, config=P2PTransfer)
-def p2p(config: P2PTransfer, link: Link, *, load_weights=None, targets=None, layout_key: str = "",
-        cache: LayoutCache | None = None):
+def p2p(config: P2PTransfer, link: Link, *, load_weights=None, targets=None, layout_key: str = "", cache=None):
     """Point-to-point weight transfer: only the slices each rollout rank keeps, each sent once.
 
     This rank's end of `link`: a `WeightSender` on a trainer rank, a `WeightReceiver` (which needs
     the engine's `load_weights` and the `targets` it writes) on a rollout rank. `layout_key` names
-    what decides the receiver's layout beyond its tensors' shapes (its TP/EP rank): the cache key."""
+    what decides the receiver's layout beyond its tensors' shapes (its TP/EP rank): the cache key;
+    `cache`: a `LayoutCache` that outlives this endpoint (a reconnect then costs one check call)."""
     import torch.distributed as dist
     if dist.get_rank() in link.trainer_ranks:
         return WeightSender(config, link)

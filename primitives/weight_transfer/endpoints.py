@@ -12,35 +12,14 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from dataclasses import dataclass
-
 import torch
 import torch.distributed as dist
 
-from bumblebee.primitives.weight_transfer.execute import (Control, Mover, TransferError, TransferInFlight, agree,
-                                                          read_from)
+from bumblebee.common.weight_transfer import Link, TransferError, TransferInFlight
+from bumblebee.primitives.weight_transfer.execute import Control, Mover, agree, read_from
 from bumblebee.primitives.weight_transfer.infer import LayoutCache, infer_layout
 from bumblebee.primitives.weight_transfer.plan import make_plan
-from bumblebee.primitives.weight_transfer.spec import digest, sender_spec
-
-
-@dataclass(frozen=True)
-class Link:
-    """Who takes part: global ranks of the trainer and of the rollout engine, the process group
-    spanning them (None: the default group), the key-value store for control messages (None: the
-    default group's) and a name that keeps several links apart in that store."""
-    trainer_ranks: tuple
-    rollout_ranks: tuple
-    group: object = None
-    store: object = None
-    name: str = "weights"
-
-    def __post_init__(self):
-        t, r = tuple(self.trainer_ranks), tuple(self.rollout_ranks)
-        if not t or not r or set(t) & set(r) or len(set(t)) != len(t) or len(set(r)) != len(r):
-            raise ValueError(f"Link needs disjoint, non-empty trainer_ranks and rollout_ranks; got {t} and {r}")
-        object.__setattr__(self, "trainer_ranks", t)
-        object.__setattr__(self, "rollout_ranks", r)
+from bumblebee.primitives.weight_transfer.spec import sender_spec
 
 
 def _merge_manifests(manifests) -> tuple:
@@ -181,16 +160,11 @@ class WeightSender(_Endpoint):
         if self.error is not None:
             raise TransferError(f"the async service failed: {self.error}") from self.error
         spec, manifest, local = sender_spec(self.rank, shards)
-        with self._lock:
-            free = [s for s in self._slots[:-1] if not s[2]] if len(self._slots) >= 3 else []
-            if free:  # reuse the oldest free snapshot's memory
-                slot = free[0]
-                self._slots.remove(slot)
-                same = set(slot[1][2]) == set(local)
-                snap = ({k: slot[1][2][k].copy_(t) for k, t in local.items()} if same else
-                        {k: t.detach().clone() for k, t in local.items()})
-            else:
-                snap = {k: t.detach().clone() for k, t in local.items()}
+        with self._lock:  # reuse the oldest snapshot that is neither served nor the newest
+            free = [i for i, s in enumerate(self._slots[:-1]) if not s[2]] if len(self._slots) >= 3 else []
+            old = self._slots.pop(free[0])[1][2] if free else {}
+            snap = ({k: old[k].copy_(t) for k, t in local.items()} if set(old) == set(local) else
+                    {k: t.detach().clone() for k, t in local.items()})
             self._slots.append([version, (spec, manifest, snap), False])
             held = [s[0] for s in self._slots]
         self.ctl.post("pub", self.rank, held)
@@ -202,9 +176,13 @@ class WeightSender(_Endpoint):
         leader = self.link.rollout_ranks[0]
         while not self._stop.is_set():
             try:
-                req = self.ctl.collect(f"{self.n}/req", [leader], timeout_s=1.0)[leader]
-            except TransferError:
-                continue
+                if not self.ctl._has(f"{self.n}/req/{leader}"):
+                    self._stop.wait(0.02)
+                    continue
+                req = self.ctl.collect(f"{self.n}/req", [leader])[leader]
+            except TransferError as e:  # the store is gone
+                self.error = e
+                return
             with self._lock:
                 slot = next((s for s in self._slots if s[0] == req), None)
                 if slot is not None:
@@ -220,8 +198,8 @@ class WeightSender(_Endpoint):
                 with self._lock:
                     if slot is not None:
                         slot[2] = False
-                    keep = sorted(self._slots, key=lambda s: s[0])[-2:]
-                    self._slots = [s for s in self._slots if s in keep or s[2]]
+                    keep = {id(s) for s in sorted(self._slots, key=lambda s: s[0])[-2:]}
+                    self._slots = [s for s in self._slots if id(s) in keep or s[2]]
 
     def close(self):
         self._stop.set()
@@ -295,6 +273,3 @@ class WeightReceiver(_Endpoint):
                 self.ctl.forget(f"{self.n - 1}/req", leader)
             return self._transfer(want, None, self.config.timeout_s)
 
-
-def layout_digest(targets: dict) -> str:
-    return digest([(n, tuple(t.shape), str(t.dtype)) for n, t in targets.items()])

@@ -17,20 +17,15 @@ from __future__ import annotations
 
 import datetime
 import pickle
+import threading
+import time
 
 import torch
 import torch.distributed as dist
 
+from bumblebee.common.weight_transfer import TransferError
 from bumblebee.primitives.weight_transfer.boxes import box_shape, view
 from bumblebee.primitives.weight_transfer.spec import dtype_of
-
-
-class TransferError(RuntimeError):
-    """An update that did not commit: every receiver kept its previous weights."""
-
-
-class TransferInFlight(TransferError):
-    """An update started on an endpoint while another one is in flight."""
 
 
 def _align(n: int) -> int:
@@ -38,35 +33,44 @@ def _align(n: int) -> int:
 
 
 class Control:
-    """Posts and collects small pickled messages under `prefix` in the store, with a timeout."""
+    """Posts and collects small pickled messages under `prefix` in the store, with a timeout. One
+    store client may be shared by threads (the async service beside the trainer): every call holds
+    a lock, and waiting is polling (`check`), never a blocking `wait` that would hold the client."""
 
     def __init__(self, store, prefix: str, ranks, timeout_s: float):
         self.store = dist.PrefixStore(prefix, store)
         self.ranks, self.timeout_s = tuple(ranks), timeout_s
+        self._lock = threading.Lock()
 
     def post(self, key: str, rank: int, obj) -> None:
-        self.store.set(f"{key}/{rank}", pickle.dumps(obj))
+        with self._lock:
+            self.store.set(f"{key}/{rank}", pickle.dumps(obj))
 
     def collect(self, key: str, ranks=None, timeout_s=None) -> dict:
         ranks = self.ranks if ranks is None else ranks
         keys = [f"{key}/{r}" for r in ranks]
-        try:
-            self.store.wait(keys, datetime.timedelta(seconds=timeout_s or self.timeout_s))
-        except Exception as e:  # DistStoreError on timeout, a closed connection when the host died
-            late = [r for r, k in zip(ranks, keys) if not self._has(k)]
-            raise TransferError(f"{key}: ranks {late} did not answer within {timeout_s or self.timeout_s} s "
-                                f"(dead or stuck): {type(e).__name__}: {e}") from None
-        return {r: pickle.loads(self.store.get(k)) for r, k in zip(ranks, keys)}
+        limit = timeout_s or self.timeout_s
+        deadline, pause = time.monotonic() + limit, 0.001
+        while not self._has(*keys):
+            if time.monotonic() > deadline:
+                late = [r for r, k in zip(ranks, keys) if not self._has(k)]
+                raise TransferError(f"{key}: ranks {late} did not answer within {limit} s (dead or stuck)")
+            time.sleep(pause)
+            pause = min(2 * pause, 0.005)
+        with self._lock:
+            return {r: pickle.loads(self.store.get(k)) for r, k in zip(ranks, keys)}
 
-    def _has(self, key) -> bool:
+    def _has(self, *keys) -> bool:
         try:
-            return self.store.check([key])
-        except Exception:
-            return False
+            with self._lock:
+                return self.store.check(list(keys))
+        except Exception as e:  # the store's host died: no answer will ever come
+            raise TransferError(f"the control store is gone: {type(e).__name__}: {e}") from None
 
     def forget(self, key: str, rank: int) -> None:
         try:
-            self.store.delete_key(f"{key}/{rank}")
+            with self._lock:
+                self.store.delete_key(f"{key}/{rank}")
         except Exception:
             pass
 

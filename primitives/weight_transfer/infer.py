@@ -159,6 +159,10 @@ def _probe(load_weights, targets, manifest) -> ReceiverSpec:
             elif not torch.equal(written[n], d > 0):
                 raise LayoutError(f"target {n!r}: the loader writes different elements on each call")
             ids[n] += (d - 1).clamp_min(0) << (p * bits)
+    unwritten = [n for n in targets if not bool(written[n].any())]
+    if unwritten:
+        raise LayoutError(f"targets {unwritten[:3]} receive nothing from the manifest: a tensor the senders do "
+                          "not send, or tensors the loader does not load (leave those out of targets)")
     names = [m[0] for m in manifest]
     base_t = torch.tensor(bases, dtype=torch.int64)
     pieces = []

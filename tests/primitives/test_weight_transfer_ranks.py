@@ -1,0 +1,343 @@
+"""Weight transfer across gloo ranks: trainer ranks (FSDP2, with and without EP = 2) to rollout
+ranks (a vLLM-style engine at TP 1 and 2, experts over EP 2, transformers' own model), sync and
+async, p2p against its broadcast twin; after every transfer each rollout parameter equals, bit for
+bit, what its own load_weights makes of the HF checkpoint of that version. Failures (a receiver
+that raises mid-update, a dtype mismatch, a missing and an extra tensor, an update started while
+one is in flight, a sender killed mid-update) raise on every rank with the previous weights intact;
+100 updates run with flat memory."""
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from bumblebee import models, registry
+from bumblebee.primitives.weight_transfer import Link, P2PTransfer, TransferError, TransferInFlight
+from tests.primitives import weight_transfer_ranks as R
+from tests.primitives.weight_transfer_engines import VllmStyleEngine
+
+MOD = __name__
+MOE = "qwen3-moe-tiny"
+
+
+def _clone(targets):
+    return {k: t.detach().clone() for k, t in targets.items()}
+
+
+def _same(a, b):
+    return all(torch.equal(a[k], b[k]) for k in b)
+
+
+def _error(fn):
+    try:
+        fn()
+    except TransferError as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def _raise_at(r0):
+    def hook(r):
+        if r == r0:
+            raise RuntimeError("receiver failed mid-update")
+    return hook
+
+
+def main4(ctx):
+    """2 trainer ranks (FSDP2, EP 2) -> 2 rollout ranks holding three engines: TP 2, EP 2, and TP 2
+    again for the twin."""
+    p2p = registry.resolve("weight_transfer", P2PTransfer(budget_bytes=32 << 10, timeout_s=60))
+    async_ = registry.resolve("weight_transfer", P2PTransfer(mode="async", budget_bytes=32 << 10, timeout_s=60))
+    twin = registry.resolve("weight_transfer", "broadcast")
+    link = {k: Link(ctx.trainers, ctx.rollouts, name=k) for k in ("tp", "ep", "bc", "missing", "extra", "async")}
+    res = {"errors": {}, "snaps": {}, "full": {}}
+    if ctx.is_trainer:
+        model, state, _ = R.trainer_state(ctx, MOE, ep=True)
+        end = {"tp": p2p(link["tp"]), "ep": p2p(link["ep"])}
+
+        def step(v, links=("tp", "ep")):
+            R.train_step(model, state, v)
+            sh = R.shards(model, state)
+            for k in links:
+                end[k].update(sh, v)
+            full = R.hf_full(model, state)
+            if ctx.rank == 0:
+                res["full"][v] = full
+        step(1)
+        step(2)
+        b = twin(link["bc"])
+        b.update(R.shards(model, state), 2)
+        res["bytes"] = {"p2p": end["tp"].stats["bytes_sent"], "broadcast": b.stats["bytes_sent"]}
+        res["errors"]["raises"] = _error(lambda: end["tp"].update(R.shards(model, state), 3))
+        sh = R.shards(model, state)
+        if ctx.rank == 1:
+            sh[0] = SimpleNamespace(**{**vars(sh[0]), "tensor": sh[0].tensor.to(torch.bfloat16)})
+        res["errors"]["dtype"] = _error(lambda: end["tp"].update(sh, 4))
+        step(5, ("tp",))
+        end["tp"].ctl.collect("in-flight-tried", ctx.rollouts)  # the rollout's second update was refused
+        step(6, ("tp",))
+        sh = R.shards(model, state)
+        res["errors"]["missing"] = _error(lambda: p2p(link["missing"]).update(
+            [s for s in sh if s.name != "lm_head.weight"], 7))
+        extra = SimpleNamespace(name="model.extra.weight", tensor=torch.ones(3), shape=(3,), offsets=(0,), replicated=True)
+        res["errors"]["extra"] = _error(lambda: p2p(link["extra"]).update(sh + [extra], 8))
+        a = async_(link["async"])
+        took = []
+        for v in range(10, 10 if ctx.params.get("skip_async") else 14):
+            R.train_step(model, state, v)
+            t0 = time.perf_counter()
+            a.publish(R.shards(model, state), v)
+            took.append(time.perf_counter() - t0)
+            full = R.hf_full(model, state)
+            if ctx.rank == 0:
+                res["full"][v] = full
+            time.sleep(0.2)
+        a.ctl.collect("async-done", [ctx.rollouts[0]], timeout_s=120)
+        a.close()
+        res["publish_s"] = took
+        return res
+    R.other_meshes(ctx, ep=True)
+    man = R.manifest_of_model(MOE)
+    eng = {"tp": R.engine(ctx, MOE, man), "ep": R.engine(ctx, MOE, man, ep=True), "bc": R.engine(ctx, MOE, man)}
+    end = {k: p2p(link[k], load_weights=e[0], targets=e[1], layout_key=e[2]) for k, e in eng.items() if k != "bc"}
+    snap = res["snaps"]
+    for _ in (1, 2):
+        for k in ("tp", "ep"):
+            v = end[k].update()
+            snap[(k, v)] = _clone(eng[k][1])  # (a[f()] = g() runs g first: update before the clone)
+    twin(link["bc"], load_weights=eng["bc"][0], targets=eng["bc"][1]).update()
+    snap[("bc", 2)] = _clone(eng["bc"][1])
+    tp = eng["tp"][1]
+    if ctx.rank == ctx.rollouts[-1]:
+        end["tp"].on_round = _raise_at(0)
+    res["errors"]["raises"] = _error(end["tp"].update)
+    end["tp"].on_round = None
+    res["intact"] = {"raises": _same(tp, snap[("tp", 2)])}
+    res["errors"]["dtype"] = _error(end["tp"].update)
+    res["intact"]["dtype"] = _same(tp, snap[("tp", 2)])
+    v = end["tp"].update()
+    snap[("tp", v)] = _clone(tp)
+    th = threading.Thread(target=lambda: snap.__setitem__(("tp", 6), (end["tp"].update(), _clone(tp))))
+    th.start()  # waits for update 6, which the trainer sends once every rank tried a second one
+    while not end["tp"]._busy.locked():  # the thread's update has begun
+        time.sleep(0.01)
+    res["errors"]["in_flight"] = _error(end["tp"].update)
+    end["tp"].ctl.post("in-flight-tried", ctx.rank, True)
+    th.join()
+    res["v6"], snap[("tp", 6)] = snap[("tp", 6)]
+    for k in ("missing", "extra"):
+        lw, targets, key = eng["tp"]
+        res["errors"][k] = _error(lambda: p2p(link[k], load_weights=lw, targets=targets, layout_key=key).update())
+        res["intact"][k] = _same(tp, snap[("tp", 6)])
+    a = async_(link["async"], load_weights=eng["tp"][0], targets=tp, layout_key=eng["tp"][2])
+    got, deadline = [], time.time() + 120
+    while not ctx.params.get("skip_async") and a.version != 13 and time.time() < deadline:
+        v = a.poll()
+        if v is not None:
+            got.append(v)
+            snap[("async", v)] = _clone(tp)
+        time.sleep(0.5)  # a slow rollout: some versions are skipped
+    if ctx.rank == ctx.rollouts[0]:
+        a.ctl.post("async-done", ctx.rank, True)
+    res["async"] = got
+    return res
+
+
+@pytest.fixture(scope="module")
+def main(tmp_path_factory):
+    return R.spawn(2, 2, MOD, "main4", tmp_path_factory.mktemp("wt"), timeout_s=600)
+
+
+def _want(full, rollout_index, **kw):
+    e = VllmStyleEngine(R.manifest_of_model(MOE), models.NAMED[MOE], tp_rank=rollout_index, tp_size=2, **kw)
+    e.load_weights(iter(full.items()))
+    return e.params
+
+
+def test_fsdp2_ep_trainer_to_tp_and_ep_engines_bitwise(main):
+    full = main[0]["full"]
+    for i, rank in enumerate((2, 3)):
+        for v in (1, 2):
+            assert _same(main[rank]["snaps"][("tp", v)], _want(full[v], i)), (rank, v)
+            assert _same(main[rank]["snaps"][("ep", v)], _want(full[v], i, ep_rank=i, ep_size=2)), (rank, v)
+        assert _same(main[rank]["snaps"][("tp", 5)], _want(full[5], i))
+        assert _same(main[rank]["snaps"][("tp", 6)], _want(full[6], i))
+
+
+def test_twin_gives_the_same_weights_for_more_bytes(main):
+    for rank in (2, 3):
+        assert _same(main[rank]["snaps"][("bc", 2)], main[rank]["snaps"][("tp", 2)])
+    sent = [main[r]["bytes"] for r in (0, 1)]
+    p2p, bc = sum(s["p2p"] for s in sent), sum(s["broadcast"] for s in sent)
+    assert p2p * 1.9 < bc, (p2p, bc)  # TP 2: each rank keeps about half of what the twin sends it
+
+
+def test_failures_raise_everywhere_and_keep_the_previous_weights(main):
+    for case, words in (("raises", "receiver failed mid-update"), ("dtype", "changed since the plan"),
+                        ("missing", "['lm_head.weight'] receive nothing"), ("extra", "KeyError: 'model.extra.weight'")):
+        for rank, r in enumerate(main):
+            assert r["errors"][case] is not None and words in r["errors"][case], (case, rank, r["errors"][case])
+        for rank in (2, 3):
+            assert main[rank]["intact"][case], (case, rank)
+    for rank in (2, 3):
+        assert main[rank]["errors"]["in_flight"].startswith("TransferInFlight"), main[rank]["errors"]["in_flight"]
+
+
+def test_async_rollout_polls_the_newest_version(main):
+    full = main[0]["full"]
+    for i, rank in enumerate((2, 3)):
+        got = main[rank]["async"]
+        assert got and got[-1] == 13 and got == sorted(set(got)), got
+        for v in got:
+            assert _same(main[rank]["snaps"][("async", v)], _want(full[v], i)), (rank, v)
+    assert main[2]["async"] == main[3]["async"]  # the rollout ranks move together
+    for r in (0, 1):
+        assert max(main[r]["publish_s"]) < 5.0  # a snapshot, not a transfer: never waits on the rollout
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096 / 2**20
+
+
+def one3(ctx):
+    """1 trainer rank (FSDP2 on one rank) -> 2 rollout ranks, each with a TP 2 vLLM-style engine and a
+    whole transformers model (replicas); then 100 updates into the transformers models."""
+    name = "qwen3-tiny"
+    p2p = registry.resolve("weight_transfer", P2PTransfer(budget_bytes=1 << 20, timeout_s=60))
+    link = {k: Link(ctx.trainers, ctx.rollouts, name=k) for k in ("tp", "hf")}
+    res = {"full": {}, "snaps": {}, "rss": []}
+    if ctx.is_trainer:
+        model, state, _ = R.trainer_state(ctx, name)
+        end = {k: p2p(link[k]) for k in link}
+        R.train_step(model, state, 1)
+        for k in link:
+            end[k].update(R.shards(model, state), 1)
+        res["full"][1] = R.hf_full(model, state)
+        params = [p for p in state.masters().values()]
+        for v in range(2, 102):
+            with torch.no_grad():  # a cheap stand-in for a step: every weight moves
+                for p in params:
+                    p.to_local().add_(1e-3)
+            end["hf"].update(R.shards(model, state), v)
+            if v in (21, 101):
+                res["rss"].append(_rss_mib())
+        res["full"][101] = R.hf_full(model, state)
+        return res
+    R.other_meshes(ctx, ep=False)
+    man = R.manifest_of_model(name)
+    eng = {"tp": R.engine(ctx, name, man), "hf": R.engine(ctx, name, man, kind="hf")}
+    end = {k: p2p(link[k], load_weights=e[0], targets=e[1], layout_key=e[2]) for k, e in eng.items()}
+    for k in link:
+        v = end[k].update()
+        res["snaps"][(k, v)] = _clone(eng[k][1])
+    for v in range(2, 102):
+        assert end["hf"].update() == v
+        if v in (21, 101):
+            res["rss"].append(_rss_mib())
+    res["snaps"][("hf", 101)] = _clone(eng["hf"][1])
+    res["staged"] = end["hf"].stats["staged_bytes"]
+    return res
+
+
+@pytest.fixture(scope="module")
+def one(tmp_path_factory):
+    return R.spawn(1, 2, MOD, "one3", tmp_path_factory.mktemp("wt1"), timeout_s=600)
+
+
+def test_one_trainer_to_tp2_engine_and_transformers_replicas(one):
+    full = one[0]["full"]
+    man = R.manifest_of_model("qwen3-tiny")
+    for i, rank in enumerate((1, 2)):
+        e = VllmStyleEngine(man, models.NAMED["qwen3-tiny"], tp_rank=i, tp_size=2)
+        e.load_weights(iter(full[1].items()))
+        assert _same(one[rank]["snaps"][("tp", 1)], e.params)
+        for v in (1, 101):  # transformers' own model: its load_state_dict of the checkpoint
+            assert set(one[rank]["snaps"][("hf", v)]) == set(full[v])
+            assert all(torch.equal(one[rank]["snaps"][("hf", v)][k], full[v][k]) for k in full[v]), v
+
+
+def test_hundred_updates_keep_memory_flat(one):
+    for r in one:
+        early, late = r["rss"]
+        assert late - early < 16, r["rss"]  # MiB over 80 updates of ~0.9 MB each: no buffer per update
+    assert one[1]["staged"] == sum(t.numel() * 4 for t in one[0]["full"][1].values())
+
+
+def dead3(ctx):
+    """2 trainer ranks (FSDP2, Qwen3.5-MoE) -> 1 rollout rank (TP 1): an update, then trainer rank 1
+    dies in the middle of the next one; the survivors raise within the timeout."""
+    name = "qwen3.5-moe-tiny"
+    timeout = 5.0
+    p2p = registry.resolve("weight_transfer", P2PTransfer(budget_bytes=16 << 10, timeout_s=timeout))
+    link = Link(ctx.trainers, ctx.rollouts, name="dead")
+    res = {}
+    if ctx.is_trainer:
+        model, state, _ = R.trainer_state(ctx, name)
+        end = p2p(link)
+        end.update(R.shards(model, state), 1)
+        full = R.hf_full(model, state)
+        res["full"] = full if ctx.rank == 0 else None
+        if ctx.rank == 1:
+            import os
+            end.on_round = lambda r: os._exit(0) if r == 1 else None
+        t0 = time.perf_counter()
+        res["error"] = _error(lambda: end.update(R.shards(model, state), 2))
+        res["took"] = time.perf_counter() - t0
+        return res
+    man = R.manifest_of_model(name)
+    lw, targets, key = R.engine(ctx, name, man)
+    end = p2p(link, load_weights=lw, targets=targets, layout_key=key)
+    end.update()
+    res["v1"] = _clone(targets)
+    t0 = time.perf_counter()
+    res["error"] = _error(end.update)
+    res["took"] = time.perf_counter() - t0
+    res["intact"] = _same(targets, res["v1"])
+    res["after"] = _error(end.update)  # the endpoint knows it is unusable
+    return res
+
+
+def test_dead_sender_raises_everywhere_within_the_timeout(tmp_path):
+    r = R.spawn(2, 1, MOD, "dead3", tmp_path, timeout_s=300)
+    assert r[1] == {"dead": True}
+    for rank in (0, 2):
+        assert r[rank]["error"] is not None and r[rank]["took"] < 3 * 5.0, (rank, r[rank]["error"], r[rank]["took"])
+    assert r[2]["intact"] and "unusable" in r[2]["after"]
+    e = VllmStyleEngine(R.manifest_of_model("qwen3.5-moe-tiny"), models.NAMED["qwen3.5-moe-tiny"])
+    e.load_weights(iter(r[0]["full"].items()))
+    assert _same(r[2]["v1"], e.params)  # Qwen3.5-MoE from FSDP2 on 2 ranks: in_proj_qkvz, conv, A_log
+
+
+def contract2(ctx):
+    """Both twins, 1 trainer rank -> 1 rollout rank (a vLLM-style engine), one update each."""
+    name = "qwen3-tiny"
+    impls = ctx.params["impls"]
+    if ctx.is_trainer:
+        model = models.build(name, seed=0)
+        from bumblebee.runtime import export
+        for i, impl in enumerate(impls):
+            registry.resolve("weight_transfer", impl)(Link(ctx.trainers, ctx.rollouts, name=f"c{i}")).update(
+                list(export.export_weight_shards(model, None)), 1)
+        return {"full": {k: v.clone() for k, v in export.export_weights(model, None, bucket_bytes=1 << 30)}}
+    man = R.manifest_of_model(name)
+    out = {}
+    for i, impl in enumerate(impls):
+        lw, targets, key = R.engine(ctx, name, man)
+        registry.resolve("weight_transfer", impl)(Link(ctx.trainers, ctx.rollouts, name=f"c{i}"), load_weights=lw,
+                                                  targets=targets, layout_key=key).update()
+        out[impl] = _clone(targets)
+    return out
+
+
+def contract(name: str, twin: str, out_dir) -> None:
+    """The twin contract of weight_transfer: both give the rollout, bit for bit, what its own
+    load_weights makes of the checkpoint."""
+    r = R.spawn(1, 1, MOD, "contract2", out_dir, timeout_s=300, impls=(name, twin))
+    e = VllmStyleEngine(R.manifest_of_model("qwen3-tiny"), models.NAMED["qwen3-tiny"])
+    e.load_weights(iter(r[0]["full"].items()))
+    for impl in (name, twin):
+        assert _same(r[1][impl], e.params), impl
