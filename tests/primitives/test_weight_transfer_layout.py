@@ -12,7 +12,7 @@ from bumblebee import models
 from bumblebee.primitives.weight_transfer import LayoutCache, LayoutError, infer_layout
 from bumblebee.primitives.weight_transfer.spec import Piece, manifest_of
 from bumblebee.runtime import export
-from tests.primitives.weight_transfer_engines import HFReceiver, VllmStyleEngine
+from tests.primitives.weight_transfer_engines import HFReceiver, VllmStyleEngine, vllm_spec
 
 ODD_VOCAB = {**models.NAMED["qwen3-moe-tiny"], "vocab_size": 1000}
 
@@ -65,6 +65,16 @@ def test_vllm_style_spec_equals_hand_written():
     spec.apply(full, eng.params)
     for k in ref.params:
         assert torch.equal(eng.params[k], ref.params[k]), k
+
+
+@pytest.mark.parametrize("name,kw", [("qwen3-tiny", dict(tp_rank=3, tp_size=4)),  # 2 KV heads over TP 4: replicas
+                                     ("deepseek-v3-tiny", dict(tp_rank=1, tp_size=2, ep_rank=1, ep_size=2))])
+def test_inferred_spec_equals_the_hand_written_one_whole(name, kw):
+    man = _manifest(_full(name))
+    eng = VllmStyleEngine(man, models.NAMED[name], **kw)
+    got = infer_layout(eng.load_weights, eng.params, man, verify=False)
+    want, _ = vllm_spec(man, models.NAMED[name], **kw)
+    assert sorted(got.pieces, key=repr) == sorted(want.pieces, key=repr)
 
 
 def test_transformers_model_spec_is_identity():

@@ -36,8 +36,9 @@ def _rename(name: str) -> str:
 
 
 class VllmStyleEngine:
-    def __init__(self, manifest, config: dict, *, tp_rank=0, tp_size=1, ep_rank=0, ep_size=1, dtype=torch.float32):
-        self.tp, self.r, self.ep, self.er = tp_size, tp_rank, ep_size, ep_rank
+    def __init__(self, manifest, config: dict, *, tp_rank=0, tp_size=1, ep_rank=0, ep_size=1, dtype=torch.float32,
+                 device="cpu"):
+        self.tp, self.r, self.ep, self.er, self.device = tp_size, tp_rank, ep_size, ep_rank, device
         self.moe_tp, self.moe_r = (1, 0) if ep_size > 1 else (tp_size, tp_rank)
         self.cfg, self.dtype = config, dtype
         self.shapes = {n: tuple(s) for n, s, *_ in manifest}
@@ -49,7 +50,7 @@ class VllmStyleEngine:
     # ---- parameters --------------------------------------------------------------------------
     def _param(self, name, shape, loader):
         if name not in self.params:
-            p = torch.nn.Parameter(torch.zeros(shape, dtype=self.dtype), requires_grad=False)
+            p = torch.nn.Parameter(torch.zeros(shape, dtype=self.dtype, device=self.device), requires_grad=False)
             p.weight_loader = loader
             self.params[name] = p
 
@@ -209,3 +210,63 @@ class HFReceiver:
     @torch.no_grad()
     def load_weights(self, weights):
         self.model.load_state_dict(dict(weights), strict=False)
+
+
+def vllm_spec(manifest, config: dict, *, tp_rank=0, tp_size=1, ep_rank=0, ep_size=1, dtype=torch.float32):
+    """The `ReceiverSpec` of `VllmStyleEngine`, written by hand from its rules (no probe, no tensor:
+    the engine is built on the meta device), for Qwen3 / Qwen3-MoE / DeepSeek-V3 layouts (not
+    Qwen3.5's in_proj_qkvz or conv1d)."""
+    from bumblebee.primitives.weight_transfer.spec import Piece, ReceiverSpec, dtype_name
+    eng = VllmStyleEngine(manifest, config, tp_rank=tp_rank, tp_size=tp_size, ep_rank=ep_rank, ep_size=ep_size,
+                          dtype=dtype, device="meta")
+    P = eng.params
+    pieces = []
+
+    def add(hf, box, target, offset=0):
+        pieces.append(Piece(hf, tuple(box), target, tuple(P[target].stride()[-len(box):]), offset))
+    for name, shape, _ in manifest:
+        full = [(0, 1, n) for n in shape]
+        m = re.match(r"(.*)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$", name)
+        if m:
+            w13, w2 = f"{m.group(1)}.experts.w13_weight", f"{m.group(1)}.experts.w2_weight"
+            local = int(m.group(2)) - eng.er * P[w13].shape[0]
+            if not 0 <= local < P[w13].shape[0]:
+                continue
+            i_loc = P[w2].shape[2]
+            if m.group(3) == "down_proj":
+                add(name, [full[0], (eng.moe_r * i_loc, 1, i_loc)], w2, local * P[w2].stride(0))
+            else:
+                half = m.group(3) == "up_proj"
+                add(name, [(eng.moe_r * i_loc, 1, i_loc), full[1]], w13, local * P[w13].stride(0) + half * i_loc * shape[1])
+            continue
+        fused = next(((f, sid) for f, mem, sid in STACKED if name.endswith(f".{mem}.weight")), None)
+        if fused:
+            f, sid = fused
+            prefix = name[: -len(name.split(".")[-2]) - len(".weight") - 1]
+            if f == "in_proj_qkvz":
+                raise NotImplementedError("in_proj_qkvz")
+            target, parts = f"{prefix}.{f}.weight", eng._parts(prefix, f)
+            i = {"q": 0, "k": 1, "v": 2}.get(sid, sid)
+            n, r = (1, 0) if f in REPLICATED_STACKS else (eng.tp, eng.r)
+            size = eng._local_rows(f, i, parts[i], n)
+            start = (r // eng._kv()[2]) * size if f == "qkv_proj" and i > 0 else r * size
+            off = sum(eng._local_rows(f, j, parts[j], n) for j in range(i)) * shape[1]
+            add(name, [(start, 1, size), full[1]], target, off)
+            continue
+        leaf = name.split(".")[-2] if name.endswith(".weight") else name.split(".")[-1]
+        target = _rename(name)
+        if leaf in VOCAB:
+            per = P[target].shape[0]
+            add(name, [(eng.r * per, 1, max(0, min(shape[0], eng.r * per + per) - eng.r * per)), full[1]], target)
+        elif leaf in COLUMN:
+            size = P[target].shape[0]
+            add(name, [(eng.r * size, 1, size)] + full[1:], target)
+        elif leaf in ROW and ".experts." not in name:
+            size = P[target].shape[1]
+            add(name, [full[0], (eng.r * size, 1, size)], target)
+        elif leaf == "conv1d":
+            raise NotImplementedError("conv1d")
+        else:
+            add(name, full, target)
+    targets = tuple((n, tuple(t.shape), tuple(t.stride()), dtype_name(t.dtype)) for n, t in P.items())
+    return ReceiverSpec(tuple(manifest), targets, tuple(pieces)), eng
