@@ -15,3 +15,4 @@ The twin is the same layer on the full sequence on one rank (tests/primitives/te
 from bumblebee.primitives.context_parallel.layout import (  # noqa: F401
     CPBatch, Shard, make_batch, shard, shard_batch, unshard)
 from bumblebee.primitives.context_parallel.model import ContextParallel, apply, loss, sync_grads  # noqa: F401
+from bumblebee.primitives.context_parallel import model  # noqa: F401

@@ -81,12 +81,16 @@ def apply(model: nn.Module, cp_group, config: ContextParallel | None = None) -> 
     return model
 
 
-def loss(model: nn.Module, shard: Shard) -> torch.Tensor:
+def loss(model: nn.Module, shard: Shard, grads: str = "sum") -> torch.Tensor:
     """This rank's share of the batch's mean next-token loss: sum over its targets / the global count
     (through the model's own forward, so FSDP2's hooks run; the loss is its `cross_entropy` slot),
-    plus the MTP term of a model with depths, each depth's sum over its global count."""
+    plus the MTP term of a model with depths, each depth's sum over its global count.
+    grads: how the gradient reduction combines the cp ranks: "sum" (`sync_grads`), or "mean" (FSDP2
+    over a mesh that includes cp averages over it): then the share is multiplied by CP."""
     if not isinstance(shard, Shard):
         raise ValueError(f"shard must be a context_parallel Shard (layout.shard_batch), got {type(shard).__name__}")
+    if grads not in ("sum", "mean"):
+        raise ValueError(f"grads must be 'sum' or 'mean', got {grads!r}")
     depths = len(model.mtp.layers) if hasattr(model, "mtp") else 0
     if len(shard.mtp_ids) != depths:
         raise ValueError(f"the model has {depths} MTP depths: shard with shard_batch(..., mtp_depths={depths}), "
@@ -100,8 +104,8 @@ def loss(model: nn.Module, shard: Shard) -> torch.Tensor:
         return total
 
     with model.custom_head(head):
-        return model(shard.input_ids, labels=shard.targets, position_ids=shard.position_ids,
-                     cu_seqlens=shard.batch).loss
+        out = model(shard.input_ids, labels=shard.targets, position_ids=shard.position_ids, cu_seqlens=shard.batch)
+    return out.loss * (shard.batch.cp if grads == "mean" else 1)
 
 
 def _mtp_loss(model, hidden_BTD, weight, shard: Shard):
@@ -123,6 +127,19 @@ def _mtp_loss(model, hidden_BTD, weight, shard: Shard):
         total = total + model.loss_fn(hn.reshape(-1, hn.shape[-1]), weight, targets.reshape(-1), ignore_index=-100,
                                       reduction="sum") / max(count, 1)
     return mtp.loss_scale / len(mtp.layers) * total
+
+
+def mesh(device_type: str, dp: int, cp: int):
+    """The device mesh (dp, cp) over dp x cp ranks (a sequence's cp ranks adjacent): `mesh["cp"]
+    .get_group()` is the cp group; state sharding shards over all of it (`data_mesh`), so its
+    gradient mean spans dp x cp: use `loss(..., grads="mean")`."""
+    from torch.distributed.device_mesh import init_device_mesh
+    return init_device_mesh(device_type, (dp, cp), mesh_dim_names=("dp", "cp"))
+
+
+def data_mesh(m):
+    """The 1-D mesh over every rank of a (dp, cp) mesh, for FSDP2 / ZeRO-1 (`state_sharding`)."""
+    return m["dp", "cp"]._flatten("dp_cp")
 
 
 @torch.no_grad()

@@ -2,7 +2,8 @@
 
 Qwen3 (unpacked B = 2; packed with one-token documents; the ring exchange), Qwen3.5 (gated
 DeltaNet and gated attention layers in one layout, under full recompute, with its MTP depth) and
-DeepSeek-V3 (MLA by an all-gather of the latent and RoPE key, MoE, MTP). Each step's loss (the ranks' shares summed) and the
+DeepSeek-V3 (MLA by an all-gather of the latent and RoPE key, MoE, MTP); and Qwen3 under FSDP2 over
+the (dp = 1, cp = 2) mesh, packed, with full recompute. Each step's loss (the ranks' shares summed) and the
 final weights lie within the fp32 single-rank run's own error against float64 (4x plus 8 ulps for
 losses, 8x per tensor for weights); the single-rank run is the model's plain forward with labels.
 """
@@ -12,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from bumblebee import models
+from bumblebee import models, registry
 from bumblebee.primitives.context_parallel import layout
 from bumblebee.primitives.context_parallel import model as cp_model
 from tests.primitives.context_parallel_ranks import EPS32, error, spawn, within
@@ -20,8 +21,9 @@ from tests.primitives.context_parallel_ranks import EPS32, error, spawn, within
 PACKED = torch.tensor([0, 5, 6, 30, 31, 48])
 STEPS = 3
 HP = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-6, weight_decay=0.1)  # eps above fp32 gradient noise
-CASES = {  # name -> (config, B, T, cu_seqlens, exchange, recompute)
+CASES = {  # name -> (config, B, T, cu_seqlens, exchange, recompute); "fsdp2": FSDP2 over the (dp, cp) mesh
     "qwen3": ("qwen3-tiny", 2, 32, None, "allgather", False),
+    "qwen3_fsdp2": ("qwen3-tiny", 1, 48, PACKED, "allgather", True),
     "qwen3_packed": ("qwen3-tiny", 1, 48, PACKED, "allgather", False),
     "qwen3_ring": ("qwen3-tiny", 1, 48, PACKED, "ring", False),
     "qwen3.5": ("qwen3.5-tiny", 1, 48, PACKED, "allgather", True),
@@ -37,8 +39,16 @@ def _batches(vocab, B, T):
 def _train(case, dtype, group=None):
     name, B, T, cu, exchange, recompute = CASES[case]
     model = models.build(name, seed=0, dtype=dtype).set_recompute(recompute)
+    fsdp = group is not None and case.endswith("fsdp2")
     if group is not None:
+        if fsdp:  # dp = 1 x cp = 2: the cp group is the mesh's, FSDP2 shards over both dims
+            mesh = cp_model.mesh("cpu", 1, dist.get_world_size(group))
+            group = mesh["cp"].get_group()
         cp_model.apply(model, group, cp_model.ContextParallel(exchange=exchange))
+    if fsdp:
+        state = registry.resolve("state_sharding", "fsdp2")(model, cp_model.data_mesh(mesh), mixed_precision="fp32",
+                                                            **HP)
+        return _train_fsdp(model, state, group, B, T, cu)
     opt = torch.optim.AdamW(model.parameters(), **HP)
     losses = []
     for ids in _batches(model.config.vocab_size, B, T):
@@ -57,6 +67,19 @@ def _train(case, dtype, group=None):
         opt.zero_grad()
         losses.append(total)
     return torch.stack(losses), {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _train_fsdp(model, state, group, B, T, cu):
+    losses = []
+    for ids in _batches(model.config.vocab_size, B, T):
+        loss = cp_model.loss(model, layout.shard_batch(ids, None, group, cu_seqlens=cu), grads="mean")
+        loss.backward()
+        assert state.step()[0]
+        state.zero_grad()
+        total = loss.detach() / dist.get_world_size(group)
+        dist.all_reduce(total, group=group)
+        losses.append(total)
+    return torch.stack(losses), state.full_state_dict(torch.float32)
 
 
 def models_at_cp2(group):
