@@ -48,7 +48,8 @@ def synchronous_run(cfg: PipelineConfig, model_config: dict, task, engine) -> li
             leases = []
             while len(leases) < min(cfg.groups_per_call, cfg.groups_per_step - len(groups)):
                 lease = adm.admit(0, step)
-                assert isinstance(lease, Lease)
+                if not isinstance(lease, Lease):  # eta = 0 on the step's own version: always admitted
+                    raise RuntimeError(f"step {step}: admission answered {lease!r}")
                 leases.append((lease, *next(prompts)))
             groups += rollout(engine, task, leases, cfg)
         log.append(grpo_step(rt, groups, cfg.objective, version=step, pad_id=task.pad_id, ref=ref))
