@@ -1,0 +1,265 @@
+"""Weight transfer, p2p against its broadcast twin: bytes per update over simulated layouts up to 64
+ranks (no GPU, no ranks), and measured updates between trainer and rollout ranks (torchrun).
+
+    python benchmarks/weight_transfer/bench.py --simulate            # results/simulated.json + .png
+    torchrun --nproc_per_node 4 benchmarks/weight_transfer/bench.py --trainers 2 --device cpu
+    torchrun --nproc_per_node 2 benchmarks/weight_transfer/bench.py --trainers 1 --model qwen3-30b-a3b --layers 2
+    torchrun --nproc_per_node 4 benchmarks/weight_transfer/bench.py --trainers 2 --ep --model qwen3-30b-a3b
+
+Simulated: the named model's tensors (default Qwen3-30B-A3B, `--layers` decoder layers, bf16) held
+by FSDP2 over `--sim-trainers` ranks (dim-0 shards; our fused experts whole per owner), sent to a
+rollout of TP t (t = 1, 2, 4, 8; experts TP-split, or over EP = t with `ep`) in replicas up to 64
+ranks: the planner's bytes on the wire (the receivers' specs written by hand from the vLLM-style
+engine's rules, `tests/primitives/weight_transfer_engines.py:vllm_spec`) against the twin's (every
+rollout rank receives every tensor, plus the gather of (T-1)/T of the model onto the first trainer).
+
+Measured (torchrun): the first `--trainers` ranks train-shard the model with FSDP2 (EP 2 with
+`--ep`), the others hold a vLLM-style engine at TP = their count; each twin runs `--iters` updates
+after a warm-up (the first builds the plan and infers the layout: timed apart). Rates: bytes on the
+wire / median update time, against the measured point-to-point rate between the first trainer rank
+and the first rollout rank (same message size). The transaction's cost: staging bytes and the
+commit's copy time. Writes results/<device>-ranks<N>.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent.parent
+sys.path.insert(0, str(HERE.parent))  # benchmarks/: stamp, timing
+sys.path.insert(0, str(ROOT))  # the test suite's engine layouts (benchmarks import references from tests)
+
+
+def meta_manifest(name: str, layers: int, dtype="bfloat16"):
+    """((hf name, shape, dtype), ...) of the named model cut to `layers` layers, built on meta."""
+    from bumblebee import models
+    from bumblebee.runtime.export import hf_layout
+    hf = {**models.NAMED[name], "num_hidden_layers": layers}
+    if "mlp_only_layers" in hf:
+        hf["mlp_only_layers"] = []
+    cls = models._model_class(hf)
+    with torch.device("meta"):
+        model = cls(cls.config_class.from_hf(hf), None)
+    shapes = {n: t.shape for n, t in model.state_dict().items()}
+    return hf, tuple((h, tuple(size), dtype) for lst in hf_layout(model, shapes).values() for h, size, *_ in lst)
+
+
+def fsdp2_senders(manifest, trainers: int, experts: int):
+    """SenderSpecs of FSDP2 over `trainers` ranks: dim-0 shards (ceil split, as Shard(0)); an HF
+    expert tensor is a row of our fused [E, ...] tensor, whole on the rank holding that row."""
+    import re
+    from bumblebee.primitives.weight_transfer.spec import SenderSpec
+    boxes = {r: [] for r in range(trainers)}
+    for name, shape, _ in manifest:
+        m = re.search(r"\.experts\.(\d+)\.", name)
+        if m:
+            owner = int(m.group(1)) // math.ceil(experts / trainers)
+            boxes[owner].append((name, tuple((0, 1, n) for n in shape), False))
+            continue
+        chunk = math.ceil(shape[0] / trainers)
+        for r in range(trainers):
+            rows = min(shape[0], (r + 1) * chunk) - r * chunk
+            if rows > 0:
+                boxes[r].append((name, ((r * chunk, 1, rows),) + tuple((0, 1, n) for n in shape[1:]), False))
+    return [SenderSpec(r, tuple(b)) for r, b in boxes.items()]
+
+
+def simulate(args) -> dict:
+    from bumblebee.primitives.weight_transfer import make_plan
+    from tests.primitives.weight_transfer_engines import vllm_spec
+    hf, manifest = meta_manifest(args.model, args.layers)
+    model_bytes = sum(math.prod(s) * 2 for _, s, _ in manifest)
+    experts = hf.get("num_experts") or hf.get("n_routed_experts") or 1
+    T = args.sim_trainers
+    senders = fsdp2_senders(manifest, T, experts)
+    rows = []
+    for tp, ep in [(1, False), (2, False), (4, False), (8, False), (8, True)]:
+        specs = [vllm_spec(manifest, hf, tp_rank=r, tp_size=tp, ep_rank=r if ep else 0, ep_size=tp if ep else 1,
+                           dtype=torch.bfloat16)[0] for r in range(tp)]
+        for ranks in (1, 2, 4, 8, 16, 32, 64):
+            if ranks < tp:
+                continue
+            receivers = {T + i: specs[i % tp] for i in range(ranks)}
+            t0 = time.perf_counter()
+            plan = make_plan(senders, receivers, manifest, budget_bytes=args.budget_bytes)
+            sent = plan.bytes_sent()
+            rows.append({"rollout_tp": tp, "rollout_ep": tp if ep else 1, "rollout_ranks": ranks,
+                         "p2p_bytes": plan.total_bytes, "p2p_bytes_per_rollout_rank": max(plan.bytes_received().values()),
+                         "p2p_max_sender_bytes": max(sent.values()), "p2p_min_sender_bytes": min(sent.values()),
+                         "p2p_rounds": plan.rounds, "plan_s": round(time.perf_counter() - t0, 2),
+                         "broadcast_bytes": ranks * model_bytes + (T - 1) * model_bytes // T,
+                         "broadcast_bytes_per_rollout_rank": model_bytes})
+            r = rows[-1]
+            r["broadcast_over_p2p"] = round(r["broadcast_bytes"] / r["p2p_bytes"], 3)
+            print(json.dumps({k: r[k] for k in ("rollout_tp", "rollout_ep", "rollout_ranks", "p2p_bytes",
+                                                "broadcast_bytes", "broadcast_over_p2p", "plan_s")}), flush=True)
+    return {"model": args.model, "layers": args.layers, "dtype": "bfloat16", "model_bytes": model_bytes,
+            "trainers": T, "trainer_layout": "fsdp2 dim-0 shards", "budget_bytes": args.budget_bytes,
+            "header_bytes_per_message": 0, "rows": rows}
+
+
+def plot(result, path: Path) -> bool:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    rows = result["rows"]
+    xs = sorted({r["rollout_ranks"] for r in rows})
+    bc = {r["rollout_ranks"]: r["broadcast_bytes"] for r in rows}
+    ax.plot(xs, [bc[x] / 2**30 for x in xs], "k--o", label="broadcast twin (gather + broadcast)")
+    for tp, ep in sorted({(r["rollout_tp"], r["rollout_ep"]) for r in rows}):
+        sel = [r for r in rows if (r["rollout_tp"], r["rollout_ep"]) == (tp, ep)]
+        label = f"p2p, rollout TP {tp}" + (f" / EP {ep}" if ep > 1 else "")
+        ax.plot([r["rollout_ranks"] for r in sel], [r["p2p_bytes"] / 2**30 for r in sel], "-o", label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log", base=2)
+    ax.set_xlabel("rollout ranks")
+    ax.set_ylabel("GiB on the wire per update")
+    ax.set_title(f"{result['model']} ({result['layers']} layers, bf16), trainer FSDP2 x {result['trainers']}")
+    ax.legend(fontsize=8)
+    ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return True
+
+
+# ---- measured updates (torchrun) ---------------------------------------------------------------
+
+def measured(args) -> dict | None:
+    import os
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from bumblebee import models, registry
+    from bumblebee.primitives.weight_transfer import Link, P2PTransfer
+    from bumblebee.runtime import export
+    from tests.primitives.weight_transfer_engines import VllmStyleEngine
+    from timing import step_times_ms, sync
+
+    cuda = args.device == "cuda"
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group("nccl" if cuda else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    T = args.trainers
+    trainers, rollouts = tuple(range(T)), tuple(range(T, world))
+    device = torch.device("cuda" if cuda else "cpu")
+    hf, manifest = meta_manifest(args.model, args.layers, "bfloat16" if cuda else "float32")
+    mesh = DeviceMesh(device.type, torch.tensor(trainers), mesh_dim_names=("dp",))
+    ep_mesh = DeviceMesh(device.type, torch.tensor(trainers).view(T // 2, 2), mesh_dim_names=("efsdp", "ep")) \
+        if args.ep else None
+    link = {k: Link(trainers, rollouts, name=k) for k in ("p2p", "broadcast", "rate")}
+    impl = {"p2p": registry.resolve("weight_transfer", P2PTransfer(budget_bytes=args.budget_bytes, timeout_s=600)),
+            "broadcast": registry.resolve("weight_transfer", "broadcast")}
+    out = {}
+    if rank in trainers:
+        model = models.build({**hf, "dtype": "float32"}, impl={"moe_dispatch": "all_to_all" if args.ep else "local"}
+                             if hf.get("num_experts") else None, seed=0, device=device)
+        if args.ep:
+            from bumblebee.parallelize import shard_experts
+            shard_experts(model, ep_mesh["ep"].get_group())
+        state = registry.resolve("state_sharding", "fsdp2")(model, mesh, lr=1e-4, mixed_precision="bf16" if cuda else "fp32",
+                                                            grad_clip=None, ep_mesh=ep_mesh)
+        shards = list(export.export_weight_shards(model, state, dtype=torch.bfloat16 if cuda else None))
+        for k, fn in impl.items():
+            end = fn(link[k])
+            t0 = time.perf_counter()
+            end.update(shards, 0)
+            sync(device)
+            first = time.perf_counter() - t0
+            times = step_times_ms(lambda: end.update(shards, 1), args.iters, 1, cuda=False,
+                                  after=lambda i: sync(device))
+            out[k] = {"first_update_s": first, "median_ms": statistics.median(times), "stats": dict(end.stats)}
+    else:
+        r = rank - T
+        eng = VllmStyleEngine(manifest, hf, tp_rank=r, tp_size=len(rollouts), dtype=torch.bfloat16 if cuda else torch.float32,
+                              device=device)
+        for k, fn in impl.items():
+            end = fn(link[k], load_weights=eng.load_weights, targets=eng.params, layout_key=f"tp{r}")
+            t0 = time.perf_counter()
+            end.update()
+            first = time.perf_counter() - t0
+            times = step_times_ms(lambda: end.update(), args.iters, 1, cuda=False, after=lambda i: sync(device))
+            out[k] = {"first_update_s": first, "median_ms": statistics.median(times), "stats": dict(end.stats)}
+            if k == "p2p":
+                c = step_times_ms(lambda: end.mover.commit(end.targets), 3, 1, cuda=False, after=lambda i: sync(device))
+                out[k]["commit_ms"] = statistics.median(c)
+    # the link's own point-to-point rate, first trainer -> first rollout rank, one message of the
+    # first rollout rank's update size
+    size = max(1, out.get("p2p", {}).get("stats", {}).get("bytes_received", 0))
+    sizes = [None] * world
+    dist.all_gather_object(sizes, size)
+    buf = torch.empty(max(sizes), dtype=torch.uint8, device=device)
+
+    def p2p_once():
+        if rank == trainers[0]:
+            dist.send(buf, rollouts[0])
+        elif rank == rollouts[0]:
+            dist.recv(buf, trainers[0])
+        sync(device)
+    rate_ms = statistics.median(step_times_ms(p2p_once, args.iters, 1, cuda=False, before=dist.barrier))
+    gathered = [None] * world
+    dist.all_gather_object(gathered, out)
+    dist.destroy_process_group()
+    if rank != 0:
+        return None
+    per = {k: {"median_ms": max(g[k]["median_ms"] for g in gathered), "first_update_s": max(g[k]["first_update_s"] for g in gathered),
+               "wire_bytes": sum(g[k]["stats"]["bytes_received"] for g in gathered[T:])} for k in impl}
+    for k, v in per.items():
+        v["GBps"] = v["wire_bytes"] / v["median_ms"] / 1e6
+    commit = [g["p2p"].get("commit_ms") for g in gathered[T:]]
+    return {"model": args.model, "layers": args.layers, "device": args.device, "world": world, "trainers": T,
+            "rollout_tp": world - T, "trainer_ep": 2 if args.ep else 1, "iters": args.iters,
+            "budget_bytes": args.budget_bytes, "per_impl": per, "ranks": gathered,
+            "link_p2p_GBps": max(sizes) / rate_ms / 1e6, "link_message_bytes": max(sizes),
+            "p2p_over_link_rate": per["p2p"]["GBps"] / (max(sizes) / rate_ms / 1e6),
+            "staging_bytes_per_rollout_rank": [g["p2p"]["stats"]["staged_bytes"] for g in gathered[T:]],
+            "commit_ms_per_rollout_rank": commit}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--simulate", action="store_true", help="bytes per update over layouts up to 64 ranks (no ranks)")
+    ap.add_argument("--model", default=None, help="default: qwen3-30b-a3b (simulate, cuda), qwen3-moe-tiny (cpu)")
+    ap.add_argument("--layers", type=int, default=None, help="decoder layers of the slice (default 4 / 2 / model's)")
+    ap.add_argument("--sim-trainers", type=int, default=8)
+    ap.add_argument("--trainers", type=int, default=1)
+    ap.add_argument("--ep", action="store_true", help="trainer experts over EP = 2")
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--budget-bytes", type=int, default=256 << 20)
+    ap.add_argument("--out", default=str(HERE / "results"))
+    args = ap.parse_args()
+    from stamp import stamp
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.simulate:
+        args.model, args.layers = args.model or "qwen3-30b-a3b", args.layers or 4
+        result = {**stamp("cpu"), "slot": "weight_transfer", "kind": "simulated bytes", **simulate(args)}
+        (out / "simulated.json").write_text(json.dumps(result, indent=2) + "\n")
+        print("plot:", plot(result, out / "simulated.png"))
+        return
+    cpu = args.device == "cpu"
+    args.model = args.model or ("qwen3-moe-tiny" if cpu else "qwen3-30b-a3b")
+    from bumblebee import models
+    args.layers = args.layers or (models.NAMED[args.model]["num_hidden_layers"] if cpu else 2)
+    result = measured(args)
+    if result is not None:
+        result = {**stamp(args.device), "slot": "weight_transfer", **result}
+        path = out / f"{args.device}-ranks{result['world']}.json"
+        path.write_text(json.dumps(result, indent=2, default=str) + "\n")
+        print(json.dumps({k: result[k] for k in ("per_impl", "link_p2p_GBps", "p2p_over_link_rate")}, indent=2, default=str))
+
+
+if __name__ == "__main__":
+    main()
