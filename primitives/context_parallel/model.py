@@ -12,7 +12,8 @@ cp ranks that is the single-rank mean: the replicated parameters' gradients are 
 group (`sync_grads`, or a data-parallel reduction that sums over cp).
 
 Token-wise layers (norms, MLPs, MoE routing and dispatch) need nothing: each rank's tokens are a
-batch of their own. MTP depths read tokens and targets shifted on the full sequence (`Shard.mtp_*`).
+batch of their own; only the softmax routers' load-balancing loss needs the global token means
+(`_aux_share`). MTP depths read tokens and targets shifted on the full sequence (`Shard.mtp_*`).
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from bumblebee import recompute
+from bumblebee.distributed import reduce_from_group
 from bumblebee.options import check_choice, option
 from bumblebee.primitives.context_parallel.attention import EXCHANGES, check_batch
 from bumblebee.primitives.context_parallel.gdn import gdn_forward
@@ -96,16 +98,45 @@ def loss(model: nn.Module, shard: Shard, grads: str = "sum") -> torch.Tensor:
         raise ValueError(f"the model has {depths} MTP depths: shard with shard_batch(..., mtp_depths={depths}), "
                          f"got {len(shard.mtp_ids)}")
     targets = shard.targets.reshape(-1)
+    aux = bool(getattr(model.config, "output_router_logits", False))
+    main = []
 
     def head(hidden, weight, _labels):  # the model's own shift is local: the targets were shifted in full
         total = model.loss_fn(hidden, weight, targets, ignore_index=-100, reduction="sum") / max(shard.count, 1)
         if depths:
             total = total + _mtp_loss(model, hidden.view(*shard.input_ids.shape, -1), weight, shard)
+        main.append(total)
         return total
 
     with model.custom_head(head):
-        out = model(shard.input_ids, labels=shard.targets, position_ids=shard.position_ids, cu_seqlens=shard.batch)
-    return out.loss * (shard.batch.cp if grads == "mean" else 1)
+        out = model(shard.input_ids, labels=shard.targets, position_ids=shard.position_ids, cu_seqlens=shard.batch,
+                    **({"output_router_logits": True} if aux else {}))
+    total = main[0]
+    if aux and out.router_logits:  # the model's aux_loss is over this rank's tokens: replaced by the global one
+        total = total + model.config.router_aux_loss_coef * _aux_share(model, out.router_logits, shard.batch)
+    return total * (shard.batch.cp if grads == "mean" else 1)
+
+
+def _aux_share(model, router_logits, batch):
+    """transformers' load-balancing loss (`models/moe.py` load_balancing_loss) over the whole batch's
+    tokens: expert counts, rows and summed probabilities all-reduced over cp. Its value is 1/CP of
+    the loss (the ranks' shares sum to it) and its gradient the whole loss's, as every rank's tokens
+    get the gradient of the global means (the all-reduce passes the gradient through)."""
+    E, k = model.config.num_experts, model.config.num_experts_per_tok
+    counts = router_logits[0].new_zeros(E, dtype=torch.float32)
+    probs, rows = counts.clone(), 0
+    for logits in router_logits:
+        p = torch.softmax(logits, dim=-1)
+        counts = counts + torch.bincount(torch.topk(p, k, dim=-1)[1].reshape(-1), minlength=E).float()
+        probs = probs + p.float().sum(0)
+        rows += logits.shape[0]
+    rows = torch.tensor([float(rows)], device=counts.device)
+    if batch.group is not None:
+        for t in (counts, rows):
+            dist.all_reduce(t, group=batch.group)
+    probs = reduce_from_group(probs, batch.group)
+    aux = torch.sum((counts / rows) * (probs / rows)) * E
+    return aux + (aux.detach() / batch.cp - aux.detach())
 
 
 def _mtp_loss(model, hidden_BTD, weight, shard: Shard):

@@ -2,7 +2,8 @@
 
 Qwen3 (unpacked B = 2; packed with one-token documents; the ring exchange), Qwen3.5 (gated
 DeltaNet and gated attention layers in one layout, under full recompute, with its MTP depth) and
-DeepSeek-V3 (MLA by an all-gather of the latent and RoPE key, MoE, MTP); and Qwen3 under FSDP2 over
+DeepSeek-V3 (MLA by an all-gather of the latent and RoPE key, MoE, MTP); Qwen3-MoE with its
+load-balancing loss over the whole batch's tokens; and Qwen3 under FSDP2 over
 the (dp = 1, cp = 2) mesh, packed, with full recompute. Each step's loss (the ranks' shares summed) and the
 final weights lie within the fp32 single-rank run's own error against float64 (4x plus 8 ulps for
 losses, 8x per tensor for weights); the single-rank run is the model's plain forward with labels.
@@ -28,6 +29,9 @@ CASES = {  # name -> (config, B, T, cu_seqlens, exchange, recompute); "fsdp2": F
     "qwen3_ring": ("qwen3-tiny", 1, 48, PACKED, "ring", False),
     "qwen3.5": ("qwen3.5-tiny", 1, 48, PACKED, "allgather", True),
     "deepseek-v3": ("deepseek-v3-tiny", 2, 32, None, "allgather", False),
+    # the softmax routers' load-balancing loss over the whole batch's tokens, not each rank's
+    "qwen3-moe_aux": ({**models.NAMED["qwen3-moe-tiny"], "output_router_logits": True}, 2, 32, None, "allgather",
+                      False),
 }
 
 
