@@ -10,8 +10,9 @@ start(i) <= j <= i (start: its document's first position), so packed documents n
 - `ring`: K/V blocks (a rank's two chunks) travel around the ring, the next block's transfer
   overlapping this block's compute; each (query chunk, key chunk) pair with any allowed entry gives a
   partial output and log-sum-exp, merged in fp32. The backward runs the ring again from the saved
-  log-sum-exp (the FlashAttention backward in torch, fp32) and sends each block's dK, dV accumulators
-  along with it, so after CP steps every rank holds its own keys' full gradient.
+  log-sum-exp (the FlashAttention backward in torch, fp32), the next K/V block in flight during each
+  step's compute, and sends each block's dK, dV accumulators after it (another tag), so after CP
+  steps every rank holds its own keys' full gradient.
 
 Both compute in fp32 here (the CPU path); shape legend: B batch, H query heads, K key/value heads,
 G = H / K, T global tokens, L chunk length, D head dim.
@@ -133,26 +134,28 @@ class _Ring(torch.autograd.Function):
         delta = _split((dog * o).sum(-1, keepdim=True), L)
         dog, lse = _split(dog, L), [lse[..., :L], lse[..., L:]]
         dq = [torch.zeros_like(t) for t in qg]
-        held = [k.float()[:, :, None], v.float()[:, :, None]]
-        held += [torch.zeros_like(held[0]), torch.zeros_like(held[1])]  # dK, dV of the held block
+        kv = [k.float()[:, :, None], v.float()[:, :, None]]
+        dkv = [torch.zeros_like(kv[0]), torch.zeros_like(kv[1])]  # dK, dV of the held block
         for s in range(cp):
             src = (rank - s) % cp
-            ks, vs = _split(held[0], L), _split(held[1], L)
-            dk, dv = _split(held[2].clone(), L), _split(held[3].clone(), L)
+            prefetch = ring_shift(kv, batch.group, tag=1) if s < cp - 1 else None  # next block in flight
+            ks, vs = _split(kv[0], L), _split(kv[1], L)
+            dk, dv = _split(dkv[0].clone(), L), _split(dkv[1].clone(), L)
             for i, j, mask in _pairs(batch, src):
                 p = (_scores(qg[i], ks[j], mask, scale) - lse[i][..., None]).exp()
                 dv[j] = dv[j] + (p.transpose(-1, -2) @ dog[i]).sum(2, keepdim=True)
                 ds = p * (dog[i] @ vs[j].transpose(-1, -2) - delta[i])
                 dq[i] = dq[i] + ds @ ks[j] * scale
                 dk[j] = dk[j] + (ds.transpose(-1, -2) @ qg[i]).sum(2, keepdim=True) * scale
-            held = held[:2] + [torch.cat(dk, dim=-2), torch.cat(dv, dim=-2)]
-            # pass the block on; after the last step only its gradients, home to their owner
-            bufs, reqs = ring_shift(held if s < cp - 1 else held[2:], batch.group)
+            # the block's gradients follow it; after the last step they arrive at their owner
+            dkv, reqs = ring_shift([torch.cat(dk, dim=-2), torch.cat(dv, dim=-2)], batch.group, tag=2)
+            if prefetch is not None:
+                kv, more = prefetch
+                reqs = reqs + more
             for r in reqs:
                 r.wait()
-            held = bufs if s < cp - 1 else held[:2] + bufs
         dq = torch.cat(dq, dim=-2).reshape(q.shape).to(q.dtype)
-        return dq, held[2][:, :, 0].to(k.dtype), held[3][:, :, 0].to(v.dtype), None, None
+        return dq, dkv[0][:, :, 0].to(k.dtype), dkv[1][:, :, 0].to(v.dtype), None, None
 
 
 def ring_attention(q, k, v, *, scale, batch: CPBatch):

@@ -44,15 +44,16 @@ def gather(x: torch.Tensor, group, dim: int) -> torch.Tensor:
     return _Gather.apply(x, group, dim)
 
 
-def ring_shift(tensors: list[torch.Tensor], group, reverse: bool = False) -> tuple[list, list]:
+def ring_shift(tensors: list[torch.Tensor], group, reverse: bool = False, tag: int = 0) -> tuple[list, list]:
     """Start sending every tensor to the next rank (previous one with `reverse`) and receiving the
-    previous rank's: (received buffers, requests to wait on). Overlaps with compute until waited."""
+    previous rank's: (received buffers, requests to wait on). Overlaps with compute until waited;
+    shifts in flight at once carry different tags."""
     n, rank = dist.get_world_size(group), dist.get_rank(group)
     step = -1 if reverse else 1
     dst = dist.get_global_rank(group, (rank + step) % n)
     src = dist.get_global_rank(group, (rank - step) % n)
     tensors = [t.contiguous() for t in tensors]
     bufs = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]
-    ops = [dist.P2POp(dist.isend, t, dst, group) for t in tensors]
-    ops += [dist.P2POp(dist.irecv, b, src, group) for b in bufs]
+    ops = [dist.P2POp(dist.isend, t, dst, group, tag) for t in tensors]
+    ops += [dist.P2POp(dist.irecv, b, src, group, tag) for b in bufs]
     return bufs, dist.batch_isend_irecv(ops)
