@@ -85,7 +85,7 @@ def simulate(args) -> dict:
         specs = [vllm_spec(manifest, hf, tp_rank=r, tp_size=tp, ep_rank=r if ep else 0, ep_size=tp if ep else 1,
                            dtype=torch.bfloat16)[0] for r in range(tp)]
         for ranks in (1, 2, 4, 8, 16, 32, 64):
-            if ranks < tp:
+            if ranks < tp or ranks > args.max_ranks:
                 continue
             receivers = {T + i: specs[i % tp] for i in range(ranks)}
             t0 = time.perf_counter()
@@ -233,6 +233,7 @@ def main():
     ap.add_argument("--model", default=None, help="default: qwen3-30b-a3b (simulate, cuda), qwen3-moe-tiny (cpu)")
     ap.add_argument("--layers", type=int, default=None, help="decoder layers of the slice (default 4 / 2 / model's)")
     ap.add_argument("--sim-trainers", type=int, default=8)
+    ap.add_argument("--max-ranks", type=int, default=64, help="the largest simulated rollout")
     ap.add_argument("--trainers", type=int, default=1)
     ap.add_argument("--ep", action="store_true", help="trainer experts over EP = 2")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")

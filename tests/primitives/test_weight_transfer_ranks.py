@@ -204,15 +204,18 @@ def _rss_mib() -> float:
 
 
 def one3(ctx):
-    """1 trainer rank (FSDP2 on one rank) -> 2 rollout ranks, each with a TP 2 vLLM-style engine and a
-    whole transformers model (replicas); then 100 updates into the transformers models."""
+    """1 trainer rank (FSDP2 on one rank) -> 2 rollout ranks, each with a TP 2 vLLM-style engine (the
+    non-transactional mode) and a whole transformers model (replicas); then 100 updates into the
+    transformers models."""
     name = "qwen3-tiny"
-    p2p = registry.resolve("weight_transfer", P2PTransfer(budget_bytes=1 << 20, timeout_s=60))
+    cfg = {"tp": P2PTransfer(budget_bytes=64 << 10, timeout_s=60, transactional=False),  # rounds land at once
+           "hf": P2PTransfer(budget_bytes=1 << 20, timeout_s=60)}
+    p2p = {k: registry.resolve("weight_transfer", c) for k, c in cfg.items()}
     link = {k: Link(ctx.trainers, ctx.rollouts, name=k) for k in ("tp", "hf")}
     res = {"full": {}, "snaps": {}, "rss": []}
     if ctx.is_trainer:
         model, state, _ = R.trainer_state(ctx, name)
-        end = {k: p2p(link[k]) for k in link}
+        end = {k: p2p[k](link[k]) for k in link}
         R.train_step(model, state, 1)
         for k in link:
             end[k].update(R.shards(model, state), 1)
@@ -231,7 +234,7 @@ def one3(ctx):
     R.other_meshes(ctx, ep=False)
     man = R.manifest_of_model(name)
     eng = {"tp": R.engine(ctx, name, man), "hf": R.engine(ctx, name, man, kind="hf")}
-    end = {k: p2p(link[k], load_weights=e[0], targets=e[1], layout_key=e[2]) for k, e in eng.items()}
+    end = {k: p2p[k](link[k], load_weights=e[0], targets=e[1], layout_key=e[2]) for k, e in eng.items()}
     for k in link:
         v = end[k].update()
         res["snaps"][(k, v)] = _clone(eng[k][1])
