@@ -87,10 +87,16 @@ def _train_fsdp(model, state, group, B, T, cu):
 
 
 def models_at_cp2(group):
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    # the single-rank runs, float64 and fp32, split between the ranks, then shared
+    mine = {case: (_train(case, torch.float64), _train(case, torch.float32))
+            for i, case in enumerate(CASES) if i % world == rank}
+    shared = [None] * world
+    dist.all_gather_object(shared, mine, group=group)
+    refs = {case: runs for part in shared for case, runs in part.items()}
     errors = {}
     for case in CASES:
-        l64, w64 = _train(case, torch.float64)
-        l32, w32 = _train(case, torch.float32)
+        (l64, w64), (l32, w32) = refs[case]
         l, w = _train(case, torch.float32, group)
         errors[f"{case} losses"] = error(l, l64, l32)
         for k in w64:
