@@ -87,7 +87,7 @@ def _grads_of(fn, leaves, w):
     return out.detach(), [t.grad for t in leaves]
 
 
-def _attention_checks(group, errors, off):
+def _attention_checks(group, errors, off, refs):
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
     H, D, T = 8, 8, 48
     for kv in (8, 2, 1):  # GQA ratios 1, 4, 8
@@ -95,8 +95,10 @@ def _attention_checks(group, errors, off):
             B = 2 if cu is None else 1
             q, k, v, w = _inputs([(B, H, T, D), (B, kv, T, D), (B, kv, T, D), (B, H, T, D)], seed=kv)
             ref = lambda *t: eager_attention(*t, scale=0.3, cu_seqlens=cu)  # noqa: E731
-            o64, g64 = _grads_of(ref, (q, k, v), w)
-            o32, g32 = _grads_of(ref, [t.float() for t in (q, k, v)], w)
+            key = f"attention kv={kv} packed={cu is not None}"
+            if key not in refs:  # the single-rank runs do not depend on CP: once per process
+                refs[key] = (*_grads_of(ref, (q, k, v), w), *_grads_of(ref, [t.float() for t in (q, k, v)], w))
+            o64, g64, o32, g32 = refs[key]
             batch = layout.make_batch(group, T, cu)
             idx = batch.index
             for name, exchange in EXCHANGES.items():
@@ -112,17 +114,19 @@ def _attention_checks(group, errors, off):
                     off[f"{case} d{n}"] = g.abs().max().item()
 
 
-def _module_checks(group, errors, off, case, layers, full, local, x, w, idx):
+def _module_checks(group, errors, off, refs, case, layers, full, local, x, w, idx):
     """A module (float64 and fp32 copies in `layers`) whole on one rank (`full(layer, x)`) against this
     rank's cp form (`local(layer, x_shard)`): output and input gradient at idx, parameter gradients
     summed over the group; the input gradient off idx in `off`."""
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
     layer64, layer32 = layers
-    o64, (gx64,) = _grads_of(lambda t: full(layer64, t), [x], w)
-    o32, (gx32,) = _grads_of(lambda t: full(layer32, t), [x.float()], w)
-    p64 = {n: p.grad for n, p in layer64.named_parameters()}
-    p32 = {n: p.grad.clone() for n, p in layer32.named_parameters()}
-    layer32.zero_grad()
+    if case not in refs:  # the single-rank runs do not depend on CP: once per process
+        refs[case] = (*_grads_of(lambda t: full(layer64, t), [x], w),
+                      *_grads_of(lambda t: full(layer32, t), [x.float()], w),
+                      {n: p.grad for n, p in layer64.named_parameters()},
+                      {n: p.grad.clone() for n, p in layer32.named_parameters()})
+        layer32.zero_grad()
+    o64, (gx64,), o32, (gx32,), p64, p32 = refs[case]
     o, (gx,) = _grads_of(lambda t: local(layer32, layout.shard(t, cp, rank)), [x.float()], layout.shard(w, cp, rank))
     errors[f"{case} out"] = error(o, o64[:, idx], o32[:, idx])
     errors[f"{case} dx"] = error(gx[:, idx], gx64[:, idx], gx32[:, idx])
@@ -142,12 +146,12 @@ def _twins(cls, *args, **kw):
     return layer64, layer32
 
 
-def _gdn_checks(group, errors, off):
+def _gdn_checks(group, errors, off, refs):
     for T, cu in ((48, None), (48, PACKED), (288, LONG)):
         B = 2 if cu is None else 1
         torch.manual_seed(T)
         batch = layout.make_batch(group, T, cu)
-        _module_checks(group, errors, off, f"gdn T={T} packed={cu is not None}",
+        _module_checks(group, errors, off, refs, f"gdn T={T} packed={cu is not None}",
                        _twins(ChunkedGatedDeltaNet, 32, 2, 4, 8, 8),  # 2 key heads, 4 value heads
                        lambda layer, t: layer(t, cu_seqlens=cu), lambda layer, t: gdn_forward(layer, t, batch),
                        *_inputs([(B, T, 32), (B, T, 32)], seed=T), batch.index)
@@ -159,7 +163,7 @@ def _rope_tables(positions_BT, R):
     return emb.cos(), emb.sin()
 
 
-def _mla_checks(group, errors, off):
+def _mla_checks(group, errors, off, refs):
     T = 48
     for q_lora, cu in ((24, None), (None, PACKED)):
         B = 2 if cu is None else 1
@@ -174,19 +178,19 @@ def _mla_checks(group, errors, off):
 
         def local(layer, t):
             return mla_forward(layer, t, cos[:, idx].float(), sin[:, idx].float(), batch)
-        _module_checks(group, errors, off, f"mla q_lora={q_lora} packed={cu is not None}",
+        _module_checks(group, errors, off, refs, f"mla q_lora={q_lora} packed={cu is not None}",
                        _twins(NaiveMLA, 32, 4, **dims), full, local, *_inputs([(B, T, 32), (B, T, 32)], seed=5), idx)
 
 
 def layers(world):
     """CP = 4 over the 4 ranks, then CP = 2 over ranks {0, 1} and {2, 3} (one spawn for both)."""
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank creates every group
-    out = {}
+    out, refs = {}, {}
     for cp, group in ((4, world), (2, pairs[dist.get_rank() // 2])):
         errors, off = {}, {}
-        _attention_checks(group, errors, off)
-        _gdn_checks(group, errors, off)
-        _mla_checks(group, errors, off)
+        _attention_checks(group, errors, off, refs)
+        _gdn_checks(group, errors, off, refs)
+        _mla_checks(group, errors, off, refs)
         out[cp] = {"errors": errors, "off": off}
     return out
 
