@@ -163,30 +163,3 @@ def test_backwards_on_gpu_within_the_dtypes_error(which, dtype, norm):
                           (_autograd_backward(logits, idx, g, which, norm).double() - ref).norm().item()
                           / ref.norm().item())
     assert e_ours <= 4 * e_autograd + 1e-6, (e_ours, e_autograd)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("which", ["aux_free", "softmax"])
-def test_backwards_on_gpu_no_slower_than_autograd(which):
-    """bf16, 128K tokens, 256 experts, top-8 (both norm settings): the median of 30 timed backwards
-    within 1.1x of autograd through the weights' expression (the backward these routers had; the
-    closed forms move fewer [T, E] bytes and launch fewer kernels)."""
-    logits, idx, g = _gpu_case(which, torch.bfloat16, T=131072)
-
-    def median_ms(fn):
-        for _ in range(5):
-            fn()
-        times = []
-        for _ in range(30):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            torch.cuda.synchronize()
-            times.append(a.elapsed_time(b))
-        return sorted(times)[len(times) // 2]
-
-    for norm in (True, False):
-        ours = median_ms(lambda: _closed_form(logits, idx, g, which, norm))
-        before = median_ms(lambda: _autograd_backward(logits, idx, g, which, norm))
-        assert ours <= 1.1 * before, (norm, ours, before)
