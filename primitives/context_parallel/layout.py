@@ -88,9 +88,9 @@ def next_token_targets(labels_BT: torch.Tensor, starts_T: torch.Tensor, ignore_i
 
 
 def shifted_ids(ids_BT: torch.Tensor, shift: int) -> torch.Tensor:
-    """ids[t + shift] (the last token past the end: its targets are masked), as MTP depth `shift` reads them."""
-    T = ids_BT.shape[1]
-    return torch.cat([ids_BT[:, shift:], ids_BT[:, -1:].expand(-1, min(shift, T))], dim=1)
+    """ids[t + shift], token 0 past the row's end (its targets are masked; the default MTP
+    implementation, `primitives/mtp.py`, fills the same, so MoE router loads agree too)."""
+    return torch.nn.functional.pad(ids_BT[:, shift:], (0, min(shift, ids_BT.shape[1])), value=0)
 
 
 @dataclass(frozen=True, eq=False)

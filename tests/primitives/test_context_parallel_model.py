@@ -2,7 +2,8 @@
 
 Qwen3 (unpacked B = 2; packed with one-token documents; the ring exchange), Qwen3.5 (gated
 DeltaNet and gated attention layers in one layout, under full recompute, with its MTP depth) and
-DeepSeek-V3 (MLA by an all-gather of the latent and RoPE key, MoE, MTP); Qwen3-MoE with its
+DeepSeek-V3 (MLA by an all-gather of the latent and RoPE key, MoE, MTP, aux-free router biases
+moved by the loads of every cp rank's tokens); Qwen3-MoE with its
 load-balancing loss over the whole batch's tokens; and Qwen3 under FSDP2 over
 the (dp = 1, cp = 2) mesh, packed, with full recompute. Each step's loss (the ranks' shares summed) and the
 final weights lie within the fp32 single-rank run's own error against float64 (4x plus 8 ulps for
@@ -15,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from bumblebee import models, registry
+from bumblebee.models import moe
 from bumblebee.primitives.context_parallel import layout
 from bumblebee.primitives.context_parallel import model as cp_model
 from tests.primitives.context_parallel_ranks import EPS32, error, spawn, within
@@ -69,6 +71,7 @@ def _train(case, dtype, group=None):
             dist.all_reduce(total, group=group)
         opt.step()
         opt.zero_grad()
+        moe.update_router_bias(model, group=group)  # aux-free routers: loads of every cp rank's tokens
         losses.append(total)
     return torch.stack(losses), {k: v.detach().clone() for k, v in model.state_dict().items()}
 
@@ -80,6 +83,7 @@ def _train_fsdp(model, state, group, B, T, cu):
         loss.backward()
         assert state.step()[0]
         state.zero_grad()
+        moe.update_router_bias(model, group=state.group)
         total = loss.detach() / dist.get_world_size(group)
         dist.all_reduce(total, group=group)
         losses.append(total)
