@@ -38,6 +38,7 @@ from verl.workers.engine.base import BaseEngine, BaseEngineCtx, EngineRegistry
 from verl.workers.engine.utils import detach_tree, postprocess_batch_func, prepare_micro_batches
 
 from bumblebee import models, registry
+from bumblebee.integrations import verl_options as options
 from bumblebee.integrations.verl_data import next_token_aligned, packed_batch, temperature_of
 from bumblebee.parallelize import shard_experts
 from bumblebee.runtime import Runtime
@@ -53,16 +54,18 @@ class BumblebeeEngineConfig(EngineConfig):
     """The engine's options (verl's `EngineConfig` fields, plus):
     impl: slot -> implementation for the model (`{"cross_entropy": "linear_ce"}`; defaults elsewhere);
     state_sharding: "fsdp2" or "zero1"; ep_size: expert-parallel ranks (divides the world size and the
-    expert count; 1 = no EP); recompute: full activation recompute; model_dtype: the masters' dtype
-    when loading; mixed_precision: the compute dtype ("bf16" or "fp32"); router_bias_rate: the
-    auxiliary-loss-free routers' bias step."""
+    expert count; 1 = no EP); recompute: full activation recompute (also on with verl's
+    model.enable_gradient_checkpointing); model_dtype: the masters' dtype when loading;
+    mixed_precision: the compute dtype ("bf16" or "fp32"; None: verl's `dtype`, "bfloat16" or
+    "float32"); router_bias_rate: the auxiliary-loss-free routers' bias step. verl's options the
+    engine does not implement are refused (verl_options.py)."""
     strategy: str = BACKEND
     impl: dict = field(default_factory=dict)
     state_sharding: str = "fsdp2"
     ep_size: int = 1
     recompute: bool = False
     model_dtype: str = "fp32"
-    mixed_precision: str = "bf16"
+    mixed_precision: Optional[str] = None
     router_bias_rate: float = 1e-3
     reshard_after_forward: bool = True
     export_bucket_bytes: int = 2**30
@@ -76,8 +79,9 @@ class BumblebeeEngineConfig(EngineConfig):
         if not (isinstance(self.ep_size, int) and self.ep_size >= 1):
             raise ValueError(f"ep_size must be an int >= 1, got {self.ep_size!r}")
         for name in ("model_dtype", "mixed_precision"):
-            if getattr(self, name) not in DTYPES:
+            if getattr(self, name) not in DTYPES and (name == "model_dtype" or self.mixed_precision is not None):
                 raise ValueError(f"{name} must be one of {sorted(DTYPES)}, got {getattr(self, name)!r}")
+        options.check_engine(self)
 
 
 @dataclass
@@ -88,6 +92,7 @@ class BumblebeeActorConfig(ActorConfig):
 
     def __post_init__(self):
         super().__post_init__()
+        options.check_actor(self)
         self.engine = self.bumblebee
 
 
@@ -117,8 +122,11 @@ class BumblebeeEngine(BaseEngine):
         if not dist.is_initialized():
             raise ValueError("BumblebeeEngine needs torch.distributed initialized (verl's workers do it; "
                              "one process: dist.init_process_group('gloo', rank=0, world_size=1))")
-        if getattr(model_config, "lora_rank", 0):
-            raise ValueError("LoRA (model_config.lora_rank > 0) is not supported by the bumblebee engine")
+        options.check_model(model_config)
+        options.check_engine(engine_config)  # again: verl's workers set some fields after construction
+        options.check_checkpoint(checkpoint_config, engine_config.forward_only)
+        if not engine_config.forward_only:
+            self._adamw = options.check_optimizer(optimizer_config)
         self.model_config, self.engine_config = model_config, engine_config
         self.optimizer_config, self.checkpoint_config = optimizer_config, checkpoint_config
         self.mode = None
@@ -147,40 +155,20 @@ class BumblebeeEngine(BaseEngine):
                                        dtype=DTYPES[cfg.model_dtype], device=str(self.device))
         if self.ep_mesh is not None:
             shard_experts(model, self.ep_mesh["ep"].get_group())
-        model.set_recompute(cfg.recompute)
+        model.set_recompute(cfg.recompute or bool(getattr(self.model_config, "enable_gradient_checkpointing", False)))
         state = None
-        if not cfg.forward_only:
-            name = str(getattr(opt, "optimizer", "adamw")).lower()
-            if name not in ("adamw", "_adamw"):
-                raise ValueError(f"optimizer_config.optimizer={name!r}: the bumblebee engine's state runs AdamW")
-            clip = getattr(opt, "clip_grad", None) or getattr(opt, "grad_clip", None)
+        if cfg.forward_only:  # the reference model: no optimizer state, no gradients
+            model.requires_grad_(False)
+        else:
             state = registry.resolve("state_sharding", cfg.state_sharding)(
-                model, self.mesh, lr=opt.lr, betas=tuple(opt.betas), eps=getattr(opt, "eps", 1e-8),
-                weight_decay=opt.weight_decay, mixed_precision=cfg.mixed_precision,
-                grad_clip=clip, ep_mesh=self.ep_mesh, reshard_after_forward=cfg.reshard_after_forward)
+                model, self.mesh, **self._adamw, mixed_precision=options.compute_dtype(cfg),
+                ep_mesh=self.ep_mesh, reshard_after_forward=cfg.reshard_after_forward)
             # verl's own schedule, on a stand-in optimizer: its LR goes to each optim_step(lr=...)
-            self.lr_scheduler = self._build_lr_scheduler(torch.optim.SGD([torch.zeros(1, requires_grad=True)],
+            self.lr_scheduler = options.lr_schedule(opt, torch.optim.SGD([torch.zeros(1, requires_grad=True)],
                                                                          lr=opt.lr))
         self.runtime = Runtime(model, state, router_bias_rate=cfg.router_bias_rate)
         self.to("cpu", model=self.is_param_offload_enabled, optimizer=self.is_optimizer_offload_enabled,
                 grad=self.is_param_offload_enabled)
-
-    def _build_lr_scheduler(self, optimizer):
-        from verl.utils.torch_functional import get_constant_schedule_with_warmup, get_cosine_schedule_with_warmup
-        opt = self.optimizer_config
-        total = getattr(opt, "total_training_steps", -1)
-        warmup = getattr(opt, "lr_warmup_steps", -1) or -1
-        if warmup <= 0:
-            warmup = int(getattr(opt, "lr_warmup_steps_ratio", 0.0) * max(total, 0))
-        kind = getattr(opt, "lr_scheduler_type", "constant")
-        if kind == "constant":
-            return get_constant_schedule_with_warmup(optimizer, num_warmup_steps=warmup)
-        if kind == "cosine":
-            return get_cosine_schedule_with_warmup(optimizer, num_warmup_steps=warmup, num_training_steps=total,
-                                                   min_lr_ratio=getattr(opt, "min_lr_ratio", None) or 0.0,
-                                                   num_cycles=getattr(opt, "num_cycles", 0.5),
-                                                   zero_indexed_step=getattr(opt, "zero_indexed_step", True))
-        raise ValueError(f"optimizer_config.lr_scheduler_type must be 'constant' or 'cosine', got {kind!r}")
 
     @property
     def model(self):
@@ -237,11 +225,18 @@ class BumblebeeEngine(BaseEngine):
                 self.to("cpu", model=self.is_param_offload_enabled, optimizer=self.is_optimizer_offload_enabled,
                         grad=self.is_param_offload_enabled)
 
+    def _trainable(self, op: str) -> None:
+        if self.engine_config.forward_only:
+            raise ValueError(f"{op}: this engine is forward only (engine_config.forward_only=True, verl's reference "
+                             "model): it computes log-probs, it does not train")
+
     def optimizer_zero_grad(self):
+        self._trainable("optimizer_zero_grad")
         self.runtime.optimizer_zero_grad()
 
     def optimizer_step(self):
         """The runtime's step at the schedule's LR; returns the global gradient norm before clipping."""
+        self._trainable("optimizer_step")
         return float(self.runtime.optim_step(lr=self.lr_scheduler.get_last_lr()[0])["grad_norm"])
 
     def lr_scheduler_step(self):
@@ -252,6 +247,10 @@ class BumblebeeEngine(BaseEngine):
     def forward_backward_batch(self, data: TensorDict, loss_function: Callable, forward_only=False):
         """verl's micro-batches of `data`, each through the runtime; the loss's backward when
         training. Returns verl's {"model_output", "loss", "metrics"} in the data's sample order."""
+        if not forward_only:
+            self._trainable("forward_backward_batch")
+        options.check_flags("data", **{k: bool(tu.get_non_tensor_data(data=data, key=k, default=d))
+                                       for k, d in options.BATCH_FLAGS.items()})
         tu.assign_non_tensor(data, sp_size=1)
         num_tokens = data["loss_mask"].sum().to(device=self.device, dtype=torch.int64)
         dist.all_reduce(num_tokens, group=self.get_data_parallel_group())

@@ -27,29 +27,31 @@ def tiny_checkpoint(out: Path, name: str = "qwen3-tiny", seed: int = 0) -> Path:
     return path
 
 
-def configs(path: Path, *, ep_size=1, state_sharding="fsdp2", steps=10, warmup=0, **engine):
-    """(model, engine, optimizer, checkpoint, actor) configs, fp32 end to end."""
+def configs(path: Path, *, ep_size=1, state_sharding="fsdp2", steps=10, warmup=0, optim=None, checkpoint=None,
+            **engine):
+    """(model, engine, optimizer, checkpoint, actor) configs, fp32 end to end; `optim` and
+    `checkpoint`: more fields of verl's optimizer and checkpoint configs."""
     from verl.trainer.config import CheckpointConfig
     from verl.workers.config import FSDPOptimizerConfig, HFModelConfig
 
     from bumblebee.integrations.verl import BumblebeeActorConfig, BumblebeeEngineConfig
     model = HFModelConfig(path=str(path), load_tokenizer=False)
-    eng = BumblebeeEngineConfig(impl={"cross_entropy": "linear_ce"}, mixed_precision="fp32", ep_size=ep_size,
+    eng = BumblebeeEngineConfig(impl={"cross_entropy": "linear_ce"}, dtype="float32", ep_size=ep_size,
                                 state_sharding=state_sharding, use_dynamic_bsz=False,
                                 micro_batch_size_per_gpu=ACTOR["ppo_micro_batch_size_per_gpu"], **engine)
     optim = FSDPOptimizerConfig(lr=LR, betas=(0.9, 0.95), weight_decay=0.01, clip_grad=CLIP_GRAD,
-                                total_training_steps=steps, lr_warmup_steps=warmup, lr_scheduler_type="cosine")
+                                total_training_steps=steps, lr_warmup_steps=warmup, lr_scheduler_type="cosine",
+                                **(optim or {}))
     actor = BumblebeeActorConfig(bumblebee=eng, optim=optim, **ACTOR)
-    return model, eng, optim, CheckpointConfig(), actor
+    return model, eng, optim, CheckpointConfig(**(checkpoint or {})), actor
 
 
 def make_engine(path: Path, **kw):
-    """BumblebeeEngine through verl's registry (the cpu device key where there is no GPU), initialized."""
-    import os
-
+    """BumblebeeEngine through verl's registry (verl's platform "cpu" where there is no GPU), initialized."""
     from verl.workers.engine import EngineRegistry
-    if not torch.cuda.is_available():  # verl detects "cuda" on a machine without accelerators
-        os.environ["VERL_ENGINE_DEVICE"] = "cpu"  # a spawned rank's own environment
+
+    from tests.e2e import verl_cpu
+    verl_cpu.use_cpu_platform()  # verl detects "cuda" on a machine without accelerators
 
     import bumblebee.integrations.verl  # noqa: F401  (registers the engine)
     model, eng, optim, ckpt, actor = configs(path, **kw)
