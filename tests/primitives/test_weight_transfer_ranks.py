@@ -317,31 +317,39 @@ def test_dead_sender_raises_everywhere_within_the_timeout(tmp_path):
 
 
 def contract2(ctx):
-    """Both twins, 1 trainer rank -> 1 rollout rank (a vLLM-style engine), one update each."""
-    name = "qwen3-tiny"
+    """Both twins, 1 trainer rank -> 1 rollout rank (a vLLM-style engine), one update each, for Qwen3
+    and DeepSeek-V3 (fused_qkv_a_proj, replicated router biases)."""
     impls = ctx.params["impls"]
-    if ctx.is_trainer:
-        model = models.build(name, seed=0)
-        from bumblebee.runtime import export
-        for i, impl in enumerate(impls):
-            registry.resolve("weight_transfer", impl)(Link(ctx.trainers, ctx.rollouts, name=f"c{i}")).update(
-                list(export.export_weight_shards(model, None)), 1)
-        return {"full": {k: v.clone() for k, v in export.export_weights(model, None, bucket_bytes=1 << 30)}}
-    man = R.manifest_of_model(name)
+    from bumblebee.runtime import export
     out = {}
-    for i, impl in enumerate(impls):
-        lw, targets, key = R.engine(ctx, name, man)
-        registry.resolve("weight_transfer", impl)(Link(ctx.trainers, ctx.rollouts, name=f"c{i}"), load_weights=lw,
-                                                  targets=targets, layout_key=key).update()
-        out[impl] = _clone(targets)
+    for name in CONTRACT_MODELS:
+        if ctx.is_trainer:
+            model = models.build(name, seed=0)
+            for i, impl in enumerate(impls):
+                registry.resolve("weight_transfer", impl)(Link(ctx.trainers, ctx.rollouts, name=f"{name}{i}")).update(
+                    list(export.export_weight_shards(model, None)), 1)
+            out[name] = {k: v.clone() for k, v in export.export_weights(model, None, bucket_bytes=1 << 30)}
+            continue
+        man = R.manifest_of_model(name)
+        for i, impl in enumerate(impls):
+            lw, targets, key = R.engine(ctx, name, man)
+            registry.resolve("weight_transfer", impl)(Link(ctx.trainers, ctx.rollouts, name=f"{name}{i}"),
+                                                      load_weights=lw, targets=targets, layout_key=key).update()
+            out[(name, impl)] = _clone(targets)
     return out
+
+
+CONTRACT_MODELS = ("qwen3-tiny", "deepseek-v3-tiny")
 
 
 def contract(name: str, twin: str, out_dir) -> None:
     """The twin contract of weight_transfer: both give the rollout, bit for bit, what its own
     load_weights makes of the checkpoint."""
     r = R.spawn(1, 1, MOD, "contract2", out_dir, timeout_s=300, impls=(name, twin))
-    e = VllmStyleEngine(R.manifest_of_model("qwen3-tiny"), models.NAMED["qwen3-tiny"])
-    e.load_weights(iter(r[0]["full"].items()))
-    for impl in (name, twin):
-        assert _same(r[1][impl], e.params), impl
+    for model in CONTRACT_MODELS:
+        e = VllmStyleEngine(R.manifest_of_model(model), models.NAMED[model])
+        e.load_weights(iter(r[0][model].items()))
+        if model.startswith("deepseek"):  # the router biases travel too
+            assert any(k.endswith("e_score_correction_bias") for k in e.params)
+        for impl in (name, twin):
+            assert _same(r[1][(model, impl)], e.params), (model, impl)
