@@ -32,7 +32,8 @@ def expert_counts(indices_TK, num_experts):
 def softmax_topk(logits, *, top_k, norm_topk_prob=True, routed_experts=None, return_counts=False):
     """Softmax top-k routing in torch (Qwen3-MoE): weights in the logits' dtype, int64 indices."""
     check_router_inputs(logits, top_k, routed_experts=routed_experts)
-    probs_TE = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    # fp32 for narrow dtypes, fp64 stays: the contract's float64 reference must really be float64
+    probs_TE = torch.softmax(logits, dim=-1, dtype=torch.promote_types(logits.dtype, torch.float32))
     if routed_experts is None:
         weights_TK, indices_TK = torch.topk(probs_TE, top_k, dim=-1)
     else:
