@@ -175,7 +175,18 @@ def data_mesh(m):
 
 @torch.no_grad()
 def sync_grads(model: nn.Module, cp_group) -> None:
-    """Sum every parameter's gradient over the cp group (replicated parameters, no FSDP)."""
+    """Sum every replicated parameter's gradient over the cp group (no FSDP). Experts sharded over
+    the cp group itself (`bumblebee.parallelize.shard_experts(model, cp_group)`) already hold the
+    gradient of every cp rank's tokens (the dispatch's backward brings it) and are left alone;
+    experts sharded over another group are refused (their reduction spans other ranks)."""
+    experts = set()
+    for m in model.modules():
+        if getattr(m, "ep_group", None) is None:
+            continue
+        if m.ep_group is not cp_group:
+            raise ValueError("sync_grads: experts sharded over a group other than the cp group need a reduction "
+                             "over the ranks holding the same experts; use state sharding with ep_mesh")
+        experts.update(id(getattr(m, name)) for name in m.expert_parallel_params)
     for p in model.parameters():
-        if p.grad is not None:
+        if p.grad is not None and id(p) not in experts:
             dist.all_reduce(p.grad, group=cp_group)

@@ -4,7 +4,8 @@ Qwen3 (unpacked B = 2; packed with one-token documents; the ring exchange), Qwen
 DeltaNet and gated attention layers in one layout, under full recompute, with its MTP depth) and
 DeepSeek-V3 (MLA by an all-gather of the latent and RoPE key, MoE, MTP, aux-free router biases
 moved by the loads of every cp rank's tokens); Qwen3-MoE with its
-load-balancing loss over the whole batch's tokens; and Qwen3 under FSDP2 over
+load-balancing loss over the whole batch's tokens, and with its experts split over the cp ranks
+(EP = CP = 2, all-to-all dispatch); and Qwen3 under FSDP2 over
 the (dp = 1, cp = 2) mesh, packed, with full recompute. Each step's loss (the ranks' shares summed) and the
 final weights lie within the fp32 single-rank run's own error against float64 (4x plus 8 ulps for
 losses, 8x per tensor for weights); the single-rank run is the model's plain forward with labels.
@@ -17,6 +18,7 @@ import torch.distributed as dist
 
 from bumblebee import models, registry
 from bumblebee.models import moe
+from bumblebee.parallelize import shard_experts
 from bumblebee.primitives.context_parallel import layout
 from bumblebee.primitives.context_parallel import model as cp_model
 from tests.primitives.context_parallel_ranks import EPS32, error, spawn, within
@@ -34,6 +36,8 @@ CASES = {  # name -> (config, B, T, cu_seqlens, exchange, recompute); "fsdp2": F
     # the softmax routers' load-balancing loss over the whole batch's tokens, not each rank's
     "qwen3-moe_aux": ({**models.NAMED["qwen3-moe-tiny"], "output_router_logits": True}, 2, 32, None, "allgather",
                       False),
+    # experts split over the cp ranks (EP = CP = 2), tokens exchanged by the all-to-all dispatch
+    "qwen3-moe_ep": ("qwen3-moe-tiny", 1, 48, PACKED, "allgather", False),
 }
 
 
@@ -44,8 +48,12 @@ def _batches(vocab, B, T):
 
 def _train(case, dtype, group=None):
     name, B, T, cu, exchange, recompute = CASES[case]
-    model = models.build(name, seed=0, dtype=dtype).set_recompute(recompute)
+    ep = group is not None and case.endswith("_ep")
+    impl = {"moe_dispatch": "all_to_all"} if ep else None
+    model = models.build(name, impl, seed=0, dtype=dtype).set_recompute(recompute)
     fsdp = group is not None and case.endswith("fsdp2")
+    if ep:
+        shard_experts(model, group)
     if group is not None:
         if fsdp:  # dp = 1 x cp = 2: the cp group is the mesh's, FSDP2 shards over both dims
             mesh = cp_model.mesh("cpu", 1, dist.get_world_size(group))
@@ -104,6 +112,9 @@ def models_at_cp2(group):
         l, w = _train(case, torch.float32, group)
         errors[f"{case} losses"] = error(l, l64, l32)
         for k in w64:
+            if w[k].shape != w64[k].shape:  # this rank's experts of an EP run
+                n = w[k].shape[0]
+                w64[k], w32[k] = (t[rank * n:(rank + 1) * n] for t in (w64[k], w32[k]))
             e, r, _ = error(w[k], w64[k], w32[k])
             errors[f"{case} {k}"] = (e, 2 * r, 8 * EPS32 * w64[k].abs().max().item())  # 8x: within() takes 4x
     return errors
