@@ -210,14 +210,19 @@ class SlotChoices(dict):
     def __init__(self, impl=()):
         super().__init__(impl)
         self.asked: set[str] = set()
+        self.model_defaults: dict[str, str] = {}  # a default the model chose over the registry's
 
     def get(self, slot, default=None):
         self.asked.add(slot)
+        if default is not None and slot not in self:
+            self.model_defaults[slot] = default
         return super().get(slot, default)
 
     def configs(self) -> dict[str, dict]:
-        """{slot: {"impl": name, **config fields}} of every slot looked up (defaults included)."""
-        return {slot: record(slot, dict.get(self, slot)) for slot in sorted(self.asked)}
+        """{slot: {"impl": name, **config fields}} of every slot looked up (defaults included: the
+        model's own where it passed one to `get`, else the registry's)."""
+        return {slot: record(slot, dict.get(self, slot, self.model_defaults.get(slot)))
+                for slot in sorted(self.asked)}
 
 
 def check_impl(impl: Mapping[str, Any] | None) -> SlotChoices:

@@ -188,7 +188,7 @@ class MoEBlock(nn.Module):
         self.dispatch_chunks = dispatch_chunks  # chunked dispatch: C or relative chunk sizes (None: its default)
         self.gate = TopKRouter(dim, num_experts, top_k, scoring=scoring, norm_topk_prob=norm_topk_prob,
                                n_group=n_group, topk_group=topk_group, scaling_factor=scaling_factor,
-                               router=impl.get("router"))
+                               router=impl.get("router", DEFAULT_ROUTER.get(scoring)))
         self.experts = GroupedExperts(num_experts, dim, moe_hidden, grouped_mm=grouped_mm, ep_group=ep_group)
         self.dispatch = registry.resolve("moe_dispatch", impl.get("moe_dispatch"))
         if shared_hidden:

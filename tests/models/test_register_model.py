@@ -45,3 +45,13 @@ def test_bad_registrations_are_refused():
     with pytest.raises(ValueError, match="config_class"):
         from bumblebee.models.qwen3_moe import Qwen3MoeConfig
         bb.register_model("mismatch", MyQwen3, Qwen3MoeConfig, hf_model_types=["mismatch"])
+
+
+@pytest.mark.parametrize("name, router", [("deepseek-v3-tiny", "aux_free"), ("qwen3-moe-tiny", "softmax_fused")])
+def test_impl_configs_record_the_router_each_family_runs(name, router):
+    """The router default depends on the family's scoring (sigmoid: aux_free, softmax: softmax_fused):
+    the record names the one the model's routers run, not the registry's one default."""
+    model = bb.models.build(name)
+    assert model.impl_configs()["router"]["impl"] == router
+    routes = [m.route for m in model.modules() if hasattr(m, "route")]
+    assert routes and all(r is bb.registry.resolve("router", router) for r in routes)
