@@ -40,7 +40,8 @@ def halo_conv_silu(x_BTC, weight_CW, batch: CPBatch):
     B, _, C = x_BTC.shape
     W, L = weight_CW.shape[-1], batch.chunk
     if W - 1 > L:
-        raise ValueError(f"conv width {W} needs chunks of at least {W - 1} tokens, got {L} (T={batch.T}, CP={batch.cp})")
+        raise ValueError(f"conv width {W} needs chunks of at least {W - 1} tokens, got {L} "
+                         f"(T={batch.T}, CP={batch.cp})")
     x, w = to_acc(x_BTC), to_acc(weight_CW)
     tails = torch.stack([x[:, (i + 1) * L - (W - 1):(i + 1) * L] for i in range(2)], dim=1)  # [B, 2, W-1, C]
     tails = gather(tails, batch.group, dim=1)  # [B, 2 CP, W-1, C]
@@ -111,17 +112,15 @@ def gated_delta_rule(q, k, v, g, beta, *, scale: float, batch: CPBatch):
         segs = [(i * L + a, i * L + b) for a, b in zip(bounds, bounds[1:])]
         continues = 0 not in batch.cuts[i]
         outs, h, M = [], zero, None
-        for j, (a, b) in enumerate(segs):
-            args = (t[:, :, a:b] for t in (q, k, v, g, beta))
-            o, h, m = _run(*args, zero, want_map=continues and j == 0)
+        for a, b in segs:  # a chunk with a document start inside maps every entering state to 0
+            o, h, m = _run(*(t[:, :, a:b] for t in (q, k, v, g, beta)), zero, want_map=continues and len(segs) == 1)
             outs.append(o)
-            if j == 0 and continues:
-                M = m if len(segs) == 1 else torch.zeros_like(m)
-        maps.append((zero.new_zeros(B, HV, Dk, Dk) if M is None else M, h))
+            M = m if m is not None else M
+        maps.append(torch.cat([zero.new_zeros(B, HV, Dk, Dk) if M is None else M, h], dim=-1))
         firsts.append(segs[0] if continues else None)
         pieces.append(outs)
-    A_all = gather(torch.stack([m[0] for m in maps], dim=1), batch.group, dim=1)  # [B, 2 CP, HV, Dk, Dk]
-    B_all = gather(torch.stack([m[1] for m in maps], dim=1), batch.group, dim=1)
+    AB = gather(torch.stack(maps, dim=1), batch.group, dim=1)  # [B, 2 CP, HV, Dk, Dk + Dv]: (A | B) per chunk
+    A_all, B_all = AB[..., :Dk], AB[..., Dk:]
     chunks = rank_chunks(batch.rank, cp)
     entering, S = {}, zero
     for c in range(max(chunks)):  # the scan in chunk order, fp32
