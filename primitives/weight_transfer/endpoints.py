@@ -78,6 +78,8 @@ class _Endpoint:
         except ValueError as e:
             raise TransferError(f"no plan: {e}") from None
         self.manifest = manifest
+        self.stats.update(bytes_sent=self.plan.bytes_sent().get(self.rank, 0),
+                          bytes_received=self.plan.bytes_received().get(self.rank, 0))
         self.mover = Mover(self.plan, self.rank, self.link.group, transactional=self.config.transactional,
                            device=self._device())
 
@@ -108,10 +110,7 @@ class _Endpoint:
         if not is_sender:
             self.mover.commit(self.targets)
         self.version = version
-        plan = self.plan
-        self.stats.update(bytes_sent=plan.bytes_sent().get(self.rank, 0),
-                          bytes_received=plan.bytes_received().get(self.rank, 0),
-                          staged_bytes=self.mover.staged_bytes)
+        self.stats["staged_bytes"] = self.mover.staged_bytes
         return version
 
 
