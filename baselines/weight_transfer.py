@@ -87,8 +87,8 @@ class _End:
 
 
 class BroadcastSender(_End):
-    def update(self, shards, version: int) -> int:
-        shards = list(shards)
+    def update(self, shards, version: int, timeout_s: float | None = None) -> int:
+        shards = list(shards)  # timeout_s: p2p's; collectives here wait the process group's timeout
         out = self._run(shards, version)
         if self.rank == self.root:
             self.stats["bytes_sent"] = sum(_dtype(d).itemsize * torch.Size(s).numel()

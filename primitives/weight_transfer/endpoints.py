@@ -68,7 +68,7 @@ class _Endpoint:
             except Exception as e:
                 mine = f"layout inference failed: {type(e).__name__}: {e}"
             self.ctl.post(f"{n}/setup-r", self.rank, mine)
-        receivers = self.ctl.collect(f"{n}/setup-r", r)
+        receivers = self.ctl.collect(f"{n}/setup-r", r, timeout_s=max(wait_s, self.config.timeout_s))  # inference
         bad = {k: v for k, v in receivers.items() if isinstance(v, str)}
         if bad:
             raise TransferError("; ".join(f"receiver rank {k}: {v}" for k, v in sorted(bad.items())))
@@ -143,13 +143,15 @@ class WeightSender(_Endpoint):
         self.sent_layout = (manifest, spec.boxes)
         return None
 
-    def update(self, shards, version: int) -> int:
-        """Sync mode: send this rank's part of `version`; returns when every receiver committed it."""
+    def update(self, shards, version: int, timeout_s: float | None = None) -> int:
+        """Sync mode: send this rank's part of `version`; returns when every receiver committed it.
+        `timeout_s` (default the config's): how long to wait for the receivers to start (and, on the
+        first update, to infer their layouts)."""
         if self.config.mode != "sync":
             raise RuntimeError("update() is the sync mode's call; this endpoint is async: use publish()")
         with self._flight():
             self._sent = sender_spec(self.rank, shards)
-            return self._transfer(version, self._sent, self.config.timeout_s)
+            return self._transfer(version, self._sent, timeout_s or self.config.timeout_s)
 
     def publish(self, shards, version: int) -> None:
         """Async mode: snapshot this rank's shards as `version` and return; the service thread sends

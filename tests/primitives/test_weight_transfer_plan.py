@@ -137,11 +137,12 @@ def test_simulated_benchmark_runs(tmp_path):
     import subprocess
     import sys
     from pathlib import Path
+    from tests.limits import SUBPROCESS_TIMEOUT_S
     root = Path(__file__).resolve().parents[2]
     p = subprocess.run([sys.executable, str(root / "benchmarks/weight_transfer/bench.py"), "--simulate", "--model",
                         "qwen3-moe-tiny", "--layers", "1", "--sim-trainers", "2", "--max-ranks", "8", "--out",
                         str(tmp_path)],
-                       capture_output=True, text=True, timeout=600, cwd=tmp_path)
+                       capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S, cwd=tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
     rows = json.loads((tmp_path / "simulated.json").read_text())["rows"]
     for r in rows:  # p2p never moves more than the twin, and the twin's rollout rank gets the whole model

@@ -16,6 +16,7 @@ import torch
 
 from bumblebee import models, registry
 from bumblebee.primitives.weight_transfer import Link, P2PTransfer, TransferError, TransferInFlight
+from tests.limits import SUBPROCESS_TIMEOUT_S as LIMIT
 from tests.primitives import weight_transfer_ranks as R
 from tests.primitives.weight_transfer_engines import VllmStyleEngine
 
@@ -49,8 +50,8 @@ def _raise_at(r0):
 def main4(ctx):
     """2 trainer ranks (FSDP2, EP 2) -> 2 rollout ranks holding three engines: TP 2, EP 2, and TP 2
     again for the twin."""
-    p2p = registry.resolve("weight_transfer", P2PTransfer(budget_bytes=32 << 10, timeout_s=60))
-    async_ = registry.resolve("weight_transfer", P2PTransfer(mode="async", budget_bytes=32 << 10, timeout_s=60))
+    p2p = registry.resolve("weight_transfer", P2PTransfer(budget_bytes=32 << 10, timeout_s=LIMIT))
+    async_ = registry.resolve("weight_transfer", P2PTransfer(mode="async", budget_bytes=32 << 10, timeout_s=LIMIT))
     twin = registry.resolve("weight_transfer", "broadcast")
     link = {k: Link(ctx.trainers, ctx.rollouts, name=k) for k in ("tp", "ep", "bc", "missing", "extra", "async")}
     res = {"errors": {}, "snaps": {}, "full": {}}
@@ -95,7 +96,7 @@ def main4(ctx):
             if ctx.rank == 0:
                 res["full"][v] = full
             time.sleep(0.2)
-        a.ctl.collect("async-done", [ctx.rollouts[0]], timeout_s=120)
+        a.ctl.collect("async-done", [ctx.rollouts[0]])
         a.close()
         res["publish_s"] = took
         return res
@@ -133,7 +134,7 @@ def main4(ctx):
         res["errors"][k] = _error(lambda: p2p(link[k], load_weights=lw, targets=targets, layout_key=key).update())
         res["intact"][k] = _same(tp, snap[("tp", 6)])
     a = async_(link["async"], load_weights=eng["tp"][0], targets=tp, layout_key=eng["tp"][2])
-    got, deadline = [], time.time() + 120
+    got, deadline = [], time.time() + LIMIT
     while not ctx.params.get("skip_async") and a.version != 13 and time.time() < deadline:
         v = a.poll()
         if v is not None:
@@ -148,7 +149,7 @@ def main4(ctx):
 
 @pytest.fixture(scope="module")
 def main(tmp_path_factory):
-    return R.spawn(2, 2, MOD, "main4", tmp_path_factory.mktemp("wt"), timeout_s=600)
+    return R.spawn(2, 2, MOD, "main4", tmp_path_factory.mktemp("wt"), timeout_s=LIMIT)
 
 
 def _want(full, rollout_index, **kw):
@@ -208,8 +209,8 @@ def one3(ctx):
     non-transactional mode) and a whole transformers model (replicas); then 100 updates into the
     transformers models."""
     name = "qwen3-tiny"
-    cfg = {"tp": P2PTransfer(budget_bytes=64 << 10, timeout_s=60, transactional=False),  # rounds land at once
-           "hf": P2PTransfer(budget_bytes=1 << 20, timeout_s=60)}
+    cfg = {"tp": P2PTransfer(budget_bytes=64 << 10, timeout_s=LIMIT, transactional=False),  # rounds land at once
+           "hf": P2PTransfer(budget_bytes=1 << 20, timeout_s=LIMIT)}
     p2p = {k: registry.resolve("weight_transfer", c) for k, c in cfg.items()}
     link = {k: Link(ctx.trainers, ctx.rollouts, name=k) for k in ("tp", "hf")}
     res = {"full": {}, "snaps": {}, "rss": []}
@@ -249,7 +250,7 @@ def one3(ctx):
 
 @pytest.fixture(scope="module")
 def one(tmp_path_factory):
-    return R.spawn(1, 2, MOD, "one3", tmp_path_factory.mktemp("wt1"), timeout_s=600)
+    return R.spawn(1, 2, MOD, "one3", tmp_path_factory.mktemp("wt1"), timeout_s=LIMIT)
 
 
 def test_one_trainer_to_tp2_engine_and_transformers_replicas(one):
@@ -282,21 +283,24 @@ def dead3(ctx):
     if ctx.is_trainer:
         model, state, _ = R.trainer_state(ctx, name)
         end = p2p(link)
-        end.update(R.shards(model, state), 1)
+        end.update(R.shards(model, state), 1, timeout_s=LIMIT)  # waits on the rollout's layout inference
         full = R.hf_full(model, state)
         res["full"] = full if ctx.rank == 0 else None
         if ctx.rank == 1:
             import os
             end.on_round = lambda r: os._exit(0) if r == 1 else None
+        sh = R.shards(model, state)
+        end.ctl.post("sending", ctx.rank, True)  # the rollout starts its clock with ours
         t0 = time.perf_counter()
-        res["error"] = _error(lambda: end.update(R.shards(model, state), 2))
+        res["error"] = _error(lambda: end.update(sh, 2))
         res["took"] = time.perf_counter() - t0
         return res
     man = R.manifest_of_model(name)
     lw, targets, key = R.engine(ctx, name, man)
     end = p2p(link, load_weights=lw, targets=targets, layout_key=key)
-    end.update()
+    end.update(timeout_s=LIMIT)  # waits on the trainer's FSDP2 set-up
     res["v1"] = _clone(targets)
+    end.ctl.collect("sending", ctx.trainers, timeout_s=LIMIT)
     t0 = time.perf_counter()
     res["error"] = _error(end.update)
     res["took"] = time.perf_counter() - t0
@@ -306,7 +310,7 @@ def dead3(ctx):
 
 
 def test_dead_sender_raises_everywhere_within_the_timeout(tmp_path):
-    r = R.spawn(2, 1, MOD, "dead3", tmp_path, timeout_s=300)
+    r = R.spawn(2, 1, MOD, "dead3", tmp_path, timeout_s=LIMIT)
     assert r[1] == {"dead": True}
     for rank in (0, 2):
         assert r[rank]["error"] is not None and r[rank]["took"] < 3 * 5.0, (rank, r[rank]["error"], r[rank]["took"])
@@ -345,7 +349,7 @@ CONTRACT_MODELS = ("qwen3-tiny", "deepseek-v3-tiny")
 def contract(name: str, twin: str, out_dir) -> None:
     """The twin contract of weight_transfer: both give the rollout, bit for bit, what its own
     load_weights makes of the checkpoint."""
-    r = R.spawn(1, 1, MOD, "contract2", out_dir, timeout_s=300, impls=(name, twin))
+    r = R.spawn(1, 1, MOD, "contract2", out_dir, impls=(name, twin))
     for model in CONTRACT_MODELS:
         e = VllmStyleEngine(R.manifest_of_model(model), models.NAMED[model])
         e.load_weights(iter(r[0][model].items()))

@@ -59,7 +59,9 @@ def _worker(rank, world, port, module, scenario, trainers, out, params):
     os._exit(0)
 
 
-def spawn(trainers: int, rollouts: int, module: str, scenario: str, out: Path, timeout_s=240, **params) -> list:
+def spawn(trainers: int, rollouts: int, module: str, scenario: str, out: Path, timeout_s=None, **params) -> list:
+    from tests.limits import SUBPROCESS_TIMEOUT_S
+    timeout_s = timeout_s or SUBPROCESS_TIMEOUT_S
     world = trainers + rollouts
     ctx = mp.start_processes(_worker, args=(world, _port(), module, scenario, trainers, str(out), params),
                              nprocs=world, join=False, start_method="spawn")
