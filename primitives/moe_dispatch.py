@@ -20,7 +20,7 @@ CUDA with communication on its own stream ("comm", one per device) ordered again
   input-gradient copies.
 Chunk i+1's dispatch and chunk i-1's combine run while chunk i's experts compute; chunk 0's
 dispatch starts right after its own gather. The expert math comes from `kernels/moe_dispatch_expert_gemm.py`
-(dgrad/wgrad split); the permutation is the primitive's own (`kernels/moe_dispatch_permute.py` and
+(dgrad/wgrad split); the permutation is the primitive's own (`kernels/moe_dispatch_fused_permute.py` and
 `kernels/moe_dispatch_regroup.py`, their algorithms in torch where they do not run, and the row
 bookkeeping of `primitives/moe_dispatch_rows.py`: a counting sort off CUDA), not the twin's: every
 un-permute is a gather and a sum over K, no atomics, deterministic. Chunks are contiguous token
@@ -28,7 +28,7 @@ ranges and the copies sort by chunk * E + expert, so chunk c's copies are one ra
 order and U/S write disjoint rows of the output. On the CPU (gloo) there are no streams: the same
 chunk schedule runs in issue order, sequentially. Options: `ChunkedDispatch`
 (`primitives/moe_dispatch_options.py`). `fused_permute` runs U, G and S as fused Triton kernels on
-CUDA (`kernels/moe_dispatch_permute.py`: gather, weight and sum in one pass) and builds the row indices
+CUDA (`kernels/moe_dispatch_fused_permute.py`: gather, weight and sum in one pass) and builds the row indices
 after the count exchange in one launch (`kernels/moe_dispatch_regroup.py`); `fused_swiglu`
 the experts' SwiGLU elementwise (`kernels/moe_dispatch_swiglu.py`). Chunk 0's gather P0 is
 issued before the count exchange's host sync, so the GPU works while the host waits, and chunk 0's

@@ -12,7 +12,7 @@ token at Qwen3-30B-A3B's sizes) puts the backward's peak far above the parameter
   (rows are sorted by expert, so a group is one row range): gather x and g for the group, fc1
   (the recompute's work, moved here), the fc2 dgrad, the weighted SwiGLU gradient, both weight
   gradients of the group's experts, and its dx rows, added into the [N, D] fp32 input gradient by
-  `add_group_copies` (`kernels/moe_dispatch_permute.py`, where `fused_permute` is on; else its torch
+  `add_group_copies` (`kernels/moe_dispatch_fused_permute.py`, where `fused_permute` is on; else its torch
   twin: each token's copies in the group summed in fp32 in k order, then one add to its row; no
   atomics, so deterministic); then every group's buffers are free;
 - the first forward, which keeps nothing per row, runs groups of about `forward_group_rows` rows (16x by
@@ -25,7 +25,7 @@ The backward's working set is then the [N, D] fp32 input gradient plus one group
 8 + 168 / G KiB per token at those sizes (an [M, D] dx buffer summed over K at the end would add 24).
 FLOPs are those of the saved-activation path (fc1 runs once in the backward instead of once in the
 recompute); the identity row gathers of one rank disappear. The forward's un-permute is the fused
-kernel's (`kernels/moe_dispatch_permute.py`) where the config enables it, as in
+kernel's (`kernels/moe_dispatch_fused_permute.py`) where the config enables it, as in
 `primitives/moe_dispatch.py`. Shape legend as there.
 """
 from __future__ import annotations

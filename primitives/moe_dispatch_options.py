@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from bumblebee import recompute
-from bumblebee.kernels import moe_dispatch_permute as _fused
+from bumblebee.kernels import moe_dispatch_fused_permute as _fused
 from bumblebee.kernels import moe_dispatch_regroup as _regroup_kernel
 from bumblebee.kernels import moe_dispatch_swiglu as _swiglu
 from bumblebee.options import check_bool, check_choice, check_int, option
@@ -47,7 +47,7 @@ class ChunkedDispatch:
     wgrad: str = option("auto", "delayed wgrad of several chunks: 'gather' (regroup the rows, one GEMM per "
                         "weight), 'add' (one GEMM per chunk plus adds) or 'auto' (fewer bytes moved)")
     fused_permute: bool = option(True, "un-permute, its gradient, the sum over K and the one-rank group "
-                                 "accumulation as fused Triton kernels (kernels/moe_dispatch_permute.py, "
+                                 "accumulation as fused Triton kernels (kernels/moe_dispatch_fused_permute.py, "
                                  "kernels/moe_dispatch_regroup.py) on CUDA")
     fused_swiglu: bool = option(True, "the experts' SwiGLU elementwise as one Triton pass each way "
                                 "(kernels/moe_dispatch_swiglu.py) on CUDA")

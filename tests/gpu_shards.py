@@ -44,7 +44,7 @@ SHARDS = {
     4: ("MoE dispatch, routers, loss, MTP (our Triton kernels, one- and two-GPU spawns; ~5 min)", (
         "tests/primitives/test_moe_dispatch.py",
         "tests/primitives/test_moe_dispatch_fused_recompute.py",
-        "tests/primitives/test_moe_dispatch_permute.py",
+        "tests/primitives/test_moe_dispatch_fused_permute.py",
         "tests/primitives/test_moe_dispatch_regroup.py",
         "tests/primitives/test_moe_dispatch_swiglu.py",
         "tests/primitives/test_router.py",

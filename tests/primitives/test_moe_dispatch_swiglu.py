@@ -6,7 +6,7 @@ The Triton kernels run under TRITON_INTERPRET=1 in fp32 and fp16 (this file as a
 subprocess, `--interpret`): odd row counts, widths that are not a multiple of the block (and several
 column blocks per row), outputs into row slices of poisoned buffers, empty inputs; then the expert
 GEMMs' forward and dgrad with the fused functions passed in against the torch ops. The chunked primitive with the switch on
-runs under the interpreter in tests/primitives/test_moe_dispatch_permute.py. The weighted backward (the fused
+runs under the interpreter in tests/primitives/test_moe_dispatch_fused_permute.py. The weighted backward (the fused
 recompute) is checked the same way, and expert_dgrad_weighted with it against the torch ops. bf16 runs on the GPU only.
 Tolerance: the fused error vs float64 at most 2x the torch path's own error plus a small floor.
 """

@@ -1,4 +1,4 @@
-"""kernels/moe_dispatch_permute.py (fused un-permute, its gradients, sum over copies, the grouped
+"""kernels/moe_dispatch_fused_permute.py (fused un-permute, its gradients, sum over copies, the grouped
 backward's add_group_copies) against float64 references and against the torch functions of common/moe_dispatch_permute.py, and the chunked primitive
 with `fused_permute` on against its twin; where the kernels are off the primitive takes their `*_torch`
 algorithms, never common/'s.
@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from bumblebee.common import moe_dispatch_permute as ref_mod
-from bumblebee.kernels import moe_dispatch_permute as fused
+from bumblebee.kernels import moe_dispatch_fused_permute as fused
 from bumblebee.primitives.moe_dispatch_local import expert_groups
 from bumblebee.primitives.moe_dispatch_options import ChunkedDispatch, permute_fns
 from tests.interpreter import interpreted_fixture
