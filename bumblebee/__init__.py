@@ -6,7 +6,7 @@
 
 Importing the package loads the core only: `bb.models` and `bb.pair` import on first use, and the
 shipped implementations register on the registry's first registration or look-up. So importing a
-kernel (`bumblebee.kernels.router`) loads no primitive or model code.
+kernel (`bumblebee.kernels.router_aux_free`) loads no primitive or model code.
 """
 import importlib
 

@@ -1,10 +1,10 @@
 """Top-k routers as fused Triton kernels: auxiliary-loss-free (DeepSeek-V3) and softmax (Qwen3-MoE).
 
 Auxiliary-loss-free (`aux_free_topk`): on CUDA the forward is
-`bumblebee.kernels.router.aux_free_topk_fwd` (scores, bias, group selection, top-k, weights and
+`bumblebee.kernels.router_aux_free.aux_free_topk_fwd` (scores, bias, group selection, top-k, weights and
 per-expert counts in one pass over the logits). Elsewhere (and in float64) the kernel's algorithm
 runs in torch, block by block, through the same autograd function:
-`bumblebee.kernels.router.aux_free_topk_torch`. Replay selects nothing: the given experts are
+`bumblebee.kernels.router_aux_free.aux_free_topk_torch`. Replay selects nothing: the given experts are
 weighed in torch, through the same function and backward.
 
 Softmax (`softmax_topk_fused`, the default for softmax scoring): the same scheme around
@@ -28,7 +28,7 @@ import os
 
 import torch
 
-from bumblebee.kernels.router import aux_free_topk_fwd, aux_free_topk_torch
+from bumblebee.kernels.router_aux_free import aux_free_topk_fwd, aux_free_topk_torch
 from bumblebee.kernels.router_softmax import softmax_topk_fwd, softmax_topk_torch
 from bumblebee.registry import register
 from bumblebee.checks import check_router_inputs

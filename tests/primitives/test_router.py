@@ -417,7 +417,7 @@ def _interpret_main():
         check_against_ref(prim.aux_free_topk, T, E, k, G, TG, seed=100 + i, norm=i % 2 == 0)
         results.append([T, E, k, G, TG])
     check_against_ref(prim.aux_free_topk, 16, 16, 4, 4, 1, seed=7, bias_shift=-3.0)  # negative biased scores
-    from bumblebee.kernels.router import aux_free_topk_fwd
+    from bumblebee.kernels.router_aux_free import aux_free_topk_fwd
 
     logits, bias = make_inputs(45, 32, 11)  # several blocks per program (persistent loop), fp16 logits
     for dtype in (torch.float32, torch.float16):
@@ -603,9 +603,9 @@ def test_aux_free_says_when_its_kernel_does_not_run():
 
 
 def test_torch_path_is_the_kernels_algorithm_not_the_twins(monkeypatch):
-    """Off CUDA the primitive runs kernels/router.py's blocked torch algorithm: it matches the float64
+    """Off CUDA the primitive runs kernels/router_aux_free.py's blocked torch algorithm: it matches the float64
     reference over several blocks, and routing still works with the twin's selection broken."""
-    from bumblebee.kernels import router as kr
+    from bumblebee.kernels import router_aux_free as kr
 
     calls = []
     real = kr.aux_free_topk_torch
