@@ -32,7 +32,7 @@ def compose(path: Path, *overrides: str, level0: bool = True):
     with initialize_config_dir(str(Path(verl.__file__).parent / "trainer/config"), version_base=None):
         base = ["hydra.searchpath=[pkg://bumblebee.integrations.verl_config]", "model_engine=bumblebee",
                 f"actor_rollout_ref.model.path={path}"]
-        return hydra_compose("ppo_trainer", overrides=base + [
+        actor = [
             "actor_rollout_ref.model.enable_gradient_checkpointing=false",
             "actor_rollout_ref.rollout.n=1", f"actor_rollout_ref.actor.ppo_mini_batch_size={vc.B}",
             f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={a['ppo_micro_batch_size_per_gpu']}",
@@ -47,7 +47,8 @@ def compose(path: Path, *overrides: str, level0: bool = True):
             f"actor_rollout_ref.actor.entropy_coeff={a['entropy_coeff']}", "actor_rollout_ref.actor.use_kl_loss=true",
             f"actor_rollout_ref.actor.kl_loss_coef={a['kl_loss_coef']}",
             f"actor_rollout_ref.actor.kl_loss_type={a['kl_loss_type']}", "actor_rollout_ref.actor.calculate_entropy=true",
-        ][:None if level0 else 0] + list(overrides))
+        ]
+        return hydra_compose("ppo_trainer", overrides=base + (actor if level0 else []) + list(overrides))
 
 
 def _as_trainer_sends(batch: dict, **meta):
