@@ -73,11 +73,11 @@ from bumblebee.kernels.moe_dispatch_expert_gemm import (TokensPerExpert, WgradJo
                                            expert_forward, expert_wgrad, use_grouped_mm)
 from bumblebee.options import Bound
 from bumblebee.primitives.moe_dispatch_local import LocalGroupedExperts
-from bumblebee.primitives.moe_dispatch_options import (ChunkedDispatch, chunk_spec, fused_recompute_phase, min_tokens,
-                                                       permute_fns, sm_carveout, swiglu_fns)
+from bumblebee.primitives.moe_dispatch_options import (TRITON_KERNELS, ChunkedDispatch, chunk_spec, fused_recompute_phase,
+                                                       min_tokens, permute_fns, sm_carveout, swiglu_fns)
 from bumblebee.primitives.moe_dispatch_plan import exchange_counts, spec_word
 from bumblebee.primitives.moe_dispatch_rows import expert_major_rows
-from bumblebee.registry import register
+from bumblebee.registry import needs_triton, register
 
 _AGREED = weakref.WeakKeyDictionary()  # experts -> the config its first-call agreement check passed
 _COMM_STREAMS: dict = {}
@@ -312,7 +312,8 @@ class _ChunkedEP(torch.autograd.Function):
         return gx_ND, gw_NK, dw1, dw2, None, None, None, None, None, None, None
 
 
-@register("moe_dispatch", "chunked", kind="primitive", twin="all_to_all", default=True, config=ChunkedDispatch)
+@register("moe_dispatch", "chunked", kind="primitive", twin="all_to_all", default=True, config=ChunkedDispatch,
+          falls_back=needs_triton(*TRITON_KERNELS))
 def chunked_dispatch_with(config: ChunkedDispatch, x_ND, weights_NK, indices_NK, experts, num_experts, *, chunks=None):
     """Expert parallel over experts.ep_group in C chunks: all_to_all overlapped with expert GEMMs
     (`chunks` overrides config.chunks)."""

@@ -30,6 +30,7 @@ AUTO_CHUNKS, AUTO_MIN_TOKENS = (1, 2), {2: 65536, 4: 16384}
 # (1, 2) up by 4-9 points at EP = 4 (at EP = 8: 0.1-1.7 ms at 16K-64K).
 AUTO_SM_CARVEOUT = {2: 0, 4: 32}
 WGRAD_MODES = ("auto", "gather", "add")
+TRITON_KERNELS = (_fused, _regroup_kernel, _swiglu)  # fused_permute's and fused_swiglu's Triton kernels
 
 
 @dataclass(frozen=True)

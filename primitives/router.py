@@ -30,19 +30,24 @@ import torch
 
 from bumblebee.kernels.router_aux_free import aux_free_topk_fwd, aux_free_topk_torch
 from bumblebee.kernels.router_softmax import softmax_topk_fwd, softmax_topk_torch
-from bumblebee.registry import register
+from bumblebee.kernels import router_aux_free as _aux_free_kernel
+from bumblebee.kernels import router_softmax as _softmax_kernel
+from bumblebee.registry import needs_triton, register
 from bumblebee.checks import check_router_inputs
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _falls_back(device, dtype):
+def _on_device(device, dtype):
     """Why routing on `device` in `dtype` runs the kernel's algorithm in torch, or None (the fused kernel)."""
     if not (device.type == "cuda" or _INTERPRET):
         return "the fused Triton kernel needs CUDA: its algorithm runs in torch"
     if dtype == torch.float64:
         return "float64 runs the kernel's algorithm in torch (the kernel computes in fp32)"
     return None
+
+
+_falls_back = needs_triton(_aux_free_kernel, _softmax_kernel, then=_on_device)  # without Triton: says so
 
 
 def _kernel_usable(logits):

@@ -281,8 +281,25 @@ assert "triton" not in sys.modules
 """
 
 
+def _triton_slots() -> set[str]:
+    """Slots with a kernel module that imports Triton (kernels/<slot>_*.py)."""
+    names = set(registry.slots())
+    found = set()
+    for path in (ROOT / "kernels").glob("*.py"):
+        if any(n.split(".")[0] == "triton" for n in _imports(path)):
+            found |= {max((s for s in names if path.stem.startswith(s)), key=len)}
+    return found
+
+
 def test_registry_lists_every_slot_without_triton():
+    """Without Triton every slot is listed, and each primitive whose fast path is a Triton kernel
+    says why it does not run (on a GPU too: `code_on(..., "cuda", bf16)`)."""
     import json
 
     why = json.loads(_run(NO_TRITON))
     assert {s: set(i) for s, i in why.items()} == {s: set(i) for s, i in registry.slots().items()}
+    assert {"cross_entropy", "mla", "moe_dispatch", "router"} <= _triton_slots()
+    silent = [f"{slot}/{name}" for slot in _triton_slots() for name, impl in registry.slots()[slot].items()
+              if impl.kind == "primitive" and not (why[slot][name] and ("Triton" in why[slot][name]
+                                                                       or "not installed" in why[slot][name]))]
+    assert silent == [], f"primitives whose Triton fast path cannot run without saying why: {silent}"
