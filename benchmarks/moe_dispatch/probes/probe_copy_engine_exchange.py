@@ -3,7 +3,7 @@ all_to_all_single, alone and next to GEMMs on the compute stream. The MoE layer'
 Qwen3.5-35B-A3B sizes (D 2048, top-8), half of each rank's copies going to the other rank.
 Prints one JSON line per case on rank 0.
 
-    torchrun --nproc_per_node 2 benchmarks/moe_dispatch/probes/probe_ce_exchange.py
+    torchrun --nproc_per_node 2 benchmarks/moe_dispatch/probes/probe_copy_engine_exchange.py
 """
 from __future__ import annotations
 
