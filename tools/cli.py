@@ -13,7 +13,8 @@ import sys
 MODELS = ("qwen3-tiny", "qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b", "qwen3-moe-tiny", "qwen3-30b-a3b",
           "qwen3-235b-a22b", "deepseek-v3-tiny", "deepseek-v3", "qwen3.5-tiny", "qwen3.5-moe-tiny",
           "qwen3.5-hub-tiny", "qwen3.5-moe-hub-tiny", "qwen3.5-35b-a3b")
-SLOTS = ("attention", "cross_entropy", "linear_attention", "mla", "moe_dispatch", "mtp", "router", "state_sharding")
+SLOTS = ("attention", "cross_entropy", "linear_attention", "mla", "moe_dispatch", "mtp", "router", "state_sharding",
+         "weight_transfer")
 
 
 def _swap(text: str) -> tuple[str, str]:
