@@ -27,7 +27,6 @@ import json
 import math
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -36,6 +35,8 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 sys.path.insert(0, str(HERE.parent))  # benchmarks/: stamp, timing
 sys.path.insert(0, str(ROOT))  # the test suite's engine layouts (benchmarks import references from tests)
+
+from timing import step_times_ms, sync, synced  # noqa: E402
 
 
 def meta_manifest(name: str, layers: int, dtype="bfloat16"):
@@ -88,13 +89,15 @@ def simulate(args) -> dict:
             if ranks < tp or ranks > args.max_ranks:
                 continue
             receivers = {T + i: specs[i % tp] for i in range(ranks)}
-            t0 = time.perf_counter()
-            plan = make_plan(senders, receivers, manifest, budget_bytes=args.budget_bytes)
+            made = {}
+            plan_ms = step_times_ms(lambda: made.update(plan=make_plan(senders, receivers, manifest,
+                                                                       budget_bytes=args.budget_bytes)), 1, 0, cuda=False)[0]
+            plan = made["plan"]
             sent = plan.bytes_sent()
             rows.append({"rollout_tp": tp, "rollout_ep": tp if ep else 1, "rollout_ranks": ranks,
                          "p2p_bytes": plan.total_bytes, "p2p_bytes_per_rollout_rank": max(plan.bytes_received().values()),
                          "p2p_max_sender_bytes": max(sent.values()), "p2p_min_sender_bytes": min(sent.values()),
-                         "p2p_rounds": plan.rounds, "plan_s": round(time.perf_counter() - t0, 2),
+                         "p2p_rounds": plan.rounds, "plan_s": round(plan_ms / 1e3, 2),
                          "broadcast_bytes": ranks * model_bytes + (T - 1) * model_bytes // T,
                          "broadcast_bytes_per_rollout_rank": model_bytes})
             r = rows[-1]
@@ -144,7 +147,6 @@ def measured(args) -> dict | None:
     from bumblebee.primitives.weight_transfer import Link, P2PTransfer
     from bumblebee.runtime import export
     from tests.primitives.weight_transfer_engines import VllmStyleEngine
-    from timing import step_times_ms, sync
 
     cuda = args.device == "cuda"
     if cuda:
@@ -173,12 +175,8 @@ def measured(args) -> dict | None:
         shards = list(export.export_weight_shards(model, state, dtype=torch.bfloat16 if cuda else None))
         for k, fn in impl.items():
             end = fn(link[k])
-            t0 = time.perf_counter()
-            end.update(shards, 0)
-            sync(device)
-            first = time.perf_counter() - t0
-            times = step_times_ms(lambda: end.update(shards, 1), args.iters, 1, cuda=False,
-                                  after=lambda i: sync(device))
+            first = step_times_ms(synced(lambda: end.update(shards, 0), device), 1, 0, cuda=False)[0] / 1e3
+            times = step_times_ms(synced(lambda: end.update(shards, 1), device), args.iters, 1, cuda=False)
             out[k] = {"first_update_s": first, "median_ms": statistics.median(times), "stats": dict(end.stats)}
     else:
         r = rank - T
@@ -186,13 +184,11 @@ def measured(args) -> dict | None:
                               device=device)
         for k, fn in impl.items():
             end = fn(link[k], load_weights=eng.load_weights, targets=eng.params, layout_key=f"tp{r}")
-            t0 = time.perf_counter()
-            end.update()
-            first = time.perf_counter() - t0
-            times = step_times_ms(lambda: end.update(), args.iters, 1, cuda=False, after=lambda i: sync(device))
+            first = step_times_ms(synced(end.update, device), 1, 0, cuda=False)[0] / 1e3
+            times = step_times_ms(synced(end.update, device), args.iters, 1, cuda=False)
             out[k] = {"first_update_s": first, "median_ms": statistics.median(times), "stats": dict(end.stats)}
             if k == "p2p":
-                c = step_times_ms(lambda: end.mover.commit(end.targets), 3, 1, cuda=False, after=lambda i: sync(device))
+                c = step_times_ms(synced(lambda: end.mover.commit(end.targets), device), 3, 1, cuda=False)
                 out[k]["commit_ms"] = statistics.median(c)
     # the link's own point-to-point rate, first trainer -> first rollout rank, one message of the
     # first rollout rank's update size
