@@ -268,10 +268,9 @@ def router_load_stats(model: nn.Module) -> dict[str, dict]:
 
 
 @contextlib.contextmanager
-def _router_modes(model: nn.Module, set_mode):
-    """Within: `set_mode(router)` applied to every router (yielded, in layer order); on exit each router's
-    mode and routes are as they were found, so no call leaves a model recording or replaying."""
-    rs = list(routers(model).values())
+def router_modes(rs: list, set_mode):
+    """Within: `set_mode(router)` applied to each router of `rs` (yielded); on exit each router's mode and
+    routes are as they were found, so no call leaves a model recording or replaying."""
     saved = [(r.mode, r.routed_experts) for r in rs]
     try:
         for r in rs:
@@ -289,7 +288,7 @@ def record_routes(model: nn.Module):
     def record(r):
         r.mode, r.routed_experts = "record", None
 
-    with _router_modes(model, record) as rs:
+    with router_modes(list(routers(model).values()), record) as rs:
         yield lambda: [r.routed_experts for r in rs]
 
 
@@ -315,7 +314,7 @@ def replay_routes(model: nn.Module, routes):
     def replay(r):
         r.mode, r.routed_experts = "replay", given[id(r)].to(r.weight.device)
 
-    with _router_modes(model, replay):
+    with router_modes(rs, replay):
         yield
 
 

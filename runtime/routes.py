@@ -26,18 +26,17 @@ def routing(model, replay: torch.Tensor | None, record: bool):
         if layers != len(rs) or any(r.top_k != k for r in rs):
             raise ValueError(f"batch.routed_experts must be [B, T, layers={len(rs)}, k={rs[0].top_k}] "
                              f"(one entry per MoE decoder layer), got {tuple(replay.shape)}")
-    saved = [(r.mode, r.routed_experts) for r in rs]
-    try:
-        for i, r in enumerate(rs):
-            if replay is not None:
-                r.mode, r.routed_experts = "replay", replay[:, :, i].reshape(-1, replay.shape[-1]).long().to(
-                    r.weight.device)
-            elif record:
-                r.mode, r.routed_experts = "record", None
+    layer = {id(r): i for i, r in enumerate(rs)}
+
+    def set_mode(r):
+        if replay is not None:
+            r.mode, r.routed_experts = "replay", replay[:, :, layer[id(r)]].reshape(-1, replay.shape[-1]).long().to(
+                r.weight.device)
+        elif record:
+            r.mode, r.routed_experts = "record", None
+
+    with moe.router_modes(rs, set_mode):
         yield lambda b, t: torch.stack([_routes(r) for r in rs], dim=1).view(b, t, len(rs), -1)
-    finally:
-        for r, (mode, routes) in zip(rs, saved):
-            r.mode, r.routed_experts = mode, routes
 
 
 def _routes(router) -> torch.Tensor:
