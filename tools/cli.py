@@ -1,5 +1,5 @@
 """Command line: `bumblebee list`, `bumblebee pair --model M --slot S --a X --b Y [--json PATH]`,
-`bumblebee results [SLOT] [--file PATH] [--dir DIR] [--history]`.
+`bumblebee results [SLOT] [--file PATH] [--dir DIR] [--history]`, `bumblebee rl --config FILE`.
 
 Arguments are parsed before torch or any model code is imported (`--help` and refusals come at
 once), so the help names the models and slots from the lists below; a test keeps them equal to
@@ -123,7 +123,23 @@ def parser() -> argparse.ArgumentParser:
                    help="the folder searched for result files (default: benchmarks/ of this checkout, its */results/)")
     r.add_argument("--history", action="store_true",
                    help="print each older run of a history.jsonl as its own tables (default: one row per run)")
+    rl = sub.add_parser("rl", help="an asynchronous RL run (GRPO on the pipeline) from a TOML or JSON config",
+                        formatter_class=_HelpFormatter, epilog=RL_EPILOG,
+                        description="Train from a typed config file: a progress line per step, a JSONL log "
+                                    "and a plot of reward and idle fractions (skills/rl-pipeline/SKILL.md).")
+    rl.add_argument("--config", required=True, metavar="FILE", help="the run's TOML or JSON file")
+    rl.add_argument("--log", default=None, metavar="PATH", help="the JSONL log (overrides the file's log)")
+    rl.add_argument("--plot", default=None, metavar="PATH",
+                    help="the PNG of reward and idle fractions (overrides the file's; default: the log's name .png)")
     return top
+
+
+RL_EPILOG = """example:
+  bumblebee rl --config run.toml --log run.jsonl      # the file's format: runtime/pipeline/launch.py
+
+exit status:
+  0  the run finished
+  2  the config was refused before running (an unknown key, a bad value)"""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -140,6 +156,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"bumblebee results: {e}", file=sys.stderr)
             return 2
         return 0
+    if args.cmd == "rl":
+        from bumblebee.runtime.pipeline.launch import launch
+        return launch(args.config, log=args.log, plot_path=args.plot)
     if args.cmd == "list":
         from bumblebee import models, registry
         print(registry.describe())

@@ -3,7 +3,6 @@ leased prompts go back to the scheduler, admitted again first), and shuts everyt
 from __future__ import annotations
 
 import functools
-import json
 import time
 from pathlib import Path
 
@@ -12,11 +11,9 @@ import ray
 from bumblebee.runtime.pipeline.actors import Producer, Scheduler, Trainer
 from bumblebee.runtime.pipeline.config import PipelineConfig, PipelineTimeout
 from bumblebee.runtime.pipeline.engine import TransformersEngine
+from bumblebee.runtime.pipeline.report import emit
 from bumblebee.runtime.pipeline.weights import ObjectStoreChannel, WeightStore, get
 
-PROGRESS = ("step {step} v{version} reward {reward:.3f} behave_kl {behave_kl:.4f} staleness {staleness_mean:.2f}"
-            "/{staleness_max} tokens/s {tokens_per_s:.0f} idle producers {producer_idle:.2f} "
-            "trainer {trainer_idle:.2f}")
 
 
 class Pipeline:
@@ -98,11 +95,7 @@ class Pipeline:
                 m = get(ref, cfg.call_timeout_s, f"step {step}")
                 m.update(step=step, wall_s=time.monotonic() - t_start)
                 log.append(m)
-                if out:
-                    out.write(json.dumps(m) + "\n")
-                    out.flush()
-                if on_step:
-                    on_step(PROGRESS.format(**m))
+                emit(m, out, on_step)
         finally:
             if out:
                 out.close()

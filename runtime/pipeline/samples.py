@@ -71,10 +71,11 @@ def informative(groups: list[Group]) -> list[Group]:
     return [g for g in groups if max(g.rewards) != min(g.rewards)]
 
 
-def to_batch(groups: list[Group], pad_id: int, *, scale_by_std: bool = True):
+def to_batch(groups: list[Group], pad_id: int, *, scale_by_std: bool = True, device="cpu"):
     """(Batch, versions): rows prompt + completion right-padded with `pad_id`; `loss_mask` on the
     completion tokens, `sampler_logprobs` the sampler's (pi_behave), `advantages` GRPO's per row;
-    `versions` [B, T] long, the version of each completion token (-1 elsewhere)."""
+    `versions` [B, T] long, the version of each completion token (-1 elsewhere). The batch's
+    tensors on `device` (the trainer's), built on the CPU."""
     rows = [(g.prompt, c) for g in groups for c in g.completions]
     if not rows:
         raise ValueError("groups holds no completion")
@@ -94,4 +95,5 @@ def to_batch(groups: list[Group], pad_id: int, *, scale_by_std: bool = True):
             versions[i, n:n + m] = torch.tensor(c.versions)
     adv = grpo_advantages(torch.tensor([g.rewards for g in groups], dtype=torch.float32), scale_by_std=scale_by_std)
     adv = adv.reshape(-1, 1).expand(B, T).contiguous()
-    return Batch(ids, loss_mask=mask, sampler_logprobs=behave, advantages=adv), versions
+    return Batch(*(t.to(device) for t in (ids, mask)), sampler_logprobs=behave.to(device),
+                 advantages=adv.to(device)), versions

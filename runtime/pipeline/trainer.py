@@ -13,25 +13,28 @@ from bumblebee.runtime.pipeline.engine import rollout
 from bumblebee.runtime.pipeline.samples import Group, informative, to_batch
 
 
-def build_runtime(model_config: dict, cfg: PipelineConfig, group=None):
-    """(Runtime of the policy, Runtime of the reference or None): the model under `cfg.state_sharding`
-    on `group` (the trainer's own ranks), or on a one-rank gloo group, created here when none exists
-    (the trainer actor's own process)."""
+def build_runtime(model_config: dict, cfg: PipelineConfig, group=None, device="cpu"):
+    """(Runtime of the policy, Runtime of the reference or None): the model on `device` under
+    `cfg.state_sharding` on `group` (the trainer's own ranks), or on a one-rank group (gloo, and NCCL
+    for CUDA), created here when none exists (the trainer actor's own process). On CUDA the caller's
+    current device must be `device` (the mesh takes the current one)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
     from bumblebee import models, registry
     from bumblebee.runtime import Runtime
+    device = torch.device(device)
     if group is not None:
-        mesh = DeviceMesh.from_group(group, "cpu", mesh_dim_names=("dp",))
+        mesh = DeviceMesh.from_group(group, device.type, mesh_dim_names=("dp",))
     else:
         if not dist.is_initialized():  # one rank: an in-memory store, no port to find
-            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-        mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))
-    model = models.build(model_config, impl=dict(cfg.impl), seed=cfg.seed)
+            backend = "gloo" if device.type == "cpu" else "cpu:gloo,cuda:nccl"
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        mesh = init_device_mesh(device.type, (1,), mesh_dim_names=("dp",))
+    model = models.build(model_config, impl=dict(cfg.impl), seed=cfg.seed, device=device)
     state = registry.resolve("state_sharding", cfg.state_sharding)(model, mesh, lr=cfg.lr, mixed_precision="fp32",
                                                                    grad_clip=cfg.grad_clip)
-    ref = Runtime(models.build(model_config, seed=cfg.seed)) if cfg.objective.kl_coef else None
+    ref = Runtime(models.build(model_config, seed=cfg.seed, device=device)) if cfg.objective.kl_coef else None
     return Runtime(model, state), ref
 
 
@@ -70,7 +73,8 @@ def grpo_step(rt, groups: list[Group], objective: Objective, *, version: int, pa
         opt = rt.optim_step()
         return {**m, "applied": opt["applied"], "loss": 0.0, "grad_norm": 0.0, "behave_kl": 0.0, "kl": 0.0,
                 "entropy": float("nan"), "clip_fraction": 0.0, "behave_weight_max": 1.0}
-    batch, _ = to_batch(kept, pad_id, scale_by_std=objective.scale_by_std)
+    device = next(rt.model.parameters()).device
+    batch, _ = to_batch(kept, pad_id, scale_by_std=objective.scale_by_std, device=device)
     mask = batch.loss_mask
     prox = rt.forward(batch).log_probs  # pi_prox: the weights of `version`, before this update
     behave = batch.sampler_logprobs

@@ -1,0 +1,192 @@
+"""The pipeline without Ray, in one process: the trainer and each producer are threads of the caller's
+process, sharing one `Admission` behind a condition variable; weights go from the trainer to the
+producers as tensors in memory. Same admission, rollout, GRPO step and report as the Ray pipeline.
+
+It exists for machines where Ray is not installed (the lent GPU machine: Ray's 79 MB wheel is over
+what a run can carry) and for quick runs: no actor start-up. Threads share the GIL, so overlap comes
+from GPU work and from the GIL released in torch ops; a CPU run of it measures little. Producers and
+the trainer may sit on different devices (`trainer_device`, `producer_devices`: one GPU shared, or
+producers on one and the trainer on another); each thread sets its own current CUDA device (a
+per-thread setting), so the caller's is left as it was. No producer restarts here (a thread that
+raises ends the run with its error)."""
+from __future__ import annotations
+
+import functools
+import threading
+import time
+
+import torch
+
+from bumblebee.runtime.pipeline.admission import Admission, Lease
+from bumblebee.runtime.pipeline.config import PipelineConfig, PipelineTimeout
+from bumblebee.runtime.pipeline.engine import TransformersEngine, rollout
+from bumblebee.runtime.pipeline.report import emit
+from bumblebee.runtime.pipeline.trainer import build_runtime, grpo_step
+
+
+def _use(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # this thread's current device only
+
+
+class LocalPipeline:
+    """`cfg.producers` producer threads and a trainer thread; `run()` trains `cfg.steps` steps and
+    returns (and logs, and prints) the same per-step metrics as `Pipeline.run`. `engine(device)`: a
+    factory of a producer's EngineAdapter (default: transformers' generate on that device)."""
+
+    def __init__(self, cfg: PipelineConfig, model_config: dict, task, *, engine=None, trainer_device="cpu",
+                 producer_devices=None):
+        self.cfg, self.model_config, self.task = cfg, model_config, task
+        self.trainer_device = torch.device(trainer_device)
+        devices = list(producer_devices) if producer_devices is not None else [trainer_device] * cfg.producers
+        if len(devices) != cfg.producers:
+            raise ValueError(f"producer_devices needs one device per producer ({cfg.producers}), got {devices}")
+        self.producer_devices = [torch.device(d) for d in devices]
+        self.engine = engine or (lambda device: TransformersEngine(model_config, device=str(device),
+                                                                    eos_token_id=task.eos_id,
+                                                                    pad_token_id=task.pad_id))
+        self.adm = Admission(cfg.groups_per_step, cfg.eta, cfg.steps)
+        self.cond = threading.Condition()
+        self.prompts, self.groups, self.generated_lengths = task.prompts(cfg.seed), {}, []
+        self.weights, self.version = None, -1  # the newest published weights and their version
+        self.load = {}  # producer -> (busy s, idle s)
+        self.errors: list[BaseException] = []
+        self.stopping = False
+
+    # -- producers -----------------------------------------------------------------------------
+    def _newest(self, engine) -> bool:
+        with self.cond:
+            weights, version = self.weights, self.version
+        if version <= engine.version:
+            return False
+        engine.load_weights(weights.items(), version)
+        return True
+
+    def _producer(self, i: int) -> None:
+        cfg, device = self.cfg, self.producer_devices[i]
+        try:
+            _use(device)
+            engine = self.engine(device)
+            busy = idle = 0.0
+            newer = lambda: self.version > engine.version or self.stopping  # noqa: E731
+            while True:
+                t0 = time.monotonic()
+                with self.cond:
+                    if engine.version < 0 and not self.cond.wait_for(newer, cfg.weight_timeout_s):
+                        raise PipelineTimeout(f"producer {i}: no weights within {cfg.weight_timeout_s:g} s "
+                                              f"(weight_timeout_s)")
+                self._newest(engine)  # outside the lock: loading takes time
+                with self.cond:
+                    leases, status = [], None
+                    while not self.stopping and len(leases) < cfg.groups_per_call:
+                        got = self.adm.admit(i, engine.version)  # the version it will generate on
+                        if not isinstance(got, Lease):
+                            status = got
+                            break
+                        leases.append((got, *self._prompt(got.group)))
+                    if self.stopping or (not leases and status == "done"):
+                        return
+                    if not leases:  # the next prompt would be too stale on these weights
+                        if not self.cond.wait_for(newer, cfg.weight_timeout_s):
+                            raise PipelineTimeout(f"producer {i}: no weights newer than version {engine.version} "
+                                                  f"within {cfg.weight_timeout_s:g} s (weight_timeout_s)")
+                        idle += time.monotonic() - t0
+                        continue
+                out = rollout(engine, self.task, leases, cfg, holder=i,
+                              refresh=functools.partial(self._newest, engine) if cfg.sampling.chunk_tokens else None)
+                busy += time.monotonic() - t0
+                with self.cond:
+                    for group in out:
+                        self.adm.submit(i, group.group)
+                        self.groups[group.group] = group
+                        self.generated_lengths += [len(c.tokens) for c in group.completions]
+                    self.load[i] = (busy, idle)
+                    self.cond.notify_all()
+        except BaseException as e:  # noqa: BLE001 - handed to the trainer, which raises it
+            with self.cond:
+                self.errors.append(e)
+                self.cond.notify_all()
+
+    def _prompt(self, group: int):
+        """Group `group`'s (prompt, meta): groups are first admitted in order, so the next of the dataset."""
+        if group not in self.prompts_of:
+            self.prompts_of[group] = next(self.prompts)
+        return self.prompts_of[group]
+
+    # -- trainer -------------------------------------------------------------------------------
+    def _publish(self, rt, version: int) -> None:
+        weights = {n: t.detach().clone() for n, t in rt.export_weights(dtype=torch.float32)}
+        if self.trainer_device.type == "cuda":
+            torch.cuda.synchronize(self.trainer_device)  # the copies are done before another device reads them
+        with self.cond:
+            self.weights, self.version = weights, version
+            self.cond.notify_all()
+
+    def _take(self, step: int):
+        cfg = self.cfg
+        with self.cond:
+            if not self.cond.wait_for(lambda: self.adm.ready(step) or self.errors, cfg.take_timeout_s):
+                raise PipelineTimeout(f"step {step}: {len(self.adm.done.get(step, ()))} of {cfg.groups_per_step} "
+                                      f"groups within {cfg.take_timeout_s:g} s (take_timeout_s)")
+            if self.errors:
+                raise RuntimeError("a producer failed") from self.errors[0]
+            groups = [self.groups.pop(g) for g in self.adm.consume(step)]
+            for g in groups:
+                del self.prompts_of[g.group]
+            busy = sum(b for b, _ in self.load.values())
+            idle = sum(i for _, i in self.load.values())
+        return groups, idle / max(busy + idle, 1e-9)
+
+    def run(self, *, log_path=None, on_step=print) -> list[dict]:
+        cfg, log, self.prompts_of = self.cfg, [], {}
+        result: dict = {}
+
+        def train():
+            try:
+                _use(self.trainer_device)
+                rt, ref = build_runtime(self.model_config, cfg, device=self.trainer_device)
+                self._publish(rt, 0)
+                t_start = time.monotonic()
+                for step in range(cfg.steps):
+                    t0 = time.monotonic()
+                    groups, producer_idle = self._take(step)
+                    t1 = time.monotonic()
+                    m = grpo_step(rt, groups, cfg.objective, version=step, pad_id=self.task.pad_id, ref=ref)
+                    if self.trainer_device.type == "cuda":
+                        torch.cuda.synchronize(self.trainer_device)
+                    t2 = time.monotonic()
+                    self._publish(rt, step + 1)
+                    t3 = time.monotonic()
+                    m.update(wait_s=t1 - t0, train_s=t2 - t1, publish_s=t3 - t2,
+                             tokens_per_s=m["tokens"] / max(t3 - t0, 1e-9), producer_idle=producer_idle,
+                             trainer_idle=(t1 - t0) / max(t3 - t0, 1e-9), group_ids=[g.group for g in groups],
+                             step=step, wall_s=t3 - t_start)
+                    log.append(m)
+                    emit(m, out, on_step)
+            except BaseException as e:  # noqa: BLE001 - raised in the caller's thread below
+                result["error"] = e
+
+        out = open(log_path, "a") if log_path else None
+        producers = [threading.Thread(target=self._producer, args=(i,), name=f"producer{i}", daemon=True)
+                     for i in range(cfg.producers)]
+        trainer = threading.Thread(target=train, name="trainer", daemon=True)
+        try:
+            for t in (trainer, *producers):
+                t.start()
+            trainer.join()
+        finally:
+            with self.cond:
+                self.stopping = True
+                self.cond.notify_all()
+            for t in producers:
+                t.join(cfg.call_timeout_s)
+            if out:
+                out.close()
+        if "error" in result:
+            raise result["error"]
+        return log
+
+    def stats(self) -> dict:
+        with self.cond:
+            return {"issued": self.adm.issued, "pending": self.adm.pending(), "consumed": sorted(self.adm.consumed),
+                    "generated_lengths": list(self.generated_lengths)}
