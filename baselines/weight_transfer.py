@@ -121,9 +121,10 @@ class BroadcastReceiver(_End):
 
 
 @register("weight_transfer", "broadcast", kind="baseline", twin="p2p")
-def broadcast(link: Link, *, load_weights=None, targets=None, layout_key: str = "", cache=None):
+def broadcast(link: Link, *, load_weights=None, targets=None, layout_key: str = "", cache=None, layout=None):
     """Gather each full tensor on the first trainer rank and broadcast it to every rollout rank,
-    whose `load_weights` slices what it keeps (`layout_key` and `cache` are p2p's, unused here)."""
+    whose `load_weights` slices what it keeps (`layout_key`, `cache` and `layout` are p2p's, unused
+    here)."""
     if dist.get_rank() in link.trainer_ranks:
         return BroadcastSender(link)
     if load_weights is None or targets is None:

@@ -51,16 +51,19 @@ class P2PTransfer:
 
 
 @register("weight_transfer", "p2p", kind="primitive", twin="broadcast", default=True, config=P2PTransfer)
-def p2p(config: P2PTransfer, link: Link, *, load_weights=None, targets=None, layout_key: str = "", cache=None):
+def p2p(config: P2PTransfer, link: Link, *, load_weights=None, targets=None, layout_key: str = "", cache=None,
+        layout=None):
     """Point-to-point weight transfer: only the slices each rollout rank keeps, each sent once.
 
     This rank's end of `link`: a `WeightSender` on a trainer rank, a `WeightReceiver` (which needs
     the engine's `load_weights` and the `targets` it writes) on a rollout rank. `layout_key` names
     what decides the receiver's layout beyond its tensors' shapes (its TP/EP rank): the cache key;
-    `cache`: a `LayoutCache` that outlives this endpoint (a reconnect then costs one check call)."""
+    `cache`: a `LayoutCache` that outlives this endpoint (a reconnect then costs one check call);
+    `layout`: manifest -> ReceiverSpec, a layout known in advance, checked by one real load_weights
+    call instead of probed (what a 30B-scale engine wants: probing is minutes of host work)."""
     import torch.distributed as dist
     if dist.get_rank() in link.trainer_ranks:
         return WeightSender(config, link)
     if load_weights is None or targets is None:
         raise ValueError("a rollout rank's endpoint needs load_weights and targets")
-    return WeightReceiver(config, link, load_weights, targets, layout_key=layout_key, cache=cache)
+    return WeightReceiver(config, link, load_weights, targets, layout_key=layout_key, cache=cache, layout=layout)

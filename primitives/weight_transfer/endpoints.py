@@ -213,7 +213,7 @@ class WeightReceiver(_Endpoint):
     the tensors it writes (`targets`: {name: tensor}, the engine's parameters, written in place)."""
 
     def __init__(self, config, link: Link, load_weights, targets: dict, *, layout_key: str = "",
-                 cache: LayoutCache | None = None):
+                 cache: LayoutCache | None = None, layout=None):
         rank = dist.get_rank()
         if rank not in link.rollout_ranks:
             raise ValueError(f"rank {rank} is not one of the link's rollout_ranks {link.rollout_ranks}")
@@ -222,6 +222,9 @@ class WeightReceiver(_Endpoint):
         super().__init__(config, link, rank)
         self.load_weights, self.targets = load_weights, dict(targets)
         self.layout_key, self.cache = layout_key, cache if cache is not None else LayoutCache()
+        if layout is not None and not callable(layout):
+            raise TypeError(f"layout must be a callable manifest -> ReceiverSpec, got {layout!r}")
+        self.layout = layout
         self._polls = 0
         self.spec = None
 
@@ -229,8 +232,9 @@ class WeightReceiver(_Endpoint):
         return next(iter(self.targets.values())).device if self.targets else torch.device("cpu")
 
     def _infer(self, manifest):
+        given = self.layout(manifest) if self.layout is not None else None
         self.spec = infer_layout(self.load_weights, self.targets, manifest, key=self.layout_key, cache=self.cache,
-                                 verify=self.config.verify)
+                                 verify=self.config.verify, given=given)
         return self.spec
 
     def _check(self, sent):

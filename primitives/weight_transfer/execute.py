@@ -141,6 +141,12 @@ class Mover:
         """Run every round; the errors met (empty: all of this rank's messages went through)."""
         errors, self.peer_failed = [], False
         timeout = datetime.timedelta(seconds=timeout_s)
+        # NCCL's wait with a timeout blocks the host until the round is done (no packing of the next
+        # round meanwhile); without one it only orders the streams. This rank's last timed wait still
+        # bounds its whole update (one stream: it completes after every earlier round). gloo's wait
+        # always blocks, so there every round carries the timeout (a dead peer raises in time).
+        stream_ordered = self.send_buf.device.type == "cuda"
+        last = max((k[0] for k in self.msgs), default=-1)  # this rank's last round with messages
         for r in range(self.plan.rounds):
             ops, keys = [], [k for k in sorted(self.msgs) if k[0] == r]
             for key in keys:
@@ -155,8 +161,9 @@ class Mover:
                 else:
                     ops.append(dist.P2POp(dist.irecv, self._slice(self.recv_buf, key), src, self.group))
             try:
+                timed = not stream_ordered or r == last
                 for w in (dist.batch_isend_irecv(ops) if ops else []):
-                    w.wait(timeout=timeout)
+                    w.wait(timeout=timeout) if timed else w.wait()
             except Exception as e:  # a dead or stuck peer: the group cannot be trusted any more
                 errors.append(f"round {r}: {type(e).__name__}: {e}")
                 self.peer_failed = True

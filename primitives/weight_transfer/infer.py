@@ -97,15 +97,23 @@ class LayoutCache:
 
 @torch.no_grad()
 def infer_layout(load_weights, targets: dict, manifest, *, key: str = "", cache: LayoutCache | None = None,
-                 verify: bool = True, seed: int = 0) -> ReceiverSpec:
+                 verify: bool = True, seed: int = 0, given: ReceiverSpec | None = None) -> ReceiverSpec:
     """The `ReceiverSpec` of `load_weights` writing into `targets` ({name: tensor}: the engine's
     parameters), for the HF tensors of `manifest` (((name, shape, dtype name), ...)). `key` names
-    what else decides the layout and is not in the targets' shapes (the engine's TP/EP rank). The
-    targets are restored afterwards."""
+    what else decides the layout and is not in the targets' shapes (the engine's TP/EP rank).
+    `given`: a spec written by hand from the engine's sharding rules, checked like a cached one
+    (one loader call on random tensors) instead of probed: the probe passes cost several loader
+    calls plus a host-side fit over every element, minutes at 30B scale. The targets are restored
+    afterwards."""
     targets = dict(targets)
     lk = _layout_key(load_weights, targets, manifest, key)
     backup = {n: t.detach().clone() for n, t in targets.items()}
     try:
+        if given is not None:
+            if tuple(given.manifest) != tuple(manifest):
+                raise LayoutError("the given spec was written for another manifest (names, shapes, dtypes or order)")
+            check(given, load_weights, targets, seed=seed)
+            return given
         if cache is not None and lk in cache.specs:
             spec = cache.specs[lk]
             try:
@@ -291,12 +299,16 @@ def _fit(multi: torch.Tensor, dst: torch.Tensor, sorted_: bool = False) -> list[
 
 
 def _random(manifest, gen):
+    """Random HF tensors on the generator's device (the targets': a GPU draws a 30B slice in
+    milliseconds where one host thread takes minutes)."""
+    device = gen.device
     for name, shape, dt in manifest:
         dtype = dtype_of(dt)
         if dtype.is_floating_point:
-            yield name, torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype)
+            draw = dtype if dtype in (torch.float32, torch.float64) else torch.float32
+            yield name, torch.randn(shape, generator=gen, dtype=draw, device=device).to(dtype)
         else:
-            yield name, torch.randint(-100, 100, shape, generator=gen).to(dtype)
+            yield name, torch.randint(-100, 100, shape, generator=gen, device=device).to(dtype)
 
 
 @torch.no_grad()
@@ -305,7 +317,9 @@ def check(spec: ReceiverSpec, load_weights, targets: dict, *, seed: int = 0) -> 
     `load_weights` makes of them (both onto the same prior target values)."""
     spec.check_targets(targets)
     before = {n: t.detach().clone() for n, t in targets.items()}
-    full = dict(_random(spec.manifest, torch.Generator().manual_seed(seed)))
+    device = next(iter(targets.values())).device if targets else torch.device("cpu")
+    device = device if device.type in ("cpu", "cuda") else torch.device("cpu")  # meta targets: host draws
+    full = dict(_random(spec.manifest, torch.Generator(device=device).manual_seed(seed)))
     load_weights(iter(full.items()))
     real = {n: t.detach().clone() for n, t in targets.items()}
     for n, t in targets.items():

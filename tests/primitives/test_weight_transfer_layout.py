@@ -182,3 +182,23 @@ def test_cache_is_keyed_by_layout_and_never_stale():
     ref.load_weights(iter(full.items()))
     s1.apply(full, r1.params)
     assert all(torch.equal(r1.params[k], ref.params[k]) for k in ref.params)
+
+
+def test_given_spec_is_checked_by_one_call_and_a_wrong_one_refused():
+    man = _manifest(_full("qwen3-tiny"))
+    cfg = models.NAMED["qwen3-tiny"]
+    eng = VllmStyleEngine(man, cfg, tp_rank=1, tp_size=2)
+    calls = []
+
+    def load(w):
+        calls.append(1)
+        return eng.load_weights(w)
+    before = {k: v.clone() for k, v in eng.params.items()}
+    want, _ = vllm_spec(man, cfg, tp_rank=1, tp_size=2)
+    assert infer_layout(load, eng.params, man, given=want) is want and len(calls) == 1  # no probe passes
+    wrong, _ = vllm_spec(man, cfg, tp_rank=0, tp_size=2)  # rank 0's slices into rank 1's engine
+    with pytest.raises(LayoutError, match="replaying the spec differs"):
+        infer_layout(load, eng.params, man, given=wrong)
+    with pytest.raises(LayoutError, match="another manifest"):
+        infer_layout(load, eng.params, man[::-1], given=want)
+    assert all(torch.equal(before[k], v) for k, v in eng.params.items())  # targets restored

@@ -172,7 +172,9 @@ class VllmStyleEngine:
     @torch.no_grad()
     def load_weights(self, weights):
         params = self.params
-        experts = self.expert_params_mapping()
+        if not hasattr(self, "_experts"):  # built once: the twin calls load_weights once per tensor
+            self._experts = self.expert_params_mapping()
+        experts = self._experts
         for name, w in weights:
             for fused, member, shard_id in STACKED:
                 if f".{member}." not in name or ".experts." in name:

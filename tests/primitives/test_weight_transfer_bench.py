@@ -1,0 +1,35 @@
+"""The weight-transfer benchmark's torchrun mode end to end on 4 gloo ranks at tiny size, on the path
+its GPU runs take (trainer FSDP2 + EP 2 -> rollout TP 2, the layout given and checked, two p2p
+budgets, the twin, the link's batch_isend_irecv rate): a change cannot break the GPU command unseen."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.limits import SUBPROCESS_TIMEOUT_S
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_bench_measures_p2p_twin_and_link_on_four_gloo_ranks(tmp_path):
+    args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
+            str(ROOT / "benchmarks" / "weight_transfer" / "bench.py"), "--device", "cpu", "--trainers", "2", "--ep",
+            "--layout", "given", "--iters", "1", "--budget-bytes", "65536", "1048576", "--out", str(tmp_path)]
+    p = subprocess.run(args, capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S, cwd=tmp_path,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, (p.stdout[-2000:], p.stderr[-3000:])
+    r = json.loads((tmp_path / "cpu-ranks4.json").read_text())
+    assert r["slot"] == "weight_transfer" and r["commit"] and r["device"] == "cpu" and r["layout"] == "given"
+    per = r["per_impl"]
+    assert set(per) == {"p2p@65536", "p2p@1048576", "broadcast"}
+    for k, v in per.items():
+        assert v["median_ms"] > 0 and v["first_update_s"] > 0 and v["GBps"] > 0, (k, v)
+    # TP 2: each rollout rank takes about half of the model from p2p, all of it from the twin
+    assert per["p2p@65536"]["wire_bytes"] == per["p2p@1048576"]["wire_bytes"]
+    assert 1.9 * per["p2p@65536"]["wire_bytes"] < per["broadcast"]["wire_bytes"]
+    assert all(s > 0 for s in per["p2p@65536"]["staging_bytes_per_rollout_rank"])  # the transaction's staging
+    link = r["link"]
+    assert link["pairs"] == 2 and link["GBps"] > 0
+    assert 0 < link["message_bytes"] < per["p2p@65536"]["wire_bytes"]  # one rollout rank's update
+    assert r["p2p_over_link_rate"] > 0 and r["target_over_link_rate"] == 0.7
