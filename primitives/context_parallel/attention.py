@@ -14,7 +14,8 @@ start(i) <= j <= i (start: its document's first position), so packed documents n
   step's compute, and sends each block's dK, dV accumulators after it (another tag), so after CP
   steps every rank holds its own keys' full gradient.
 
-Both compute in fp32 here (the CPU path); shape legend: B batch, H query heads, K key/value heads,
+Unpacked rows take `flash.py` (fused kernels, no mask; the same exchanges); packed documents take
+the masked paths here, which compute in fp32. Shape legend: B batch, H query heads, K key/value heads,
 G = H / K, T global tokens, L chunk length, D head dim.
 """
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from bumblebee.checks import check_attention_inputs
+from bumblebee.primitives.context_parallel import flash
 from bumblebee.primitives.context_parallel.comm import gather, ring_shift
 from bumblebee.primitives.context_parallel.layout import CPBatch, layout_index, rank_chunks
 
@@ -44,6 +46,8 @@ def allgather_attention(q, k, v, *, scale, batch: CPBatch):
     """q [B, H, 2L, D], k, v [B, K, 2L, D] of this rank -> o [B, H, 2L, D] in q's dtype."""
     check_attention_inputs(q, k, v)
     batch = check_batch(batch, q)
+    if flash.usable(q, batch):
+        return flash.allgather_dense(q, k, v, scale=scale, batch=batch)
     L, dtype = batch.chunk, q.dtype
     order = torch.argsort(layout_index(batch.T, batch.cp, q.device))
     k_all, v_all = (gather(t, batch.group, dim=2).index_select(2, order) for t in (k, v))  # global order
@@ -164,6 +168,8 @@ def ring_attention(q, k, v, *, scale, batch: CPBatch):
     batch = check_batch(batch, q)
     if batch.cp == 1:
         return allgather_attention(q, k, v, scale=scale, batch=batch)
+    if flash.usable(q, batch):
+        return flash.ring_dense(q, k, v, scale=scale, batch=batch)
     return _Ring.apply(q, k, v, scale, batch)
 
 

@@ -3,16 +3,19 @@
 The recurrence runs over the chunks in global order 0 .. 2 CP - 1, while rank r holds chunks r and
 2 CP - 1 - r (the attention layers' layout, `layout.py`). Per chunk c the state leaving it is an
 affine map of the state entering it, S_out = A_c S_in + B_c (A_c [Dk, Dk], B_c [Dk, Dv] per value
-head): within a 64-token block of the chunked rule, h' = (exp(G_last) I - k_dec^T w) h + k_dec^T u,
-and A_c is the product of those matrices (A_c = 0 when a document starts inside the chunk). Each rank
-computes the maps of its two chunks with a zero entering state, one differentiable all-gather brings
-every chunk's (A, B), and every rank composes them in chunk order in fp32 for the states entering
-its chunks; then it reruns the part of each chunk before its first document start from that state.
-Gradients flow back through the composition and the all-gather's reduce-scatter to the ranks that
-made each map. The causal conv takes its W - 1 halo tokens of chunk c from the tail of chunk c - 1
-(another all-gather of 2 CP x (W - 1) tokens); taps stop at the token's document start.
+head; A_c = 0 when a document starts inside the chunk), and the chunk's output is o_0 + X S_in, linear
+in the entering state too. One call of the chunked rule per rank computes all of them at once
+(`gated_delta_rule`: values widened by Dk zero columns, entering state [0 | I]); one differentiable
+all-gather brings every chunk's (A, B); every rank composes them in chunk order in fp32 for the states
+entering its chunks and adds X S_in. No rank waits for another's chunk, no chunk runs twice, and no
+layer needs another layout. Gradients flow back through the composition and the all-gather's
+reduce-scatter to the ranks that made each map, and through the rule's final-state gradient. The
+causal conv takes its W - 1 halo tokens of chunk c from the tail of chunk c - 1 (another all-gather
+of 2 CP x (W - 1) tokens); taps stop at the token's document start.
 
-The CPU path (torch, fp32): the chunked rule with a triangular solve (not fla's 16 x 16 blocks).
+The rule: fla's `chunk_gated_delta_rule` (with `initial_state` and `output_final_state`) on CUDA where
+fla serves (`fla_rule`), else `torch_rule`: the chunked rule in torch, fp32, with a triangular solve
+per 64-token block (not fla's 16 x 16 blocks), same interface.
 Shape legend: B batch, L chunk length, HV value heads, Dk / Dv head dims, C conv channels, W width.
 """
 from __future__ import annotations
@@ -24,6 +27,7 @@ from bumblebee.norms import to_acc
 from bumblebee.primitives.context_parallel.attention import check_batch
 from bumblebee.primitives.context_parallel.comm import gather
 from bumblebee.primitives.context_parallel.layout import CPBatch, rank_chunks
+from bumblebee.primitives.linear_attention import fla_falls_back
 
 BLOCK = 64
 
@@ -49,6 +53,9 @@ def halo_conv_silu(x_BTC, weight_CW, batch: CPBatch):
     for i, c in enumerate(rank_chunks(batch.rank, batch.cp)):
         halo = tails[:, _slot(c - 1, batch.cp)] if c > 0 else x.new_zeros(B, W - 1, C)
         ext = torch.cat([halo, x[:, i * L:(i + 1) * L]], dim=1)
+        if not batch.packed:  # no document start to stop at: one depthwise conv (saves only its input)
+            out.append(F.conv1d(ext.transpose(1, 2), w[:, None], groups=C).transpose(1, 2))
+            continue
         in_doc = batch.chunk_index(i) - batch.starts[i * L:(i + 1) * L]  # position inside the document
         y = 0
         for s in range(W):
@@ -61,9 +68,9 @@ def l2norm(x):
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)
 
 
-def _run(q, k, v, g, beta, h0, want_map: bool):
+def _run(q, k, v, g, beta, h0):
     """The chunked rule on one piece of a sequence: [B, HV, n, *] fp32 (q scaled), entering state h0
-    [B, HV, Dk, Dv] -> (o [B, HV, n, Dv], leaving state, A [B, HV, Dk, Dk] or None)."""
+    [B, HV, Dk, Dv] -> (o [B, HV, n, Dv], leaving state)."""
     n = q.shape[2]
     pad = (-n) % BLOCK  # zero keys and beta, zero log decay: padding leaves the state alone
     q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
@@ -82,55 +89,96 @@ def _run(q, k, v, g, beta, h0, want_map: bool):
     w = torch.linalg.solve_triangular(A, kb * G.exp()[..., None], upper=False, unitriangular=True)
     attn = (q @ k.transpose(-1, -2)) * decay
     q_dec, k_dec = q * G.exp()[..., None], k * (G[..., -1:] - G).exp()[..., None]
-    eye = torch.eye(Dk, dtype=q.dtype, device=q.device)
-    h, M, outs = h0, None, []
+    h, outs = h0, []
     for b in range(nb):
         v_new = u[:, :, b] - w[:, :, b] @ h
         outs.append(q_dec[:, :, b] @ h + attn[:, :, b] @ v_new)
-        last = G[:, :, b, -1].exp()[..., None, None]
-        h = h * last + k_dec[:, :, b].transpose(-1, -2) @ v_new
-        if want_map:
-            step = eye * last - k_dec[:, :, b].transpose(-1, -2) @ w[:, :, b]
-            M = step if M is None else step @ M
-    return torch.cat(outs, dim=2)[:, :, :n], h, M
+        h = h * G[:, :, b, -1].exp()[..., None, None] + k_dec[:, :, b].transpose(-1, -2) @ v_new
+    return torch.cat(outs, dim=2)[:, :, :n], h
 
 
-def gated_delta_rule(q, k, v, g, beta, *, scale: float, batch: CPBatch):
-    """q, k [B, 2L, H, Dk], v [B, 2L, HV, Dv], g (log decays), beta [B, 2L, HV] of this rank's chunks
-    -> o [B, 2L, HV, Dv] in v's dtype; q and k are l2-normalized here."""
-    B, T2, H, Dk = k.shape
-    HV, Dv = v.shape[2:]
-    L, cp, dtype = batch.chunk, batch.cp, v.dtype
-    rep = HV // H
+def torch_rule(q, k, v, g, beta, *, scale, initial_state, cu_seqlens=None):
+    """fla's `chunk_gated_delta_rule(..., initial_state, output_final_state=True,
+    use_qk_l2norm_in_kernel=True)` in torch, fp32: q, k [B, n, H, Dk], v [B, n, HV, Dv], g, beta
+    [B, n, HV], initial_state [N, HV, Dk, Dv] (N rows, or N sequences of cu_seqlens with B = 1) ->
+    (o [B, n, HV, Dv] in v's dtype, final states [N, HV, Dk, Dv] fp32)."""
+    rep = v.shape[2] // k.shape[2]
     q, k = (l2norm(to_acc(t)).repeat_interleave(rep, dim=2).transpose(1, 2) for t in (q, k))
     q = q * scale
     v, g, beta = (to_acc(t).transpose(1, 2) for t in (v, g, beta))
-    zero = q.new_zeros(B, HV, Dk, Dv)
-    pieces, maps, firsts = [], [], []
-    for i in range(2):
-        bounds = sorted({0, L, *batch.cuts[i]})
-        segs = [(i * L + a, i * L + b) for a, b in zip(bounds, bounds[1:])]
-        continues = 0 not in batch.cuts[i]
-        outs, h, M = [], zero, None
-        for a, b in segs:  # a chunk with a document start inside maps every entering state to 0
-            o, h, m = _run(*(t[:, :, a:b] for t in (q, k, v, g, beta)), zero, want_map=continues and len(segs) == 1)
-            outs.append(o)
-            M = m if m is not None else M
-        maps.append(torch.cat([zero.new_zeros(B, HV, Dk, Dk) if M is None else M, h], dim=-1))
-        firsts.append(segs[0] if continues else None)
-        pieces.append(outs)
-    AB = gather(torch.stack(maps, dim=1), batch.group, dim=1)  # [B, 2 CP, HV, Dk, Dk + Dv]: (A | B) per chunk
-    A_all, B_all = AB[..., :Dk], AB[..., Dk:]
+    h0 = to_acc(initial_state)
+    if cu_seqlens is None:
+        o, h = _run(q, k, v, g, beta, h0)
+    else:
+        cu = cu_seqlens.tolist()
+        runs = [_run(*(t[:, :, a:b] for t in (q, k, v, g, beta)), h0[n:n + 1]) for n, (a, b) in
+                enumerate(zip(cu, cu[1:]))]
+        o, h = torch.cat([r[0] for r in runs], dim=2), torch.cat([r[1] for r in runs])
+    return o.transpose(1, 2).to(v.dtype), h
+
+
+def fla_rule(q, k, v, g, beta, *, scale, initial_state, cu_seqlens=None):
+    """fla's chunked kernel, its backward inside the `linear_attention` primitive's scope (the Hopper
+    dq/dk/dw/dg replacement serves it); same interface as `torch_rule`."""
+    from bumblebee.primitives.linear_attention import fla_ops, scoped
+    rule = fla_ops()[1]
+    final = []
+
+    def run(q, k, v, g, beta):
+        o, h = rule(*(t.contiguous() for t in (q, k, v)), g.float().contiguous(), beta.contiguous(), scale=scale,
+                    initial_state=initial_state.float().contiguous(), output_final_state=True,
+                    use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens)
+        final.append(h)
+        return o
+    o = scoped(run, q, k, v, g, beta.to(q.dtype))
+    return o, final[0]
+
+
+def gated_delta_rule(q, k, v, g, beta, *, scale: float, batch: CPBatch, rule=torch_rule):
+    """q, k [B, 2L, H, Dk], v [B, 2L, HV, Dv], g (log decays), beta [B, 2L, HV] of this rank's chunks
+    -> o [B, 2L, HV, Dv] in v's dtype; q and k are l2-normalized in `rule` (`torch_rule`, `fla_rule`).
+
+    One call of `rule` over both chunks with the values widened by Dk zero columns and the entering
+    state [0 | I]: the state leaving the chunk is then [B_c | A_c] (its affine map: S_out = A_c S_in +
+    B_c), and the output [o_0 | X] where o_0 is the output from a zero entering state and X S_in the
+    entering state's contribution (the rule is linear in its state). A segment after a document start
+    inside a chunk enters [0 | 0]: it sees no earlier state (so A_c = 0 when the chunk's last segment
+    is one of those)."""
+    B, T2, H, Dk = k.shape
+    HV, Dv = v.shape[2:]
+    L, cp, dtype, dev = batch.chunk, batch.cp, v.dtype, v.device
+    wide = torch.cat([v, v.new_zeros(B, T2, HV, Dk)], dim=-1)
+    acc = torch.promote_types(dtype, torch.float32)  # the state's dtype
+    eye = torch.cat([torch.zeros(Dk, Dv, device=dev, dtype=acc), torch.eye(Dk, device=dev, dtype=acc)], -1)  # [0 | I]
+    if not batch.packed:  # every chunk one sequence: rows [B, 2L] -> [2B, L]
+        o, fin = rule(*(t.reshape(2 * B, L, *t.shape[2:]) for t in (q, k, wide, g, beta)), scale=scale,
+                      initial_state=eye.expand(2 * B, HV, Dk, Dv + Dk), cu_seqlens=None)
+        o, maps = o.reshape(B, T2, HV, Dv + Dk), fin.reshape(B, 2, HV, Dk, Dv + Dk)
+    else:  # B = 1: the rank's 2L tokens as sequences cut at chunk ends and document starts
+        cu, h0, last = [0], [], []
+        for i in range(2):
+            bounds = sorted({0, L, *batch.cuts[i]})
+            for n, b in enumerate(bounds[1:]):
+                h0.append(eye if n == 0 and 0 not in batch.cuts[i] else torch.zeros_like(eye))
+                cu.append(i * L + b)
+            last.append(len(cu) - 2)
+        o, fin = rule(q, k, wide, g, beta, scale=scale, initial_state=torch.stack(h0)[:, None].expand(-1, HV, -1, -1),
+                      cu_seqlens=torch.tensor(cu, device=dev))
+        maps = fin[last][None]
+    AB = gather(maps, batch.group, dim=1)  # [B, 2 CP, HV, Dk, Dv + Dk]: (B | A) of every chunk
     chunks = rank_chunks(batch.rank, cp)
-    entering, S = {}, zero
+    entering, S = {}, AB.new_zeros(B, HV, Dk, Dv)
     for c in range(max(chunks)):  # the scan in chunk order, fp32
-        S = A_all[:, _slot(c, cp)] @ S + B_all[:, _slot(c, cp)]
+        S = AB[:, _slot(c, cp), ..., Dv:] @ S + AB[:, _slot(c, cp), ..., :Dv]
         entering[c + 1] = S
+    outs = []
     for i, c in enumerate(chunks):
-        if firsts[i] is not None:  # the piece before the first document start, from its entering state
-            a, b = firsts[i]
-            pieces[i][0] = _run(*(t[:, :, a:b] for t in (q, k, v, g, beta)), entering[c], want_map=False)[0]
-    return torch.cat([p for outs in pieces for p in outs], dim=2).transpose(1, 2).to(dtype)
+        piece = o[:, i * L:(i + 1) * L]
+        out = to_acc(piece[..., :Dv])
+        if c > 0:
+            out = out + torch.einsum("bnhk,bhkv->bnhv", to_acc(piece[..., Dv:]), entering[c])
+        outs.append(out)
+    return torch.cat(outs, dim=1).to(dtype)
 
 
 def gdn_forward(layer, x_BTD, cu_seqlens):
@@ -143,7 +191,9 @@ def gdn_forward(layer, x_BTD, cu_seqlens):
                zip(qkv.split([layer.key_dim, layer.key_dim, layer.value_dim], dim=-1), heads))
     beta = layer.in_proj_b(x_BTD).sigmoid()
     g = -to_acc(layer.A_log).exp() * F.softplus(to_acc(layer.in_proj_a(x_BTD)) + layer.dt_bias)
-    o = gated_delta_rule(q, k, v, g, beta, scale=layer.head_k_dim ** -0.5, batch=batch)
+    fla = fla_falls_back(x_BTD.device, x_BTD.dtype, training=torch.is_grad_enabled()) is None
+    o = gated_delta_rule(q, k, v, g, beta, scale=layer.head_k_dim ** -0.5, batch=batch,
+                         rule=fla_rule if fla else torch_rule)
     z = layer.in_proj_z(x_BTD).reshape(B, T, layer.num_v_heads, layer.head_v_dim)
     return layer.out_proj(layer.norm(o, z).reshape(B, T, layer.value_dim))
 

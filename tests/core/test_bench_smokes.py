@@ -30,3 +30,16 @@ def test_linear_attention_smoke_writes_its_results(tmp_path):
     _run([sys.executable, str(BENCH / "linear_attention" / "bench.py"), "--smoke", "--out", str(tmp_path)], tmp_path)
     report = json.loads((tmp_path / "linear_attention.json").read_text())
     assert report["wall_s"] > 0 and report["layer"] and all(r.get("median_ms", 0) > 0 for r in report["layer"])
+
+
+def test_context_parallel_smoke_checks_and_times_on_two_gloo_ranks(tmp_path):
+    _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+          str(BENCH / "context_parallel" / "bench.py"), "--cpu-smoke", "--out", str(tmp_path)], tmp_path)
+    report = json.loads((tmp_path / "context_parallel_cp2.json").read_text())
+    assert {(r["check"], r["rank"]) for r in report["checks"]} == {(c, r) for c in ("attention", "gated_deltanet")
+                                                                   for r in (0, 1)}
+    for check in report["checks"]:  # fp32 on both sides: the cp forms agree with one rank to rounding
+        parts = [v for v in check.values() if isinstance(v, dict)]
+        assert parts and all(p["cp_err"] < 1e-4 for p in parts), check
+    assert {r["impl"] for r in report["rows"]} == {"single", "single_flash", "allgather", "ring", "cp"}
+    assert all(r["median_ms"] > 0 for r in report["rows"]), report["rows"]
