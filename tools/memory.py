@@ -52,6 +52,15 @@ Activations, per token, from what autograd keeps in the code (primitives/, model
   tensor, the layer's peak being its MoE/MLP backward (everything saved still alive) or its attention's
   backward.
 Routing is taken as balanced (each rank receives N*top_k rows).
+
+Context parallelism (`Parallel.cp`, primitives/context_parallel/): `seq_len` is the whole sequence's and
+each rank holds seq_len / cp of its tokens, so every per-token activation term divides by cp; `dp`
+stays the ranks the state is sharded over (FSDP2 over the whole (dp, cp) mesh: dp x cp of them). Per
+attention layer the exchange adds what grows with the whole sequence (`_cp_attention`): all-gather
+keeps the gathered K/V repeated to the query heads for the fused kernel and, in the backward, their
+gradients (MLA: the gathered latent and every key's expanded K/V, fp32 for its masked SDPA); the ring
+only blocks of T / cp. The DeltaNet rule carries Dk more value columns (`_cp_deltanet`), and its conv
+keeps fp32 copies.
 """
 from __future__ import annotations
 
@@ -80,6 +89,8 @@ class Parallel:
     dp: int = 1                   # data-parallel ranks the state is sharded over (n)
     pp: int = 1                   # pipeline stages (layers split evenly)
     ep: int = 1                   # expert-parallel ranks (divides dp)
+    cp: int = 1                   # context-parallel ranks one sequence is sharded over (divides dp)
+    cp_exchange: str = "allgather"  # how cp attention gets the other ranks' K/V: "allgather" | "ring"
     sharding: str = "fsdp2"       # "fsdp2" | "zero1"
     mixed_precision: str = "bf16"  # compute dtype: "bf16" | "fp32"
     micro_batch: int = 1
@@ -114,6 +125,8 @@ class Estimate:
                                   # the dispatch's buffers apart
     loss_buffers: int = 0         # cross-entropy buffers during a loss backward (its saved tensors included)
     moe_dispatch: int = 0         # the dispatch's buffers at that peak (inside the layer's peak)
+    cp_buffers: int = 0           # context parallelism: one attention layer's exchange buffers (inside
+                                  # the layer's peak), growing with the whole sequence under all-gather
     optimizer_step: int = 0       # transients of the step: reduced grad shards, AdamW temporaries
     recipe_state: int = 0
     phases: dict = field(default_factory=dict)  # moment -> bytes (see the module docstring)
@@ -526,6 +539,13 @@ def _check(par: Parallel) -> None:
         raise ValueError(f"loss {par.loss!r} not supported; accepted: ['linear_ce', 'materialized_ce']")
     if min(par.dp, par.pp, par.ep) < 1 or par.dp % par.ep:
         raise ValueError(f"need dp, pp, ep >= 1 with ep dividing dp, got dp={par.dp}, pp={par.pp}, ep={par.ep}")
+    if not isinstance(par.cp, int) or par.cp < 1 or par.dp % par.cp:
+        raise ValueError(f"cp must be a positive int dividing dp (the ranks the state is sharded over, dp x cp of "
+                         f"the mesh), got cp={par.cp!r}, dp={par.dp}")
+    if par.seq_len % (2 * par.cp):
+        raise ValueError(f"seq_len={par.seq_len} must be divisible by 2 x cp = {2 * par.cp} (pad the sequence)")
+    if par.cp_exchange not in ("allgather", "ring"):
+        raise ValueError(f"cp_exchange {par.cp_exchange!r} not supported; accepted: ['allgather', 'ring']")
 
 
 def _state_terms(est: Estimate, model, g: dict, par: Parallel, b: int, mtp: bool) -> tuple[dict, dict]:
@@ -564,6 +584,36 @@ def _state_terms(est: Estimate, model, g: dict, par: Parallel, b: int, mtp: bool
     return units, grads_at
 
 
+def _cp_attention(cfg, family: str, b: int, par: Parallel) -> int:
+    """Bytes of one attention layer's context-parallel exchange at its backward (0 at cp = 1).
+    all-gather (primitives/context_parallel/flash.py): the gathered K/V [T, K, dh] (folded gradients
+    too), repeated to the query heads [T, H, dh] for the fused kernel, and their gradients, T the whole
+    sequence; MLA (primitives/context_parallel/mla.py): the gathered latent and rope key, kv_b_proj's
+    K/V for every key, the fp32 K/V its masked SDPA takes and their gradients. ring: two K/V blocks of
+    T / cp in flight, the held one repeated to H heads, and fp32 dK/dV accumulators (held, in flight)."""
+    if par.cp == 1:
+        return 0
+    T = par.micro_batch * par.seq_len
+    H = cfg.num_attention_heads
+    if family == "mla":
+        r, R, qk = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+        per_key = b * (r + R) + b * H * (cfg.qk_nope_head_dim + cfg.v_head_dim) + 2 * 4 * H * (qk + cfg.v_head_dim)
+        return T * per_key
+    K, dh = cfg.num_key_value_heads, cfg.head_dim
+    if par.cp_exchange == "allgather":
+        return T * b * (2 * K * dh + 4 * H * dh)
+    return T // par.cp * (4 * b * K * dh + 2 * b * H * dh + 2 * 8 * K * dh)
+
+
+def _cp_deltanet(cfg, b: int) -> tuple[int, int]:
+    """(saved, backward) bytes per token the context-parallel DeltaNet adds (primitives/context_parallel/
+    gdn.py): the rule's values and output widened by Dk columns (and their share of fla's backward, as
+    `_deltanet_backward` counts the value columns), the conv's fp32 input copy and output."""
+    Hv, dk = cfg.linear_num_value_heads, cfg.linear_key_head_dim
+    conv = 2 * cfg.linear_num_key_heads * dk + Hv * cfg.linear_value_head_dim
+    return 2 * b * Hv * dk + 8 * conv, b * (5 * Hv * dk + 2 * Hv * dk * dk // FLA_CHUNK)
+
+
 def _num_experts(cfg) -> int:
     return getattr(cfg, "num_experts", 0) or getattr(cfg, "n_routed_experts", 0)
 
@@ -575,7 +625,7 @@ def _mla_fused_rope(par: Parallel) -> bool:
 
 def _activation_terms(est: Estimate, cfg, g: dict, par: Parallel, b: int, mtp: bool) -> dict:
     """Fills the activation terms of `est`; returns the activation bytes at each backward moment."""
-    n_tok, d, ep = par.micro_batch * par.seq_len, cfg.hidden_size, par.ep
+    n_tok, d, ep = par.micro_batch * par.seq_len // par.cp, cfg.hidden_size, par.ep
     family = _family(cfg)
     dispatch, wgrad_extra = (0, 0), 0
     if _num_experts(cfg) and ep == 1 and par.moe_dispatch == "chunked" and par.recompute and par.moe_fused_recompute:
@@ -596,6 +646,10 @@ def _activation_terms(est: Estimate, cfg, g: dict, par: Parallel, b: int, mtp: b
         first_type = "full_attention" if mtp else types[-1]  # Qwen3.5's MTP block: full attention
         compiled = par.device == "cuda" and par.compiled_norms
         per_type = {t: _hybrid_layer(cfg, t, b, dispatch, par.recompute, compiled) for t in set(types) | {first_type}}
+        if par.cp > 1 and "linear_attention" in per_type:
+            extra = _cp_deltanet(cfg, b)
+            saved, peak = per_type["linear_attention"]
+            per_type["linear_attention"] = (saved + extra[0], peak + sum(extra) if par.recompute else peak + extra[1])
         norm = _zc_norm(d, b, compiled)
         mtp_norms = 2 * norm
     elif family == "mla":  # DeepSeek-V3: dense layers first, then MoE; its MTP blocks are MoE layers too
@@ -614,6 +668,11 @@ def _activation_terms(est: Estimate, cfg, g: dict, par: Parallel, b: int, mtp: b
                                       compiled=par.device == "cuda" and par.compiled_norms)}
         norm = _rms_norm(d, b)
         mtp_norms = 2 * norm
+    # context parallelism: an attention layer's exchange buffers grow with the whole sequence, not n_tok
+    est.cp_buffers = _cp_attention(cfg, family, b, par)
+    attn_types = ("gqa", "full_attention", "dense", "moe")  # every MLA layer attends
+    if est.cp_buffers:
+        per_type = {t: (s, p + est.cp_buffers / n_tok) if t in attn_types else (s, p) for t, (s, p) in per_type.items()}
     worst = max(set(types), key=lambda t: per_type[t][1])  # under recompute one layer is rebuilt at a time
     est.moe_dispatch = int(n_tok * ((dispatch[0] if par.recompute else 0) + dispatch[1])) + wgrad_extra
     # the rest of that layer's peak (without recompute the shared expert's release can outweigh it)
@@ -632,6 +691,8 @@ def _activation_terms(est: Estimate, cfg, g: dict, par: Parallel, b: int, mtp: b
     keep_first = n_tok * lse_tok if n_keep and attn[0] == 0 and worst in ("gqa", "full_attention") else 0
     head = norm + b * d + 25  # final norm; the loss input (a copy of the valid rows); labels, lse, etc.
     est.activations = int(n_tok * (kept(types) + head) + keep_all)
+    if est.cp_buffers and not par.recompute:  # every attention layer keeps its repeated K/V (about half)
+        est.activations += int((sum(t in attn_types for t in types) - 1) * est.cp_buffers / 2)
     mtp_block = mtp_head = main_saved = 0
     if mtp:
         # the pre-fc norms of embedding and hidden (DeepSeek's enorm, hnorm), their concatenation (fc's,
@@ -689,11 +750,11 @@ def table(config, parallel: Parallel | None = None, name: str | None = None) -> 
     for sharding in ("fsdp2", "zero1"):
         rows[sharding] = estimate(config, Parallel(**{**asdict(par), "sharding": sharding}))
     name = name or (config if isinstance(config, str) else config.get("model_type", "model"))
-    head = (f"{name}: dp={par.dp} pp={par.pp} ep={par.ep} {par.mixed_precision} "
-            f"tokens/rank={par.micro_batch}x{par.seq_len} recompute={par.recompute} loss={par.loss}")
+    head = (f"{name}: dp={par.dp} pp={par.pp} ep={par.ep} cp={par.cp} {par.mixed_precision} "
+            f"tokens/rank={par.micro_batch}x{par.seq_len // par.cp} recompute={par.recompute} loss={par.loss}")
     lines = [head, f"{'GiB per rank':<18}{'fsdp2':>10}{'zero1':>10}"]
     for term in ("params", "grads", "optimizer", "static", "recipe_state", "unsharded_units", "activations",
-                 "mtp_activations", "layer_working", "loss_buffers", "moe_dispatch", "optimizer_step"):
+                 "mtp_activations", "layer_working", "loss_buffers", "moe_dispatch", "cp_buffers", "optimizer_step"):
         lines.append(f"{term:<18}{_gib(getattr(rows['fsdp2'], term))} {_gib(getattr(rows['zero1'], term))}")
     for phase in rows["fsdp2"].phases:
         lines.append(f"{'at ' + phase:<18}{_gib(rows['fsdp2'].phases[phase])} {_gib(rows['zero1'].phases[phase])}")

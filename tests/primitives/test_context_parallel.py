@@ -73,6 +73,59 @@ def test_bad_layout_input_names_the_argument():
         EXCHANGES["allgather"](*(torch.zeros(1, 2, 8, 4) for _ in range(3)), scale=1.0, batch=None)
 
 
+# ---- the memory estimator's cp size (tools/memory.py) -----------------------------------------
+
+def _slice(name, layers):
+    from bumblebee import models
+    cfg = {**models.NAMED[name], "num_hidden_layers": layers}
+    if "layer_types" in cfg:
+        cfg["layer_types"] = cfg["layer_types"][:layers]
+    return cfg
+
+
+def test_estimator_divides_sequence_terms_by_cp_and_adds_the_exchange():
+    from bumblebee.tools import memory
+    cfg, T = _slice("qwen3-30b-a3b", 4), 131072
+    one = memory.estimate(cfg, memory.Parallel(dp=4, ep=4, seq_len=T // 4))  # a quarter of the sequence, no cp
+    for exchange in ("allgather", "ring"):
+        cp = memory.estimate(cfg, memory.Parallel(dp=4, ep=4, cp=4, cp_exchange=exchange, seq_len=T))
+        assert cp.static == one.static and cp.counts["tokens"] == T // 4
+        for term in ("activations", "mtp_activations", "loss_buffers", "moe_dispatch"):
+            assert getattr(cp, term) == getattr(one, term), term
+        assert cp.cp_buffers > 0 and cp.peak >= one.peak + cp.cp_buffers - 1
+    # all-gather's buffers grow with the whole sequence; the ring's with one rank's share of it
+    H, K, dh = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    gather = memory.estimate(cfg, memory.Parallel(dp=4, ep=4, cp=4, seq_len=T)).cp_buffers
+    assert gather == T * 2 * (2 * K * dh + 4 * H * dh)  # bf16: gathered K/V, repeated K/V and their gradients
+    assert memory.estimate(cfg, memory.Parallel(dp=8, ep=4, cp=8, seq_len=T)).cp_buffers == gather
+    ring = [memory.estimate(cfg, memory.Parallel(dp=8, ep=4, cp=c, cp_exchange="ring", seq_len=T)).cp_buffers
+            for c in (4, 8)]
+    assert ring[1] * 2 == ring[0] < gather
+    assert memory.estimate(cfg, memory.Parallel(dp=4, ep=4, seq_len=T)).cp_buffers == 0
+
+
+def test_estimator_cp_lowers_the_peak_of_attention_families():
+    """GQA and hybrid models; MLA's cp path expands every key's heads (fp32) on every rank, so its
+    exchange grows with the whole sequence faster than its share shrinks (the skill's pitfall)."""
+    from bumblebee.tools import memory
+    for name, layers in (("qwen3-30b-a3b", 4), ("qwen3.5-35b-a3b", 4), ("qwen3-8b", 4)):
+        peaks = [memory.estimate(_slice(name, layers), memory.Parallel(dp=4, cp=cp, seq_len=131072)).peak
+                 for cp in (1, 2, 4)]
+        assert peaks[0] > peaks[1] > peaks[2], (name, peaks)
+    text = memory.table(_slice("qwen3.5-35b-a3b", 4), memory.Parallel(dp=4, ep=4, cp=4, seq_len=131072))
+    assert "cp=4" in text and "tokens/rank=1x32768" in text and "cp_buffers" in text
+
+
+def test_estimator_refuses_a_bad_cp():
+    from bumblebee.tools import memory
+    with pytest.raises(ValueError, match="cp must be a positive int dividing dp"):
+        memory.estimate("qwen3-tiny", memory.Parallel(dp=4, cp=3))
+    with pytest.raises(ValueError, match="2 x cp = 8"):
+        memory.estimate("qwen3-tiny", memory.Parallel(dp=4, cp=4, seq_len=100))
+    with pytest.raises(ValueError, match="cp_exchange"):
+        memory.estimate("qwen3-tiny", memory.Parallel(dp=2, cp=2, cp_exchange="a2a"))
+
+
 # ---- the layers at CP = 2 and 4 ----------------------------------------------------------------
 
 def _inputs(shapes, seed):
