@@ -17,8 +17,12 @@ What runs where:
 - `optimizer_step`: `Runtime.optim_step(lr=...)` (clipping, non-finite skip, router biases) at the
   LR of verl's own schedule; `to`: the runtime's per-part offload; checkpoints: the runtime's
   reshardable DCP state plus the schedule;
-- `get_per_tensor_param`: `Runtime.export_weights`, full HF-named tensors in buckets, for the
-  rollout's weight sync.
+- weights for the rollout: `get_per_tensor_param` (full HF-named tensors gathered in buckets: verl's
+  naive sync), `get_per_tensor_param_shard` (each rank's blocks of the HF tensors, no collective: the
+  weight-transfer primitive's sender boxes) and `get_per_tensor_param_delta_shard` (verl's diff of
+  those: its delta_sharded sync); none brings offloaded optimizer state onto the device;
+- checkpoints: `huggingface/config.json` always, HF weights with "hf_model" (merging a checkpoint
+  afterwards: `verl_merge.py`). The critic (`value_model`) is `verl_critic.py`.
 """
 from __future__ import annotations
 
@@ -32,6 +36,7 @@ import torch
 import torch.distributed as dist
 from tensordict import TensorDict
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule
 from verl.utils import tensordict_utils as tu
 from verl.workers.config import ActorConfig, EngineConfig
 from verl.workers.engine.base import BaseEngine, BaseEngineCtx, EngineRegistry
@@ -40,8 +45,9 @@ from verl.workers.engine.utils import detach_tree, postprocess_batch_func, prepa
 from bumblebee import models, registry
 from bumblebee.integrations import verl_options as options
 from bumblebee.integrations.verl_data import next_token_aligned, packed_batch, temperature_of
+from bumblebee.integrations.verl_hf import HF_DIR, write_hf_config
 from bumblebee.parallelize import shard_experts
-from bumblebee.runtime import Runtime
+from bumblebee.runtime import Runtime, export
 
 BACKEND = "bumblebee"
 DEVICES = ("cuda", "cpu")
@@ -151,8 +157,7 @@ class BumblebeeEngine(BaseEngine):
         schedule, and offload what the config offloads."""
         cfg, opt = self.engine_config, self.optimizer_config
         self.mesh, self.ep_mesh = self._mesh()
-        model = models.from_pretrained(self.model_config.local_path, impl=dict(cfg.impl),
-                                       dtype=DTYPES[cfg.model_dtype], device=str(self.device))
+        model = self._load_model()
         if self.ep_mesh is not None:
             shard_experts(model, self.ep_mesh["ep"].get_group())
         model.set_recompute(cfg.recompute or bool(getattr(self.model_config, "enable_gradient_checkpointing", False)))
@@ -169,6 +174,12 @@ class BumblebeeEngine(BaseEngine):
         self.runtime = Runtime(model, state, router_bias_rate=cfg.router_bias_rate)
         self.to("cpu", model=self.is_param_offload_enabled, optimizer=self.is_optimizer_offload_enabled,
                 grad=self.is_param_offload_enabled)
+
+    def _load_model(self):
+        """The bumblebee model of model_config.local_path (the value engine adds its head here)."""
+        cfg = self.engine_config
+        return models.from_pretrained(self.model_config.local_path, impl=dict(cfg.impl),
+                                      dtype=DTYPES[cfg.model_dtype], device=str(self.device))
 
     @property
     def model(self):
@@ -310,14 +321,90 @@ class BumblebeeEngine(BaseEngine):
                 "metrics": found["metrics"]}
 
     # ---- weights for the rollout -----------------------------------------------------------------------
+    @contextmanager
+    def _weights_resident(self):
+        """Within: what an export reads on the engine's device - the parameters (FSDP2's are the fp32
+        masters) and ZeRO-1's fp32 master shards - never the Adam moments or the gradients: a weight
+        sync must not bring offloaded optimizer state back onto the GPU (verl offloads it to make room
+        for the rollout). Offloaded parts go back to the CPU after."""
+        rt, state = self.runtime, self.runtime.state
+        on_device = self.device.type != "cpu"
+        model_off = on_device and self.is_param_offload_enabled
+        params = {id(p) for p in self.model.parameters()}
+        masters = [m for m in state.masters().values() if id(m) not in params] \
+            if on_device and state is not None and self.is_optimizer_offload_enabled else []  # ZeRO-1's
+        if model_off:
+            rt.to(self.device, model=True, optimizer=False, grad=False)
+        for m in masters:
+            m.data = m.data.to(self.device)
+        try:
+            yield
+        finally:
+            for m in masters:
+                m.data = m.data.to("cpu")
+            if model_off:
+                rt.to("cpu", model=True, optimizer=False, grad=False)
+
+    def _export_dtype(self) -> torch.dtype:
+        """What the export writes: the checkpoint's dtype (config.json), as `save_pretrained` does."""
+        return getattr(self.model.config, "dtype", torch.float32)
+
     def get_per_tensor_param(self, layered_summon=False, base_sync_done=False, **kwargs):
         """(generator of (HF name, full tensor), None), gathered in buckets: every rank must run it
-        to the end (it holds the gathers)."""
+        to the end (it holds the gathers). verl's naive and full-tensor checkpoint-engine syncs."""
         def tensors():
-            with self._resident():
-                for name, t in self.runtime.export_weights(bucket_bytes=self.engine_config.export_bucket_bytes):
+            with self._weights_resident():
+                for name, t in export.export_weights(self.model, self.runtime.state,
+                                                     bucket_bytes=self.engine_config.export_bucket_bytes,
+                                                     dtype=self._export_dtype()):
                     yield name, t.to(self.device)
         return tensors(), None
+
+    def get_per_tensor_param_shard(self, **kwargs):
+        """(generator of (HF name, this rank's flat slice, verl ShardSpec), None), no collective: the
+        weight-transfer sender's boxes (`export_weight_shards` -> `sender_spec`), each named by its HF
+        tensor and placed in it as a block. Every rank yields every HF tensor in the same order
+        (verl's delta engine runs in lockstep): a tensor this rank holds nothing of comes empty, and
+        a replicated one (router biases) counts on rank 0 only."""
+        from verl.workers.engine.spec import BlockPlacement, ShardSpec
+
+        from bumblebee.primitives.weight_transfer.spec import sender_spec
+        rank, group = dist.get_rank(), self.get_data_parallel_group()
+
+        def shards():
+            with self._weights_resident():
+                got = list(export.export_weight_shards(self.model, self.runtime.state, dtype=self._export_dtype()))
+                spec, _, local = sender_spec(rank, got)
+                held = {name: (box, replicated) for name, box, replicated in spec.boxes}
+                for name, shape, dtype in self._hf_manifest():
+                    if name not in held:
+                        empty = torch.empty(0, dtype=dtype, device=self.device)
+                        yield name, empty, ShardSpec(full_shape=shape, place=0, gather_group=group, contributes=False)
+                        continue
+                    box, replicated = held[name]
+                    t = local[(name, box)]
+                    place = BlockPlacement(tuple(c for _, _, c in box), tuple(s for s, _, _ in box), shape)
+                    yield name, t.contiguous().view(-1).to(self.device), ShardSpec(
+                        full_shape=shape, place=place, gather_group=group, contributes=not replicated or rank == 0)
+        return shards(), None
+
+    def _hf_manifest(self) -> list[tuple[str, tuple, torch.dtype]]:
+        """(HF name, full shape, dtype) of every exported tensor, in the export's order, the same on
+        every rank (from the full shapes alone)."""
+        src = export.sources(self.model, self.runtime.state)
+        layout = export.hf_layout(self.model, {n: s[2] for n, s in src.items()})
+        buffers = set(export.persistent_buffers(self.model))
+        return [(hf, tuple(size), src[n][0].dtype if n in buffers else self._export_dtype())
+                for n in src for hf, size, _, _ in layout[n]]
+
+    def get_per_tensor_param_delta_shard(self, **kwargs):
+        """verl's delta-sync entries (the elements changed since the last `prime_delta_snapshots` or
+        delta export, in HF coordinates): verl's own diff over `get_per_tensor_param_shard`, whose
+        names and blocks are already HF's (verl's identity entry)."""
+        from verl.workers.engine.utils import _hf_entry_identity, hf_delta_export
+        self._delta_shard_snap = getattr(self, "_delta_shard_snap", {})
+        gen, _ = self.get_per_tensor_param_shard()
+        return hf_delta_export(gen, self._delta_shard_snap, _hf_entry_identity), None
 
     # ---- checkpoints -----------------------------------------------------------------------------------
     def save_checkpoint(self, local_path: str, hdfs_path: Optional[str] = None, global_step: int = 0,
@@ -325,11 +412,13 @@ class BumblebeeEngine(BaseEngine):
         """The runtime's DCP state (model, optimizer, router biases) and the LR schedule into
         `local_path`; HF weights under `local_path/huggingface` when save_contents has "hf_model"."""
         rt = self.runtime
+        hf_dir = os.path.join(local_path, HF_DIR)
         with self._resident():
             rt.save_state(local_path)
             if "hf_model" in (getattr(self.checkpoint_config, "save_contents", None) or ()):
-                rt.save_weights(os.path.join(local_path, "huggingface"))
-        if dist.get_rank() == 0:
+                rt.save_weights(hf_dir)
+        if dist.get_rank() == 0:  # the config always (as verl's FSDP engine): what merging the state needs
+            write_hf_config(self.model, hf_dir)
             tmp = os.path.join(local_path, f".{SCHEDULE_FILE}.tmp")
             torch.save({"lr_scheduler": self.lr_scheduler.state_dict(), "global_step": int(global_step)}, tmp)
             os.replace(tmp, os.path.join(local_path, SCHEDULE_FILE))
@@ -355,6 +444,11 @@ class BumblebeeEngine(BaseEngine):
             from verl.utils.fs import copy_to_local
             local_path, fetched = copy_to_local(hdfs_path), True
         with self._resident():
+            # FSDP2 keeps the root unit's parameters (final norm, heads) unsharded after a forward
+            # (reshard_after_forward=False there): dropped first, the next forward gathers the loaded ones
+            for m in self.model.modules():
+                if isinstance(m, FSDPModule):
+                    m.reshard()
             self.runtime.load_state(local_path)
         sched = os.path.join(local_path, SCHEDULE_FILE)
         if self.lr_scheduler is not None and os.path.isfile(sched):

@@ -144,6 +144,7 @@ def honoured(mesh, out):
     for i in range(3):
         engine.save_checkpoint(str(out / f"global_step_{i}"), global_step=i, max_ckpt_to_keep=2)
     res["kept"] = sorted(p.name for p in out.glob("global_step_*"))
+    res["export_moves"] = _export_moves(path)
     ref, _ = vc.make_engine(path, forward_only=True)
     res["ref_state"], res["ref_grad"] = ref.runtime.state, any(p.requires_grad for p in ref.model.parameters())
     res["ref_lp"] = vc.response_values(ref, vc.to_verl(batch))
@@ -152,6 +153,18 @@ def honoured(mesh, out):
     except ValueError as e:
         res["ref_train_error"] = str(e)
     return res
+
+
+def _export_moves(path):
+    """The runtime moves an export makes with param and optimizer offload on, as on a GPU engine
+    (the engine's device set to CUDA, the moves recorded instead of made)."""
+    engine, _ = vc.make_engine(path, param_offload=True, optimizer_offload=True)
+    moves = []
+    engine.runtime.to = lambda device, **parts: moves.append((str(device), parts))
+    engine.device = torch.device("cuda", 0)
+    with engine._weights_resident():
+        pass
+    return moves
 
 
 @pytest.fixture(scope="module")
@@ -216,3 +229,12 @@ def test_batch_flags_are_refused(got):
     assert sorted(res["flag_errors"]) == ["calculate_sum_pi_squared", "use_fused_kernels", "use_remove_padding"]
     for key, msg in res["flag_errors"].items():
         assert f"data.{key}" in msg, msg
+
+
+def test_weight_export_leaves_offloaded_optimizer_state_off_the_device(got):
+    """param_offload + optimizer_offload: a weight sync brings the parameters (FSDP2's fp32 masters)
+    to the device and back, never the optimizer state or the gradients (GPU: test_verl_gpu.py)."""
+    res, _ = got
+    assert [d for d, _ in res["export_moves"]] == ["cuda:0", "cpu"]
+    for _, parts in res["export_moves"]:
+        assert parts == {"model": True, "optimizer": False, "grad": False}

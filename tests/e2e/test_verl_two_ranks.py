@@ -59,3 +59,79 @@ def test_two_ranks_resume_bitwise(both, case):
     two, _ = both
     for r in two:
         check_resume(r[case])
+
+
+def assemble(ranks_shards) -> dict:
+    """Full HF tensors from every rank's `get_per_tensor_param_shard` (verl's ShardSpec blocks)."""
+    full = {}
+    for shards in ranks_shards:
+        for name, flat, shape, place, contributes in shards:
+            t = full.setdefault(name, torch.full(shape, float("nan"), dtype=flat.dtype))
+            if not contributes or flat.numel() == 0:
+                continue
+            if isinstance(place, int):
+                t.view(-1)[place:place + flat.numel()] = flat
+            else:
+                t[tuple(slice(o, o + n) for o, n in zip(place.global_offset, place.local_shape))] = \
+                    flat.view(place.local_shape)
+    return full
+
+
+@pytest.mark.parametrize("case", sorted(MODELS))
+def test_shard_export_is_the_full_export_in_blocks(both, case):
+    """get_per_tensor_param_shard: every rank names every HF tensor in one order (verl's delta engine
+    runs in lockstep), and the blocks the contributing ranks hold make up the gathered export."""
+    ranks = [r[case] for r in both[0]]
+    names = [[s[0] for s in r["shards"]] for r in ranks]
+    assert names[0] == names[1] and sorted(names[0]) == sorted(ranks[0]["weights"])
+    full = assemble(r["shards"] for r in ranks)
+    for k, v in ranks[0]["weights"].items():
+        assert torch.equal(full[k], v), k
+
+
+@pytest.mark.parametrize("case", sorted(MODELS))
+def test_delta_shards_bring_the_synced_weights_to_the_new_ones(both, case):
+    """get_per_tensor_param_delta_shard (verl's diff of the shards since prime_delta_snapshots, in HF
+    coordinates): applied to the weights of the last full sync, gives the weights after the step."""
+    ranks = [r[case] for r in both[0]]
+    got = {k: v.clone() for k, v in ranks[0]["seed"].items()}
+    changed = 0
+    for r in ranks:
+        for slots, _dtype, counts, idx, val in r["delta"]:
+            (name, shape), = slots
+            assert tuple(got[name].shape) == tuple(shape)
+            got[name].view(-1)[idx.long()] = val
+            changed += int(counts.sum())
+    assert changed > 0
+    for k, v in ranks[0]["weights"].items():
+        assert torch.equal(got[k], v), k
+
+
+@pytest.mark.parametrize("case", sorted(MODELS))
+def test_streamed_weights_in_transformers_give_the_trainers_log_probs(both, case, tmp_path):
+    """The rollout side: the shards, assembled as a receiver would, saved as HF safetensors and
+    loaded by transformers (float64, its own loader and layout): its response log-probs equal the
+    trainer's on the same rollout batch."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from tests.e2e.test_verl_actor_update import _reference
+    ranks = [r[case] for r in both[0]]
+    name, _ = MODELS[case]
+    src = vc.tiny_checkpoint(tmp_path, name, seed=0)
+    rollout_dir = tmp_path / "rollout"
+    rollout_dir.mkdir()
+    shutil.copy(src / "config.json", rollout_dir / "config.json")
+    save_file({k: v.contiguous() for k, v in assemble(r["shards"] for r in ranks).items()},
+              rollout_dir / "model.safetensors")
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(rollout_dir, dtype=torch.float64, attn_implementation="eager",
+                                              experts_implementation="eager")  # grouped_mm has no float64
+    batch = ranks[0]["sync_batch"]
+    zeros = torch.zeros(batch["responses"].shape)
+    with torch.no_grad():
+        _, lp, _ = _reference(hf, batch, zeros, zeros)
+    m = batch["response_mask"].bool()
+    for r in ranks:
+        torch.testing.assert_close(r["sync_lp"].double()[m], lp[m], rtol=1e-5, atol=1e-5)

@@ -119,6 +119,18 @@ def update(engine, actor, td: TensorDict) -> dict:
 
 
 STEPS, SAVE_AFTER = 3, 2
+SYNC_SEED = 999  # the rollout batch the streamed weights are checked on
+
+
+def weight_sync(engine, vocab: int) -> dict:
+    """What verl's sharded syncs take from this rank: `get_per_tensor_param_shard` as (name, flat
+    slice, full shape, place, contributes), the delta entries since `prime_delta_snapshots` (without
+    their process group), and the trainer's response log-probs of a rollout batch."""
+    shards = [(n, t.detach().clone(), tuple(s.full_shape), s.place, s.contributes)
+              for n, t, s in engine.get_per_tensor_param_shard()[0]]
+    delta = [tuple(e[:-1]) for e in engine.get_per_tensor_param_delta_shard()[0]]
+    batch = rollout(vocab, seed=SYNC_SEED)
+    return {"shards": shards, "delta": delta, "sync_batch": batch, "sync_lp": response_values(engine, to_verl(batch))}
 
 
 def train_resume(out: Path, name: str, *, ep_size: int = 1) -> dict:
@@ -143,8 +155,11 @@ def train_resume(out: Path, name: str, *, ep_size: int = 1) -> dict:
     res = {"steps": [step(engine, actor, i) for i in range(SAVE_AFTER)]}
     ckpt = out / f"ckpt-{name}-{world}"
     engine.save_checkpoint(str(ckpt), global_step=SAVE_AFTER)
+    res["seed"] = weights(engine)  # what a full sync sent; the delta sync's base from here
+    engine.prime_delta_snapshots()
     res["steps"] += [step(engine, actor, i) for i in range(SAVE_AFTER, STEPS)]
     res["weights"] = weights(engine)
+    res.update(weight_sync(engine, vocab))
     other, actor = make_engine(tiny_checkpoint(out, name, seed=1), **kw)
     res["fresh"] = weights(other)  # differs from the checkpoint: the load must replace it all
     other.load_checkpoint(str(ckpt), del_local_after_load=True)

@@ -10,6 +10,12 @@
 # over EP ranks (ep_size divides the GPU count and the expert count), FSDP2 over all ranks, the
 # linear cross-entropy head (no [tokens, vocab] logits), full recompute. Options verl passes that the
 # engine does not implement stop the run with an error naming them (skills/rl-smoke/SKILL.md).
+#
+# PPO with GAE and a bumblebee critic (critic/bumblebee_critic.yaml, selected by model_engine=bumblebee):
+#   bash grpo_qwen3_moe.sh algorithm.adv_estimator=gae critic.model.path="$MODEL" \
+#       critic.bumblebee.ep_size=8 critic.bumblebee.dtype=bfloat16 critic.ppo_micro_batch_size_per_gpu=4
+# Merge a checkpoint's sharded state into HF weights:
+#   python -m bumblebee.integrations.verl_merge --local_dir CKPT/global_step_N/actor --target_dir OUT
 set -euo pipefail
 MODEL=${MODEL:-Qwen/Qwen3-30B-A3B}
 DATA=${DATA:-$HOME/data/gsm8k}
