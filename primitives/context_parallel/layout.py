@@ -156,18 +156,26 @@ def shard_batch(input_ids: torch.Tensor, labels: torch.Tensor | None, group, cu_
                 ignore_index: int = -100, mtp_depths: int = 0) -> Shard:
     """Shard a full batch [B, T] (each cp rank holds the same one): positions restart per document,
     labels (default input_ids) are shifted before sharding, the counts are global; `mtp_depths`: the
-    shifted tokens and targets of that many MTP depths too."""
+    shifted tokens and targets of that many MTP depths too. Packed (`cu_seqlens` over the B*T tokens)
+    with B > 1: the rows are sharded as one stream of B*T tokens (the shard's B is 1), attention and
+    recurrence follow the documents across row ends, labels shift per row as the models do."""
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids must be [B, T], got {tuple(input_ids.shape)}")
     B, T = input_ids.shape
-    if cu_seqlens is not None and B != 1:
-        raise ValueError(f"cu_seqlens under context parallelism needs one packed row (B = 1), got B = {B}")
-    batch = make_batch(group, T, cu_seqlens, input_ids.device)
     labels = input_ids if labels is None else labels
     if labels.shape != input_ids.shape:
         raise ValueError(f"labels must have input_ids' shape {tuple(input_ids.shape)}, got {tuple(labels.shape)}")
+    row_ends = None
+    if cu_seqlens is not None and B > 1:  # the models' packed convention: the B*T tokens are one stream
+        if mtp_depths:
+            raise ValueError(f"mtp_depths under context parallelism needs one packed row (B = 1), got B = {B}")
+        row_ends = torch.arange(T - 1, B * T, T, device=input_ids.device)
+        input_ids, labels, B, T = input_ids.reshape(1, B * T), labels.reshape(1, B * T), 1, B * T
+    batch = make_batch(group, T, cu_seqlens, input_ids.device)
     positions = (torch.arange(T, device=input_ids.device) - batch.all_starts).expand(B, T)
     targets = next_token_targets(labels, batch.all_starts, ignore_index)
+    if row_ends is not None:  # as the models shift labels: per row, a row's last token predicts nothing
+        targets[:, row_ends] = ignore_index
     count = int((targets != ignore_index).sum())
     pick = lambda t: t.index_select(1, batch.index)  # noqa: E731
     mtp = [next_token_targets(labels, batch.all_starts, ignore_index, k + 1) for k in range(1, mtp_depths + 1)]

@@ -51,6 +51,18 @@ def test_shard_batch_positions_and_targets_cross_chunk_boundaries():
     assert s.targets[0].tolist() == want
 
 
+def test_packed_rows_shard_as_one_stream_with_targets_shifted_per_row():
+    """B = 2 packed (the models' convention: cu_seqlens over the B*T tokens, a document across the row
+    end): one stream of 48 tokens, positions across the row end, no target for a row's last token."""
+    ids = torch.arange(100, 148).view(2, 24)
+    two, one = (layout.shard_batch(x, None, None, cu_seqlens=PACKED) for x in (ids, ids.reshape(1, 48)))
+    assert two.input_ids.shape == (1, 48) and torch.equal(two.input_ids, one.input_ids)
+    assert torch.equal(two.position_ids, one.position_ids) and two.position_ids[0, 24].item() == 24 - 6
+    want = one.targets.clone()
+    want[0, 23] = -100  # the document 6..29 crosses the row end: token 23 is row 0's last
+    assert torch.equal(two.targets, want) and two.count == one.count - 1
+
+
 def test_targets_are_shifted_before_sharding():
     """A chunk's last token predicts the next chunk's first token, held by another rank."""
     ids = torch.arange(16)[None]
@@ -65,8 +77,9 @@ def test_targets_are_shifted_before_sharding():
 def test_bad_layout_input_names_the_argument():
     with pytest.raises(ValueError, match="T=30 must be divisible by 2 x CP = 4"):
         layout.check_cp(30, 2)
-    with pytest.raises(ValueError, match="B = 1"):
-        layout.shard_batch(torch.zeros(2, 8, dtype=torch.long), None, None, cu_seqlens=torch.tensor([0, 3, 16]))
+    with pytest.raises(ValueError, match="mtp_depths under context parallelism needs one packed row"):
+        layout.shard_batch(torch.zeros(2, 8, dtype=torch.long), None, None, cu_seqlens=torch.tensor([0, 3, 16]),
+                           mtp_depths=1)
     with pytest.raises(ValueError, match="cu_seqlens"):
         layout.make_batch(None, 8, torch.tensor([0, 3, 7]))
     with pytest.raises(ValueError, match="CPBatch"):
@@ -245,12 +258,22 @@ def layers(world):
         _gdn_checks(group, errors, off, refs)
         _mla_checks(group, errors, off, refs)
         out[cp] = {"errors": errors, "off": off}
+    from tests.primitives.test_context_parallel_model import fsdp_dp2_cp2  # a model case on the same 4 ranks
+    out["dp2_cp2"] = fsdp_dp2_cp2(world)
     return out
 
 
 @pytest.fixture(scope="module")
 def four_ranks(tmp_path_factory):
     return spawn(4, __name__, "layers", tmp_path_factory.mktemp("cp"))
+
+
+def test_fsdp2_over_dp2_cp2_equals_one_rank(four_ranks):
+    """Qwen3 under FSDP2 over the (dp = 2, cp = 2) mesh, each dp pair its own sequence, over three AdamW
+    steps (tests/primitives/test_context_parallel_model.py `fsdp_dp2_cp2`)."""
+    for rank, result in enumerate(four_ranks):
+        assert len(result["dp2_cp2"]) > 5
+        assert within(result["dp2_cp2"]) == [], f"rank {rank}"
 
 
 @pytest.mark.parametrize("cp", [2, 4])

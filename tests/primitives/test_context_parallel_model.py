@@ -5,8 +5,9 @@ DeltaNet and gated attention layers in one layout, under full recompute, with it
 DeepSeek-V3 (MLA by an all-gather of the latent and RoPE key, MoE, MTP, aux-free router biases
 moved by the loads of every cp rank's tokens); Qwen3-MoE with its
 load-balancing loss over the whole batch's tokens, and with its experts split over the cp ranks
-(EP = CP = 2, all-to-all dispatch); and Qwen3 under FSDP2 over
-the (dp = 1, cp = 2) mesh, packed, with full recompute. Each step's loss (the ranks' shares summed) and the
+(EP = CP = 2, all-to-all dispatch); Qwen3 packed with B = 2 (one stream across the row end); and
+Qwen3 under FSDP2 over the (dp = 1, cp = 2) mesh, packed, with full recompute (dp = 2 x cp = 2:
+`fsdp_dp2_cp2`, run in the 4-rank spawn of test_context_parallel.py). Each step's loss (the ranks' shares summed) and the
 final weights lie within the fp32 single-rank run's own error against float64 (4x plus 8 ulps for
 losses, 8x per tensor for weights); the single-rank run is the model's plain forward with labels.
 """
@@ -30,6 +31,8 @@ CASES = {  # name -> (config, B, T, cu_seqlens, exchange, recompute); "fsdp2": F
     "qwen3": ("qwen3-tiny", 2, 32, None, "allgather", False),
     "qwen3_fsdp2": ("qwen3-tiny", 1, 48, PACKED, "allgather", True),
     "qwen3_packed": ("qwen3-tiny", 1, 48, PACKED, "allgather", False),
+    # B = 2 packed (cu_seqlens over the 48 tokens, a document across the row end): one stream under cp
+    "qwen3_packed_b2": ("qwen3-tiny", 2, 24, PACKED, "allgather", False),
     "qwen3_ring": ("qwen3-tiny", 1, 48, PACKED, "ring", False),
     "qwen3.5": ("qwen3.5-tiny", 1, 48, PACKED, "allgather", True),
     "deepseek-v3": ("deepseek-v3-tiny", 2, 32, None, "allgather", False),
@@ -118,6 +121,49 @@ def models_at_cp2(group):
             e, r, _ = error(w[k], w64[k], w32[k])
             errors[f"{case} {k}"] = (e, 2 * r, 8 * EPS32 * w64[k].abs().max().item())  # 8x: within() takes 4x
     return errors
+
+
+def fsdp_dp2_cp2(world):
+    """Qwen3 under FSDP2 over the (dp = 2, cp = 2) mesh of 4 ranks (run inside the 4-rank spawn of
+    tests/primitives/test_context_parallel.py): each dp pair shards its own row of a [2, 32] batch;
+    against one rank on the whole batch (equal target counts: the mean of the rows' means is the
+    batch mean). Returns the errors as `models_at_cp2` does."""
+    name, B, T = "qwen3-tiny", 2, 32
+    refs = [_train_rows(name, B, T, dtype) for dtype in (torch.float64, torch.float32)]
+    mesh = cp_model.mesh("cpu", 2, 2)
+    group, row = mesh["cp"].get_group(), mesh.get_local_rank("dp")
+    model = cp_model.apply(models.build(name, None, seed=0, dtype=torch.float32), group)
+    state = registry.resolve("state_sharding", "fsdp2")(model, cp_model.data_mesh(mesh), mixed_precision="fp32", **HP)
+    losses = []
+    for ids in _batches(model.config.vocab_size, B, T):
+        loss = cp_model.loss(model, layout.shard_batch(ids[row:row + 1], None, group), grads="mean")
+        loss.backward()
+        assert state.step()[0]
+        state.zero_grad()
+        total = loss.detach() / (2 * 2)  # the share times CP, over CP, averaged over the dp rows
+        dist.all_reduce(total)
+        losses.append(total)
+    weights = state.full_state_dict(torch.float32)
+    (l64, w64), (l32, w32) = refs
+    errors = {"dp2_cp2 losses": error(torch.stack(losses), l64, l32)}
+    for k in w64:
+        e, r, _ = error(weights[k], w64[k], w32[k])
+        errors[f"dp2_cp2 {k}"] = (e, 2 * r, 8 * EPS32 * w64[k].abs().max().item())
+    return errors
+
+
+def _train_rows(name, B, T, dtype):
+    """One rank on the whole [B, T] batches: (losses, weights)."""
+    model = models.build(name, None, seed=0, dtype=dtype)
+    opt = torch.optim.AdamW(model.parameters(), **HP)
+    losses = []
+    for ids in _batches(model.config.vocab_size, B, T):
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+    return torch.stack(losses), {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 @pytest.fixture(scope="module")
