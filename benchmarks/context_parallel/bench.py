@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -224,12 +225,12 @@ def main():
                    choices=["attention", "gated_deltanet"])
     args = p.parse_args()
     cuda = torch.cuda.is_available() and not args.cpu_smoke
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    if cuda:  # before the process group, so NCCL binds every rank to its own GPU
+        torch.cuda.set_device(device)
     # a rank stuck in a collective (another failed inside one) ends the run instead of hanging it
     dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=240))
     cp, rank = dist.get_world_size(), dist.get_rank()
-    device = torch.device("cuda", rank % torch.cuda.device_count()) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
     s = GPU if cuda else SMOKE
     iters = args.iters or s["iters"]
     result = {**stamp(device), "slot": "context_parallel", "ranks": cp, "dtype": str(s["dtype"]), "iters": iters,
