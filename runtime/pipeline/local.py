@@ -137,7 +137,9 @@ class LocalPipeline:
             idle = sum(i for _, i in self.load.values())
         return groups, idle / max(busy + idle, 1e-9)
 
-    def run(self, *, log_path=None, on_step=print) -> list[dict]:
+    def run(self, *, log_path=None, on_step=print, until=None) -> list[dict]:
+        """`until(log) -> bool`: stop after the step where it first holds (e.g. a reward threshold;
+        the producers' work beyond it is dropped)."""
         cfg, log, self.prompts_of = self.cfg, [], {}
         result: dict = {}
 
@@ -163,6 +165,8 @@ class LocalPipeline:
                              step=step, wall_s=t3 - t_start)
                     log.append(m)
                     emit(m, out, on_step)
+                    if until is not None and until(log):
+                        return
             except BaseException as e:  # noqa: BLE001 - raised in the caller's thread below
                 result["error"] = e
 

@@ -3,6 +3,8 @@ synchronous loop): dynamic sampling, group-normalized advantages, the proximal p
 the capped behaviour weight, DAPO's clip-higher surrogate with token-mean aggregation, the step."""
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from bumblebee.runtime import losses
@@ -42,16 +44,27 @@ def synchronous_run(cfg: PipelineConfig, model_config: dict, task, engine) -> li
     """The plain synchronous loop in one process, no Ray: export, generate every group of the step on
     those weights, train, for `cfg.steps` steps. The pipeline at eta = 0 with one producer leasing a
     whole step per call (`groups_per_call >= groups_per_step`) makes the same updates."""
+    return lagged_run(dataclasses.replace(cfg, eta=0), model_config, task, engine)
+
+
+def lagged_run(cfg: PipelineConfig, model_config: dict, task, engine) -> list[dict]:
+    """The loop in one process at the most staleness admission allows, deterministically: step b's
+    groups are generated on the weights of version max(0, b - cfg.eta), then trained at version b
+    (eta = 0: the synchronous loop). What an asynchronous run does at its worst, without its timing."""
     rt, ref = build_runtime(model_config, cfg)
-    adm, prompts, log = Admission(cfg.groups_per_step, 0, cfg.steps), task.prompts(cfg.seed), []
+    adm, prompts, log = Admission(cfg.groups_per_step, cfg.eta, cfg.steps), task.prompts(cfg.seed), []
+    snapshots = {}  # version -> exported weights, the last eta + 1 of them
     for step in range(cfg.steps):
-        engine.load_weights(rt.export_weights(dtype=torch.float32), step)
+        snapshots[step] = [(n, t.clone()) for n, t in rt.export_weights(dtype=torch.float32)]
+        snapshots.pop(step - cfg.eta - 1, None)
+        behind = max(0, step - cfg.eta)
+        engine.load_weights(snapshots[behind], behind)
         groups = []
         while len(groups) < cfg.groups_per_step:
             leases = []
             while len(leases) < min(cfg.groups_per_call, cfg.groups_per_step - len(groups)):
-                lease = adm.admit(0, step)
-                if not isinstance(lease, Lease):  # eta = 0 on the step's own version: always admitted
+                lease = adm.admit(0, behind)
+                if not isinstance(lease, Lease):  # ticket `step` on version step - eta: always admitted
                     raise RuntimeError(f"step {step}: admission answered {lease!r}")
                 leases.append((lease, *next(prompts)))
             groups += rollout(engine, task, leases, cfg)
