@@ -252,7 +252,21 @@ def main():
                 path.write_text(json.dumps(result, indent=1))
     if rank == 0:
         path.write_text(json.dumps(result, indent=1))
+        print(_table(result["rows"]), flush=True)
     dist.destroy_process_group()
+
+
+def _table(rows) -> str:
+    """The rows as a markdown table (the skill's measured table takes its 128K lines)."""
+    def f(x, spec):
+        return format(x, spec) if isinstance(x, (int, float)) else "-"
+    lines = ["| layer | impl | tokens | CP | ms | eff. vs single | eff. vs single_flash | tokens/s/GPU |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['layer']} | {r['impl']} | {r['tokens']} | {r['cp']} | {f(r.get('median_ms'), '.1f')} | "
+                     f"{f(r.get('efficiency_vs_single'), '.2f')} | {f(r.get('efficiency_vs_single_flash'), '.2f')} | "
+                     f"{f(r.get('tokens_per_s_per_gpu'), ',.0f')} |" + (f" {r['error'][:80]}" if "error" in r else ""))
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
