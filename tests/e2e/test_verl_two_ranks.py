@@ -135,3 +135,18 @@ def test_streamed_weights_in_transformers_give_the_trainers_log_probs(both, case
     m = batch["response_mask"].bool()
     for r in ranks:
         torch.testing.assert_close(r["sync_lp"].double()[m], lp[m], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("case", sorted(MODELS))
+def test_merged_two_rank_checkpoint_is_the_synced_weights(both, case, tmp_path):
+    """verl_merge of the two-rank checkpoint (FSDP2; EP = 2: experts split over the ranks) into one
+    HF folder: its tensors are the weights exported right after that save."""
+    from safetensors.torch import load_file
+
+    from bumblebee.integrations.verl_merge import merge
+    r = both[0][0][case]
+    merge(r["ckpt"], tmp_path / "merged")
+    got = load_file(tmp_path / "merged/model.safetensors")
+    assert set(got) == set(r["seed"])
+    for k, v in r["seed"].items():
+        assert torch.equal(got[k], v), k

@@ -166,4 +166,5 @@ def train_resume(out: Path, name: str, *, ep_size: int = 1) -> dict:
     res["resumed"] = [step(other, actor, i) for i in range(SAVE_AFTER, STEPS)]
     res["resumed_weights"] = weights(other)
     res["ckpt_kept"] = (ckpt / "lr_scheduler.pt").is_file()
+    res["ckpt"] = str(ckpt)
     return res
