@@ -202,6 +202,15 @@ def test_shipped_recipe_composes_to_bumblebee_actor_and_ref(tmp_path):
     ref = cfg.actor_rollout_ref.ref.bumblebee
     assert ref.forward_only and ref.ep_size == 8 and ref.impl == {"cross_entropy": "linear_ce"}
     assert cfg.algorithm.adv_estimator == "grpo"
+    # PPO with the bumblebee critic: the header's critic overrides on the same command line
+    from bumblebee.integrations.verl_critic import BumblebeeCriticConfig, BumblebeeCriticEngineConfig
+    ppo = [o.replace('"$MODEL"', values["$MODEL"]) for o in re.findall(r"(critic\.[\w.]+=\S+)", script)]
+    assert len(ppo) >= 4
+    cfg = compose(vc.tiny_checkpoint(tmp_path), *overrides, "algorithm.adv_estimator=gae", *ppo, level0=False)
+    critic = omega_conf_to_dataclass(cfg.critic)
+    assert isinstance(critic, BumblebeeCriticConfig) and isinstance(critic.engine, BumblebeeCriticEngineConfig)
+    assert critic.engine.ep_size == 8 and critic.engine.dtype == "bfloat16"
+    assert critic.engine.micro_batch_size_per_gpu == critic.engine.infer_micro_batch_size_per_gpu == 4
 
 
 def test_sft_trainer_config_selects_the_engine():
