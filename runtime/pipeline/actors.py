@@ -119,48 +119,75 @@ class Producer:
 
 @ray.remote
 class Trainer:
-    """The policy under the runtime (FSDP2 or ZeRO-1 as configured, on the channel's trainer group or
-    a one-rank gloo group of the actor's own), one GRPO step per call on the step's groups, then its
-    weights published."""
+    """The policy under the runtime (FSDP2 or ZeRO-1 as configured, on the channel's trainer group, a
+    one-rank gloo group of the actor's own, or with `cfg.trainer_ranks` > 1 a gloo group over that
+    many Trainer actors, this one rank `rank`), one GRPO step per call on the step's groups, then its
+    weights published. Rank 0 takes the step's groups and hands them to the others."""
 
-    def __init__(self, model_config: dict, cfg: PipelineConfig, scheduler, pad_id: int):
+    def __init__(self, model_config: dict, cfg: PipelineConfig, scheduler, pad_id: int, rank: int = 0):
         torch.set_num_threads(cfg.threads)
         self.model_config, self.cfg, self.scheduler, self.pad_id = model_config, cfg, scheduler, pad_id
+        self.rank, self.world, self.group = rank, cfg.trainer_ranks, None
         self.version = 0
 
     def address(self) -> str:
-        """host:port for the channel's group: this node's address and a port free on it."""
+        """host:port for the channel's (or the trainer ranks') group: this node's address and a free port."""
         import socket
         with socket.socket() as s:
             s.bind(("", 0))
             return f"{ray.util.get_node_ip_address()}:{s.getsockname()[1]}"
 
-    def attach(self, channel) -> None:
-        """Join the weight channel (rank 0), then build the policy on the trainer's own group."""
+    def attach(self, channel, address: str | None = None) -> None:
+        """Join the weight channel (rank 0), or first the trainer ranks' group at `address` (every rank
+        at once), then build the policy on the trainer's own group."""
+        import datetime
+
+        import torch.distributed as dist
+
         from bumblebee.runtime.pipeline.trainer import build_runtime
         self.channel = channel
-        channel.attach(0)
-        self.rt, self.ref = build_runtime(self.model_config, self.cfg,
-                                          group=getattr(self.channel, "trainer_group", None))
+        if self.world > 1:  # a step's ranks wait on rank 0's take: the group's limit covers it
+            limit = datetime.timedelta(seconds=self.cfg.take_timeout_s + 2 * self.cfg.call_timeout_s)
+            dist.init_process_group("gloo", init_method=f"tcp://{address}", rank=self.rank, world_size=self.world,
+                                    timeout=limit)
+            self.group = dist.group.WORLD
+        else:
+            channel.attach(0)
+            self.group = getattr(self.channel, "trainer_group", None)
+        self.rt, self.ref = build_runtime(self.model_config, self.cfg, group=self.group)
 
     def publish(self) -> int:
-        self.channel.publish(self.version, self.rt)
+        if self.world > 1:
+            self.channel.publish(self.version, self.rt, rank=self.rank)
+        else:
+            self.channel.publish(self.version, self.rt)
         return self.version
+
+    def _take(self, ticket: int):
+        """The step's groups and the producers' idle fraction: rank 0 asks the scheduler, then hands
+        both to the other ranks."""
+        import torch.distributed as dist
+        cfg, got = self.cfg, [None, None]
+        if self.rank == 0:
+            got = list(get(self.scheduler.take.remote(ticket, cfg.take_timeout_s),
+                           cfg.take_timeout_s + cfg.call_timeout_s, f"step {ticket}'s groups"))
+        if self.world > 1:
+            dist.broadcast_object_list(got, src=0, group=self.group)
+        return got
 
     def step(self, ticket: int) -> dict:
         from bumblebee.runtime.pipeline.trainer import grpo_step
         if ticket != self.version:
             raise ValueError(f"step {ticket} asked of the trainer at version {self.version}: steps run in order")
-        cfg = self.cfg
         t0 = time.monotonic()
-        groups, producer_idle = get(self.scheduler.take.remote(ticket, cfg.take_timeout_s),
-                                    cfg.take_timeout_s + cfg.call_timeout_s, f"step {ticket}'s groups")
+        groups, producer_idle = self._take(ticket)
         t1 = time.monotonic()
-        m = grpo_step(self.rt, groups, cfg.objective, version=self.version, pad_id=self.pad_id, ref=self.ref)
+        m = grpo_step(self.rt, groups, self.cfg.objective, version=self.version, pad_id=self.pad_id, ref=self.ref,
+                      rank=self.rank, world=self.world, group=self.group)
         self.version += 1
         t2 = time.monotonic()
         self.publish()
         t3 = time.monotonic()
-        return {**m, "wait_s": t1 - t0, "train_s": t2 - t1, "publish_s": t3 - t2, "tokens_per_s": m["tokens"] / max(t3 - t0, 1e-9),
-                "producer_idle": producer_idle, "trainer_idle": (t1 - t0) / max(t3 - t0, 1e-9),
-                "group_ids": [g.group for g in groups]}
+        return {**m, "wait_s": t1 - t0, "train_s": t2 - t1, "publish_s": t3 - t2,
+                "tokens_per_s": m["tokens"] / max(t3 - t0, 1e-9), "producer_idle": producer_idle,
+                "trainer_idle": (t1 - t0) / max(t3 - t0, 1e-9), "group_ids": [g.group for g in groups]}

@@ -79,15 +79,20 @@ class PipelineConfig:
     trainer_cpus: float = 1.0
     restarts: int = 1  # producer restarts allowed over the run
     weights: str = "object_store"  # the weight channel: "object_store" (Ray's) or "p2p" (the primitive)
+    trainer_ranks: int = 1  # data-parallel ranks of the trainer (one actor each, one gloo group, FSDP2/ZeRO-1)
 
     def __post_init__(self):
-        for name in ("steps", "groups_per_step", "group_size", "producers", "groups_per_call", "threads"):
+        for name in ("steps", "groups_per_step", "group_size", "producers", "groups_per_call", "threads",
+                     "trainer_ranks"):
             _positive(name, getattr(self, name))
         if self.weights not in WEIGHT_CHANNELS:
             raise ValueError(f"weights must be one of {WEIGHT_CHANNELS}, got {self.weights!r}")
         if self.weights == "p2p" and self.restarts:
             raise ValueError("restarts must be 0 with weights='p2p': a dead rank breaks the transfer's group "
                              "(the object_store channel survives restarts)")
+        if self.weights == "p2p" and self.trainer_ranks > 1:
+            raise ValueError("trainer_ranks must be 1 with weights='p2p' (its group spans one trainer rank); "
+                             "use weights='object_store'")
         if not (isinstance(self.eta, int) and self.eta >= 0):
             raise ValueError(f"eta must be an int >= 0, got {self.eta!r}")
         for name in ("take_timeout_s", "weight_timeout_s", "call_timeout_s", "lr"):

@@ -36,6 +36,9 @@ class LocalPipeline:
 
     def __init__(self, cfg: PipelineConfig, model_config: dict, task, *, engine=None, trainer_device="cpu",
                  producer_devices=None):
+        if cfg.trainer_ranks != 1:
+            raise ValueError(f"trainer_ranks must be 1 in the local mode (one trainer thread), got {cfg.trainer_ranks}; "
+                             f"the Ray pipeline runs a trainer over several ranks")
         self.cfg, self.model_config, self.task = cfg, model_config, task
         self.trainer_device = torch.device(trainer_device)
         devices = list(producer_devices) if producer_devices is not None else [trainer_device] * cfg.producers

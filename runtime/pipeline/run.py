@@ -29,6 +29,7 @@ class Pipeline:
                                                   pad_token_id=task.pad_id)
         self.producers, self.holders, self.incarnations, self.runs, self.restarts = {}, {}, {}, {}, 0
         self.trainer = self.scheduler = None
+        self.trainers = []  # the trainer's ranks (one actor each); self.trainer is rank 0
         self.store = WeightStore.remote()
         try:
             self._start(cfg, model_config, task)
@@ -38,8 +39,10 @@ class Pipeline:
 
     def _start(self, cfg, model_config, task) -> None:
         self.scheduler = Scheduler.remote(task, cfg)
-        self.trainer = Trainer.options(num_cpus=cfg.trainer_cpus).remote(model_config, cfg, self.scheduler,
-                                                                         task.pad_id)
+        self.trainers = [Trainer.options(num_cpus=cfg.trainer_cpus).remote(model_config, cfg, self.scheduler,
+                                                                           task.pad_id, rank)
+                         for rank in range(cfg.trainer_ranks)]
+        self.trainer = self.trainers[0]
         for i in range(cfg.producers):  # their processes start beside the trainer's
             self._create(i)
         self.channel = ObjectStoreChannel(self.store, cfg.call_timeout_s)
@@ -47,10 +50,13 @@ class Pipeline:
             from bumblebee.runtime.pipeline.weights_p2p import P2PChannel
             address = get(self.trainer.address.remote(), cfg.call_timeout_s, "the trainer's address")
             self.channel = P2PChannel(cfg.producers, address, cfg.weight_timeout_s)
-        joins = [self.trainer.attach.remote(self.channel)]
+        address = None
+        if cfg.trainer_ranks > 1:  # the trainer's ranks' own group, at rank 0's address
+            address = get(self.trainer.address.remote(), cfg.call_timeout_s, "the trainer's address")
+        joins = [t.attach.remote(self.channel, address) for t in self.trainers]
         joins += [p.attach.remote(i + 1, self.channel) for i, p in self.producers.items()]
         get(joins, cfg.call_timeout_s, "the trainer's and producers' start")
-        get(self.trainer.publish.remote(), cfg.call_timeout_s, "the first weights")
+        get([t.publish.remote() for t in self.trainers], cfg.call_timeout_s, "the first weights")
         for i, p in self.producers.items():
             self.runs[p.run.remote()] = i
 
@@ -83,7 +89,8 @@ class Pipeline:
             for step in range(cfg.steps):
                 if before_step is not None:
                     before_step(self, step)
-                ref = self.trainer.step.remote(step)
+                refs = [t.step.remote(step) for t in self.trainers]  # every rank; rank 0 reports
+                ref = refs[0]
                 while True:  # wait for the step, handling producers that end meanwhile
                     ready, _ = ray.wait([ref, *self.runs], num_returns=1,
                                         timeout=cfg.take_timeout_s + 2 * cfg.call_timeout_s)
@@ -92,7 +99,7 @@ class Pipeline:
                     if ready[0] == ref:
                         break
                     self._ended(ready[0])
-                m = get(ref, cfg.call_timeout_s, f"step {step}")
+                m, *_ = get(refs, cfg.call_timeout_s, f"step {step}")
                 m.update(step=step, wall_s=time.monotonic() - t_start)
                 log.append(m)
                 emit(m, out, on_step)
@@ -118,7 +125,7 @@ class Pipeline:
 
     def shutdown(self) -> None:
         """Stop every actor of the run (their processes end; Ray itself stays up)."""
-        for actor in [*self.producers.values(), self.trainer, self.scheduler, self.store]:
+        for actor in [*self.producers.values(), *self.trainers, self.scheduler, self.store]:
             if actor is not None:
                 ray.kill(actor, no_restart=True)
         self.producers, self.runs = {}, {}

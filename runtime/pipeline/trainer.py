@@ -72,9 +72,14 @@ def lagged_run(cfg: PipelineConfig, model_config: dict, task, engine) -> list[di
     return log
 
 
-def grpo_step(rt, groups: list[Group], objective: Objective, *, version: int, pad_id: int, ref=None) -> dict:
+def grpo_step(rt, groups: list[Group], objective: Objective, *, version: int, pad_id: int, ref=None,
+              rank: int = 0, world: int = 1, group=None) -> dict:
     """Train `rt` (a Runtime with a state) one optimizer step on `groups`, consumed at weights
-    `version`; `ref`: a Runtime of the reference policy (for `objective.kl_coef`). Returns metrics."""
+    `version`; `ref`: a Runtime of the reference policy (for `objective.kl_coef`). Returns metrics.
+    Over `world` data-parallel ranks of `group` (every rank holds every group), rank r trains the
+    kept groups r, r + world, ...; the token mean divides by the count over all ranks, so the update
+    is the one-rank update; a rank left without a group runs one with nothing trained (the
+    collectives stay matched). Loss, KL, entropy and clip fraction are then over all ranks."""
     kept = informative(groups) if objective.dynamic_sampling else groups
     lengths = [len(c.tokens) for g in groups for c in g.completions]
     stale = [version - min(c.versions) for g in groups for c in g.completions if c.versions]
@@ -86,9 +91,10 @@ def grpo_step(rt, groups: list[Group], objective: Objective, *, version: int, pa
         opt = rt.optim_step()
         return {**m, "applied": opt["applied"], "loss": 0.0, "grad_norm": 0.0, "behave_kl": 0.0, "kl": 0.0,
                 "entropy": float("nan"), "clip_fraction": 0.0, "behave_weight_max": 1.0}
+    mine = kept[rank::world]
     device = next(rt.model.parameters()).device
-    batch, _ = to_batch(kept, pad_id, scale_by_std=objective.scale_by_std, device=device)
-    mask = batch.loss_mask
+    batch, _ = to_batch(mine or kept[:1], pad_id, scale_by_std=objective.scale_by_std, device=device)
+    mask = batch.loss_mask if mine else torch.zeros_like(batch.loss_mask)
     prox = rt.forward(batch).log_probs  # pi_prox: the weights of `version`, before this update
     behave = batch.sampler_logprobs
     w = losses.behaviour_weights(prox, behave, cap=objective.behave_cap, mode=objective.behave_mode)
@@ -101,9 +107,25 @@ def grpo_step(rt, groups: list[Group], objective: Objective, *, version: int, pa
     opt = rt.optim_step()
     with torch.no_grad():
         n = mask.sum().clamp_min(1)
-        behave_kl = float((losses.kl_penalty(prox, behave, "low_var_kl") * mask).sum() / n)  # KL(prox || behave), k3
+        behave_kl = (losses.kl_penalty(prox, behave, "low_var_kl") * mask).sum() / n  # KL(prox || behave), k3
         raw_w = torch.exp(prox - behave)
-    return {**m, "applied": opt["applied"], "loss": res.loss, "grad_norm": float(opt["grad_norm"]),
-            "behave_kl": behave_kl, "kl": res.metrics.get("kl", 0.0),
-            "entropy": float((res.entropy * mask).sum() / n), "clip_fraction": res.metrics["clip_fraction"],
-            "behave_weight_max": float(raw_w[mask].max())}
+        out = {"loss": res.loss, "behave_kl": float(behave_kl), "kl": res.metrics.get("kl", 0.0),
+               "entropy": float((res.entropy * mask).sum() / n), "clip_fraction": res.metrics["clip_fraction"],
+               "behave_weight_max": float(raw_w[mask].max()) if mine else 0.0}
+        if world > 1:
+            out = _over_ranks(out, int(mask.sum()), group)
+    return {**m, "applied": opt["applied"], "grad_norm": float(opt["grad_norm"]), **out}
+
+
+def _over_ranks(local: dict, tokens: int, group) -> dict:
+    """Each rank's metrics (means over its `tokens` trained tokens; the loss already its share of the
+    global token mean) as the whole batch's: one all-reduce of the token-weighted sums, one of the max."""
+    import torch.distributed as dist
+    means = ("behave_kl", "kl", "entropy", "clip_fraction")
+    sums = torch.tensor([local["loss"], tokens, *(local[k] * tokens for k in means)], dtype=torch.float64)
+    dist.all_reduce(sums, group=group)
+    top = torch.tensor([local["behave_weight_max"]], dtype=torch.float64)
+    dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+    n = max(float(sums[1]), 1.0)
+    return {"loss": float(sums[0]), **{k: float(v) / n for k, v in zip(means, sums[2:])},
+            "behave_weight_max": float(top[0])}

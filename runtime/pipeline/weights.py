@@ -72,9 +72,12 @@ class ObjectStoreChannel:
     def attach(self, rank: int, engine=None) -> None:
         pass
 
-    def publish(self, version: int, runtime) -> None:
-        weights = runtime.export_weights(dtype=torch.float32)
-        ref = ray.put({name: t.detach().cpu().contiguous() for name, t in weights})
+    def publish(self, version: int, runtime, rank: int = 0) -> None:
+        """Every rank of the trainer calls it (the export gathers the shards); rank 0 publishes."""
+        weights = {name: t.detach().cpu().contiguous() for name, t in runtime.export_weights(dtype=torch.float32)}
+        if rank:
+            return
+        ref = ray.put(weights)
         get(self.store.publish.remote(version, [ref]), self.call_timeout_s, f"publishing weights version {version}")
 
     def refresh(self, engine) -> bool:

@@ -1,10 +1,11 @@
 """The asynchronous pipeline on a local Ray (2 CPUs): a tiny Qwen3 learns to copy two digits at
 eta = 1 while a producer is killed mid-run (every prompt trained exactly once) and stalled waits
-raise PipelineTimeout, eta = 0 makes the
-plain synchronous loop's updates with weights sent by the transfer primitive. Skipped without Ray
-(the `rl` extra)."""
+raise PipelineTimeout; eta = 0 makes the plain synchronous loop's updates with weights sent by the
+transfer primitive, and with the trainer over two ranks (FSDP2 inside its actors). Skipped without
+Ray (the `rl` extra)."""
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 import time
@@ -83,26 +84,41 @@ def test_learns_asynchronously_with_a_producer_killed(local_ray, tmp_path):
     assert len((tmp_path / "run.jsonl").read_text().splitlines()) == STEPS
 
 
-def test_eta_zero_through_the_transfer_primitive_equals_the_synchronous_loop(local_ray):
-    """Weights reach the producer through the weight-transfer primitive (p2p, async mode) exactly:
-    the samples, rewards and updates are the plain loop's, which loads the export directly."""
+def _equals_the_synchronous_loop(cfg):
     from bumblebee.runtime.pipeline.engine import TransformersEngine
     from bumblebee.runtime.pipeline.trainer import synchronous_run
-    cfg = _cfg(steps=2, eta=0, groups_per_step=4, group_size=4, groups_per_call=4, weights="p2p", restarts=0)
     with Pipeline(cfg, CONFIG, TASK) as p:
         piped = p.run(on_step=None)
     threads, had_group = torch.get_num_threads(), dist.is_initialized()
     torch.set_num_threads(cfg.threads)  # as the actors run: one reduction order
     try:
-        plain = synchronous_run(cfg, CONFIG, TASK, TransformersEngine(CONFIG, pad_token_id=TASK.pad_id))
+        plain = synchronous_run(dataclasses.replace(cfg, trainer_ranks=1, weights="object_store"), CONFIG, TASK,
+                                TransformersEngine(CONFIG, pad_token_id=TASK.pad_id))
     finally:  # the loop's one-rank group and the thread count are this process's: put them back
         torch.set_num_threads(threads)
         if dist.is_initialized() and not had_group:
             dist.destroy_process_group()
+    assert len(piped) == len(plain) == cfg.steps
     for a, b in zip(piped, plain):
         assert a["staleness_max"] == 0 and a["reward"] == b["reward"] and a["lengths"] == b["lengths"]
-        assert a["loss"] == pytest.approx(b["loss"], rel=1e-6, abs=1e-9)
-        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-6)
+        for key in ("loss", "entropy", "behave_kl"):
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-8), key
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
+
+
+def test_eta_zero_through_the_transfer_primitive_equals_the_synchronous_loop(local_ray):
+    """Weights reach the producer through the weight-transfer primitive (p2p, async mode) exactly:
+    the samples, rewards and updates are the plain loop's, which loads the export directly."""
+    _equals_the_synchronous_loop(_cfg(steps=2, eta=0, groups_per_step=4, group_size=4, groups_per_call=4,
+                                      weights="p2p", restarts=0))
+
+
+def test_a_trainer_over_two_ranks_makes_the_one_rank_updates(local_ray):
+    """The trainer as two Ray actors, FSDP2 over their gloo group, each rank training half the
+    step's groups: the updates (loss, entropy, behave_kl over both ranks, grad norm) and thus the
+    next steps' samples are the one-rank loop's."""
+    _equals_the_synchronous_loop(_cfg(steps=3, eta=0, groups_per_step=4, group_size=4, groups_per_call=4,
+                                      trainer_ranks=2, trainer_cpus=0.5, producer_cpus=0.5))
 
 
 def test_a_start_that_cannot_finish_raises(local_ray):
