@@ -73,3 +73,18 @@ def test_local_pipeline_at_eta_zero_equals_the_synchronous_loop(one_process):
         assert a["staleness_max"] == 0 and a["reward"] == b["reward"] and a["lengths"] == b["lengths"]
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-6, abs=1e-9)
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-6)
+
+
+@pytest.mark.gpu
+def test_local_pipeline_on_cuda_trains_every_prompt_once(one_process):
+    """The local mode on the GPU (the benchmark's path): trainer and producer on CUDA devices of their
+    own when there are two, every prompt trained once within eta, finite metrics."""
+    trainer = f"cuda:{min(torch.cuda.device_count(), 2) - 1}"
+    cfg = _cfg(steps=4, eta=1, groups_per_step=4, group_size=4, groups_per_call=2)
+    p = LocalPipeline(cfg, CONFIG, TASK, trainer_device=trainer, producer_devices=["cuda:0"])
+    log = p.run(on_step=None)
+    assert sorted(g for m in log for g in m["group_ids"]) == list(range(16))
+    assert max(m["staleness_max"] for m in log) <= 1
+    for m in log:
+        assert all(math.isfinite(m[k]) for k in ("loss", "grad_norm", "behave_kl", "entropy")), m
+    assert sorted(n for m in log for n in m["lengths"]) == sorted(p.stats()["generated_lengths"])
