@@ -57,6 +57,7 @@ SHARDS = {
         "tests/models/test_qwen3_gpu.py",
         "tests/primitives/test_state_sharding.py",
         "tests/runtime/test_rl_gpu.py",
+        "tests/runtime/test_pipeline_learning.py",
         "tests/e2e/test_verl_gpu.py",
     )),
 }

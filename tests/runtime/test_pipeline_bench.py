@@ -5,13 +5,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.limits import SUBPROCESS_TIMEOUT_S
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_rl_pipeline_bench_smoke_writes_a_stamped_result(tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "rl_pipeline" / "bench.py"), "--cpu-smoke",
                            "--quiet", "--out", str(tmp_path)], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=600)
+                          timeout=SUBPROCESS_TIMEOUT_S)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     result = json.loads((tmp_path / "rl_pipeline_cpu_x0.json").read_text())
     assert {"commit", "dirty", "torch", "device", "date"} <= set(result) and result["device"] == "cpu"
