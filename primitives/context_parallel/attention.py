@@ -15,8 +15,8 @@ start(i) <= j <= i (start: its document's first position), so packed documents n
   steps every rank holds its own keys' full gradient.
 
 Unpacked rows take `flash.py` (fused kernels, no mask; the same exchanges); packed documents take
-the masked paths here, which compute in fp32. Shape legend: B batch, H query heads, K key/value heads,
-G = H / K, T global tokens, L chunk length, D head dim.
+the masked paths here, which compute in fp32 (float64 inputs: float64). Shape legend: B batch, H
+query heads, K key/value heads, G = H / K, T global tokens, L chunk length, D head dim.
 """
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from bumblebee.checks import check_attention_inputs
+from bumblebee.norms import to_acc
 from bumblebee.primitives.context_parallel import flash
 from bumblebee.primitives.context_parallel.comm import gather, ring_shift
 from bumblebee.primitives.context_parallel.layout import CPBatch, layout_index, rank_chunks
@@ -56,8 +57,8 @@ def allgather_attention(q, k, v, *, scale, batch: CPBatch):
     for i, c in enumerate(rank_chunks(batch.rank, batch.cp)):
         lo, hi = batch.lo[i], (c + 1) * L
         mask = _mask(batch.chunk_index(i), batch.starts[i * L:(i + 1) * L], pos[lo:hi])
-        qc = q[:, :, i * L:(i + 1) * L].float()
-        o = F.scaled_dot_product_attention(qc, k_all[:, :, lo:hi].float(), v_all[:, :, lo:hi].float(),
+        qc = to_acc(q[:, :, i * L:(i + 1) * L])
+        o = F.scaled_dot_product_attention(qc, to_acc(k_all[:, :, lo:hi]), to_acc(v_all[:, :, lo:hi]),
                                            attn_mask=mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
         outs.append(o)
     return torch.cat(outs, dim=2).to(dtype)
@@ -106,8 +107,8 @@ class _Ring(torch.autograd.Function):
     def forward(ctx, q, k, v, scale, batch):
         B, H, T2, D = q.shape
         K, L, cp, rank = k.shape[1], batch.chunk, batch.cp, batch.rank
-        qg = q.float().view(B, K, H // K, T2, D)
-        kv = [k.float()[:, :, None], v.float()[:, :, None]]
+        qg = to_acc(q).view(B, K, H // K, T2, D)
+        kv = [to_acc(k)[:, :, None], to_acc(v)[:, :, None]]
         o = [None, None]
         lse = [None, None]
         for s in range(cp):
@@ -133,12 +134,12 @@ class _Ring(torch.autograd.Function):
         batch, scale = ctx.batch, ctx.scale
         B, H, T2, D = q.shape
         K, L, cp, rank = k.shape[1], batch.chunk, batch.cp, batch.rank
-        qg = _split(q.float().view(B, K, H // K, T2, D), L)
-        dog = do.float().reshape(o.shape)
+        qg = _split(to_acc(q).view(B, K, H // K, T2, D), L)
+        dog = to_acc(do).reshape(o.shape)
         delta = _split((dog * o).sum(-1, keepdim=True), L)
         dog, lse = _split(dog, L), [lse[..., :L], lse[..., L:]]
         dq = [torch.zeros_like(t) for t in qg]
-        kv = [k.float()[:, :, None], v.float()[:, :, None]]
+        kv = [to_acc(k)[:, :, None], to_acc(v)[:, :, None]]
         dkv = [torch.zeros_like(kv[0]), torch.zeros_like(kv[1])]  # dK, dV of the held block
         for s in range(cp):
             src = (rank - s) % cp

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
+from bumblebee.norms import to_acc
 from bumblebee.primitives.context_parallel.comm import gather, ring_shift
 from bumblebee.primitives.context_parallel.layout import CPBatch, layout_index, rank_chunks
 
@@ -60,9 +61,9 @@ def block_forward(q, k, v, causal: bool, scale: float):
     """One block on the flash kernel: (o in q's dtype, lse [B, H, L] fp32, what its backward needs)."""
     if q.device.type == "cuda":
         r = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
-        return r[0], r[1][..., :q.shape[2]].float(), tuple(r[2:8])
+        return r[0], to_acc(r[1][..., :q.shape[2]]), tuple(r[2:8])
     o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
-    return o, lse.float(), None
+    return o, to_acc(lse), None
 
 
 def block_backward(do, q, k, v, o, lse, causal: bool, scale: float, aux):
@@ -99,10 +100,10 @@ class _RingDense(torch.autograd.Function):
                 ob, lb, a = block_forward(qs[i], ks[j].contiguous(), vs[j].contiguous(), causal, scale)
                 aux = a if aux is None else aux
                 if o[i] is None:
-                    o[i], lse[i] = ob.float(), lb
+                    o[i], lse[i] = to_acc(ob), lb
                 else:  # log-sum-exp merge in fp32
                     new = torch.logaddexp(lse[i], lb)
-                    o[i] = o[i] * (lse[i] - new).exp()[..., None] + ob.float() * (lb - new).exp()[..., None]
+                    o[i] = o[i] * (lse[i] - new).exp()[..., None] + to_acc(ob) * (lb - new).exp()[..., None]
                     lse[i] = new
             if pending is not None:
                 bufs, reqs = pending
@@ -121,9 +122,10 @@ class _RingDense(torch.autograd.Function):
         L, cp, rank, G = batch.chunk, batch.cp, batch.rank, q.shape[1] // k.shape[1]
         qs, os_, dos = ([t.contiguous() for t in _halves(x, L)] for x in (q, out, do.to(q.dtype)))
         lses = [lse[:, :, :L].contiguous(), lse[:, :, L:].contiguous()]
-        dq = [torch.zeros_like(t, dtype=torch.float32) for t in qs]
+        acc = torch.promote_types(q.dtype, torch.float32)  # fp32 accumulators (float64 inputs: float64)
+        dq = [torch.zeros_like(t, dtype=acc) for t in qs]
         kv = [k, v]
-        dkv = [torch.zeros_like(k, dtype=torch.float32), torch.zeros_like(v, dtype=torch.float32)]
+        dkv = [torch.zeros_like(k, dtype=acc), torch.zeros_like(v, dtype=acc)]
         for s in range(cp):
             prefetch = ring_shift(kv, batch.group, tag=1) if s < cp - 1 else None
             ks, vs = (_halves(_expand(t, G), L) for t in kv)
@@ -131,9 +133,9 @@ class _RingDense(torch.autograd.Function):
             for i, j, causal in _pairs(batch, (rank - s) % cp):
                 gq, gk, gv = block_backward(dos[i], qs[i], ks[j].contiguous(), vs[j].contiguous(), os_[i], lses[i],
                                             causal, scale, aux)
-                dq[i] = dq[i] + gq.float()
-                dk[j] = dk[j] + _fold(gk.float(), G)
-                dv[j] = dv[j] + _fold(gv.float(), G)
+                dq[i] = dq[i] + to_acc(gq)
+                dk[j] = dk[j] + _fold(to_acc(gk), G)
+                dv[j] = dv[j] + _fold(to_acc(gv), G)
             # the block's gradients follow it: after the last step they arrive at their owner
             dkv, reqs = ring_shift([torch.cat(dk, dim=2), torch.cat(dv, dim=2)], batch.group, tag=2)
             if prefetch is not None:

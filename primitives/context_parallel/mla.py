@@ -5,13 +5,14 @@ Per token MLA's keys and values come from the normalized latent c [r] and one sh
 57344): so the ranks all-gather c and the roped key (differentiable; reduce-scatter backward) and
 each rank expands K/V from the gathered latent with `kv_b_proj` for the keys its chunks need, 100x
 fewer bytes on the wire than gathering the heads, for the cost of repeating the expansion matmul
-on every rank. Queries stay local; masks as in `attention.py`. fp32 math on this path.
+on every rank. Queries stay local; masks as in `attention.py`. fp32 math on this path (float64 inputs: float64).
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from bumblebee.norms import to_acc
 from bumblebee.primitives.context_parallel.attention import _mask, check_batch
 from bumblebee.primitives.context_parallel.comm import gather
 from bumblebee.primitives.context_parallel.layout import layout_index, rank_chunks
@@ -47,8 +48,8 @@ def mla_forward(layer, x_BTD, cos, sin, cu_seqlens):
     for i, c in enumerate(rank_chunks(batch.rank, batch.cp)):
         a, b = batch.lo[i] - lo, (c + 1) * L - lo
         mask = _mask(batch.chunk_index(i), batch.starts[i * L:(i + 1) * L], pos[lo + a:lo + b])
-        o = F.scaled_dot_product_attention(q[:, :, i * L:(i + 1) * L].float(), k[:, :, a:b].float(),
-                                           v[:, :, a:b].float(), attn_mask=mask, scale=layer.softmax_scale)
+        o = F.scaled_dot_product_attention(to_acc(q[:, :, i * L:(i + 1) * L]), to_acc(k[:, :, a:b]),
+                                           to_acc(v[:, :, a:b]), attn_mask=mask, scale=layer.softmax_scale)
         outs.append(o.to(x_BTD.dtype))
     o = torch.cat(outs, dim=2).transpose(1, 2).reshape(B, T2, H * layer.v_dim)
     return layer.o_proj(o)

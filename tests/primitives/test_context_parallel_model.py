@@ -1,15 +1,17 @@
 """Whole tiny models at CP = 2 against CP = 1 over a few AdamW steps (fp32, gloo, one spawn).
 
-Qwen3 (unpacked B = 2; packed with one-token documents; the ring exchange), Qwen3.5 (gated
-DeltaNet and gated attention layers in one layout, under full recompute, with its MTP depth) and
-DeepSeek-V3 (MLA by an all-gather of the latent and RoPE key, MoE, MTP, aux-free router biases
-moved by the loads of every cp rank's tokens); Qwen3-MoE with its
-load-balancing loss over the whole batch's tokens, and with its experts split over the cp ranks
-(EP = CP = 2, all-to-all dispatch); Qwen3 packed with B = 2 (one stream across the row end); and
-Qwen3 under FSDP2 over the (dp = 1, cp = 2) mesh, packed, with full recompute (dp = 2 x cp = 2:
-`fsdp_dp2_cp2`, run in the 4-rank spawn of test_context_parallel.py). Each step's loss (the ranks' shares summed) and the
-final weights lie within the fp32 single-rank run's own error against float64 (4x plus 8 ulps for
-losses, 8x per tensor for weights); the single-rank run is the model's plain forward with labels.
+Qwen3 (unpacked B = 2; packed with one-token documents; packed with B = 2, one stream across the
+row end; the ring exchange), Qwen3.5 (gated DeltaNet and gated attention layers in one layout,
+under full recompute, with its MTP depth) and DeepSeek-V3 (MLA by an all-gather of the latent and
+RoPE key, MoE, MTP, aux-free router biases moved by the loads of every cp rank's tokens); Qwen3-MoE
+with its load-balancing loss over the whole batch's tokens; experts split over the cp ranks (EP =
+CP = 2, all-to-all dispatch) for Qwen3-MoE and DeepSeek-V3; FSDP2 over the (dp = 1, cp = 2) mesh
+with full recompute for Qwen3 (packed) and Qwen3.5 (the ring), and over (dp = 2, cp = 2) for Qwen3
+(`fsdp_dp2_cp2`, run in the 4-rank spawn of test_context_parallel.py); Qwen3.5-MoE in float64 on
+both sides (equal to float64 rounding: the cp paths compute in the inputs' precision). Each step's
+loss (the ranks' shares summed) and the final weights lie within the fp32 single-rank run's own
+error against float64 (4x plus 8 ulps for losses, 8x per tensor for weights); the single-rank run
+is the model's plain forward with labels.
 """
 from __future__ import annotations
 
@@ -41,7 +43,20 @@ CASES = {  # name -> (config, B, T, cu_seqlens, exchange, recompute); "fsdp2": F
                       False),
     # experts split over the cp ranks (EP = CP = 2), tokens exchanged by the all-to-all dispatch
     "qwen3-moe_ep": ("qwen3-moe-tiny", 1, 48, PACKED, "allgather", False),
+    # unpacked: packed, a few kv_b_proj gradient entries sit near zero, where AdamW's eps turns their
+    # rounding noise into weight moves of ~lr / eps x noise on both sides (packed MLA is held at the
+    # gradient level in test_context_parallel.py)
+    "deepseek-v3_ep": ("deepseek-v3-tiny", 2, 32, None, "allgather", False),
+    # Qwen3.5 (DeltaNet, gated attention, MTP) under FSDP2 over the (dp = 1, cp = 2) mesh, the ring
+    "qwen3.5_fsdp2": ("qwen3.5-tiny", 1, 48, PACKED, "ring", True),
+    # Qwen3.5-MoE, in float64 on both sides (`EXACT`): its fp32 norm weights sit at the edge of the
+    # fp32 rule (near-zero gradient entries, whose noise AdamW's eps scales by lr / eps)
+    "qwen3.5-moe": ("qwen3.5-moe-tiny", 1, 48, PACKED, "ring", True),
 }
+
+
+EXACT = {"qwen3.5-moe"}  # compared in float64: the cp path computes in the inputs' precision (fp32 at least)
+EXACT_FLOOR = 1e-11  # float64 rounding scaled by AdamW's lr / eps (3e3) on near-zero gradient entries
 
 
 def _batches(vocab, B, T):
@@ -90,7 +105,9 @@ def _train(case, dtype, group=None):
 def _train_fsdp(model, state, group, B, T, cu):
     losses = []
     for ids in _batches(model.config.vocab_size, B, T):
-        loss = cp_model.loss(model, layout.shard_batch(ids, None, group, cu_seqlens=cu), grads="mean")
+        depths = len(model.mtp.layers) if hasattr(model, "mtp") else 0
+        loss = cp_model.loss(model, layout.shard_batch(ids, None, group, cu_seqlens=cu, mtp_depths=depths),
+                             grads="mean")
         loss.backward()
         assert state.step()[0]
         state.zero_grad()
@@ -112,6 +129,12 @@ def models_at_cp2(group):
     errors = {}
     for case in CASES:
         (l64, w64), (l32, w32) = refs[case]
+        if case in EXACT:  # float64 both sides: equal up to float64 rounding
+            l, w = _train(case, torch.float64, group)
+            errors[f"{case} losses"] = ((l - l64).abs().max().item(), 0.0, EXACT_FLOOR * l64.abs().max().item())
+            for k in w64:
+                errors[f"{case} {k}"] = ((w[k] - w64[k]).abs().max().item(), 0.0, EXACT_FLOOR)
+            continue
         l, w = _train(case, torch.float32, group)
         errors[f"{case} losses"] = error(l, l64, l32)
         for k in w64:
