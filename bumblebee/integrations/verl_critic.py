@@ -30,6 +30,7 @@ from verl.workers.engine.utils import detach_tree
 from bumblebee.integrations.verl import BACKEND, DEVICES, BumblebeeEngine, BumblebeeEngineConfig
 from bumblebee.integrations.verl_data import packed_batch
 from bumblebee.integrations.verl_hf import VALUE_HEAD, add_value_head
+from bumblebee.runtime.ops import _counts_kept
 
 def values(model, batch, head_fn=None):
     """Per-token values [N] of the packed `batch` through `model`'s own forward (FSDP2's hooks hold
@@ -75,8 +76,8 @@ class BumblebeeValueEngine(BumblebeeEngine):
             found["loss"] = float(loss.detach())
             return loss
 
-        if forward_only:
-            with torch.no_grad():
+        if forward_only:  # no graph; router load counts stay as they were (only training moves biases)
+            with torch.no_grad(), _counts_kept(self.model):
                 vals, _ = values(self.model, batch, head_fn if loss_function is not None else None)
         else:
             vals, loss = values(self.model, batch, head_fn)

@@ -19,6 +19,7 @@ import torch
 
 pytest.importorskip("verl")
 
+from bumblebee import models  # noqa: E402
 from tests.e2e import verl_cases as vc  # noqa: E402
 from tests.primitives.test_state_sharding import spawn  # noqa: E402
 
@@ -36,7 +37,8 @@ def critic_config(path: Path):
             f"actor_rollout_ref.model.path={path}", f"critic.model.path={path}",
             "critic.bumblebee.dtype=float32", "critic.use_dynamic_bsz=false",
             f"critic.ppo_mini_batch_size={vc.B}", "critic.ppo_micro_batch_size_per_gpu=2", "critic.optim.lr=3e-3",
-            "critic.checkpoint.save_contents=[model,optimizer,extra,hf_model]"])
+            "critic.checkpoint.save_contents=[model,optimizer,extra,hf_model]",
+            "+critic.model.load_tokenizer=false"])  # the tiny checkpoints have no tokenizer; the critic needs none
     return omega_conf_to_dataclass(cfg.critic)
 
 
@@ -105,7 +107,27 @@ def ppo_gae(mesh, out):
     fresh = compute_values(resumed, batch)
     resumed.load_checkpoint(str(ckpt))
     return {"losses": losses, "values": values, "fresh": fresh, "resumed": compute_values(resumed, batch),
-            "batch": batch, "ckpt": str(ckpt), "engine": type(critic.engine).__name__}
+            "batch": batch, "ckpt": str(ckpt), "engine": type(critic.engine).__name__,
+            "moe": moe_critic(out, rewards)}
+
+
+def moe_critic(out, rewards) -> dict:
+    """A critic on DeepSeek-V3 (auxiliary-loss-free sigmoid routers): compute_values leaves the
+    routers' token counts alone (only training moves their biases); an update moves the biases."""
+    from verl.trainer.ppo.core_algos import compute_gae_advantage_return
+
+    from bumblebee.models import moe
+    critic = make_critic(critic_config(vc.tiny_checkpoint(out, "deepseek-v3-tiny")))
+    model = critic.engine.model
+    batch = {k: v for k, v in vc.rollout(models.NAMED["deepseek-v3-tiny"]["vocab_size"], seed=4).items()
+             if k != "advantages"}
+    bias = {n: r.e_score_correction_bias.clone() for n, r in moe.routers(model).items()}
+    v = compute_values(critic, batch)
+    counts_after_infer = [r.tokens_per_expert for r in moe.routers(model).values()]
+    adv, returns = compute_gae_advantage_return(rewards, v, batch["response_mask"], gamma=GAMMA, lam=LAM)
+    update_critic(critic, dict(batch, values=v, returns=returns, advantages=adv))
+    return {"finite": bool(torch.isfinite(v).all()), "counts_after_infer": counts_after_infer,
+            "bias_moved": any(not torch.equal(r.e_score_correction_bias, bias[n]) for n, r in moe.routers(model).items())}
 
 
 @pytest.fixture(scope="module")
@@ -120,6 +142,12 @@ def test_critic_is_the_value_engine_and_its_loss_falls(run):
     print("vf_loss", [round(x, 4) for x in losses])
     assert all(torch.isfinite(torch.tensor(losses)))
     assert losses[-1] < 0.5 * losses[0], losses
+
+
+def test_moe_critic_counts_only_its_training_tokens(run):
+    got = run["moe"]
+    assert got["finite"] and got["bias_moved"]
+    assert all(c is None for c in got["counts_after_infer"])
 
 
 def _hf_values(folder, batch) -> torch.Tensor:
