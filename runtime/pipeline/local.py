@@ -30,8 +30,8 @@ def _use(device: torch.device) -> None:
 
 
 class LocalPipeline:
-    """`cfg.producers` producer threads and a trainer thread; `run()` trains `cfg.steps` steps and
-    returns (and logs, and prints) the same per-step metrics as `Pipeline.run`. `engine(device)`: a
+    """`cfg.producers` producer threads and a trainer thread; `run()` (once) trains `cfg.steps` steps
+    and returns (and logs, and prints) the same per-step metrics as `Pipeline.run`. `engine(device)`: a
     factory of a producer's EngineAdapter (default: transformers' generate on that device)."""
 
     def __init__(self, cfg: PipelineConfig, model_config: dict, task, *, engine=None, trainer_device="cpu",
@@ -51,6 +51,7 @@ class LocalPipeline:
         self.adm = Admission(cfg.groups_per_step, cfg.eta, cfg.steps)
         self.cond = threading.Condition()
         self.prompts, self.groups, self.generated_lengths = task.prompts(cfg.seed), {}, []
+        self.prompts_of = {}  # group -> (prompt, meta) while admitted and not yet trained
         self.weights, self.version = None, -1  # the newest published weights and their version
         self.load = {}  # producer -> (busy s, idle s)
         self.errors: list[BaseException] = []
@@ -143,7 +144,9 @@ class LocalPipeline:
     def run(self, *, log_path=None, on_step=print, until=None) -> list[dict]:
         """`until(log) -> bool`: stop after the step where it first holds (e.g. a reward threshold;
         the producers' work beyond it is dropped)."""
-        cfg, log, self.prompts_of = self.cfg, [], {}
+        if self.adm.issued:
+            raise RuntimeError("a LocalPipeline runs once: build another for another run")
+        cfg, log = self.cfg, []
         result: dict = {}
 
         def train():
