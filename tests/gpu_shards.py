@@ -9,9 +9,11 @@ A shard groups the files that compile the same kernels, so each pays its compila
 CuTe DSL kernels (seconds per configuration), fla's and Liger's autotuned Triton kernels (minutes on a
 fresh machine), Inductor's compiled chains, spawned NCCL ranks. The minutes below are estimates from
 what each file compiles and launches, not timings: run a shard with `--durations=0` to time it, and
-move a file when a shard passes ten minutes. Timed once on a fresh H200 (torch 2.11, FA4 installed):
-shard 4 ran in about 1 minute, shard 1 in under 2, shard 3 in about 8.5 (fla's first autotuning is
-most of it: 150 s for one case); shards 2 and 5 are not yet timed. `tests/core/test_gpu_shards.py` checks that every file
+move a file when a shard passes ten minutes. Timed at bcd08dd on a fresh H200 (torch 2.11, FA4
+installed), all five shards at once on the one GPU (sharing it and 16 cores, so each ran slower than
+alone): shard 1 81 s (19 passed), shard 2 71 s (18 passed), shard 3 516 s (21 passed, 1 skipped: fla's
+refused Hopper kernel; its first autotuning is most of the time), shard 4 84 s (49 passed, 2 skipped:
+two GPUs), shard 5 523 s (fla's autotuning for the Qwen3.5 step is 253 s of it; 1 skipped: verl absent). `tests/core/test_gpu_shards.py` checks that every file
 with a `gpu` mark is in exactly one shard.
 """
 from __future__ import annotations
