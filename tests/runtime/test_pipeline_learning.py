@@ -21,10 +21,12 @@ from bumblebee.runtime.pipeline.trainer import lagged_run, synchronous_run
 TASK = CopyDigits(length=2)
 CONFIG = {**models.NAMED["qwen3-tiny"], "vocab_size": 16, "bos_token_id": TASK.bos_id, "pad_token_id": TASK.pad_id,
           "eos_token_id": None}
-# 30 steps of 12 groups x 8: a step's mean reward under the initial policy is 0.07 +- 0.02 (copying
-# each digit by chance: 0.1); measured last-8-step means 0.243-0.281 over these four runs (rises
-# 0.18-0.21), so both bars sit over 5 standard errors of a window mean below what was seen
-STEPS, WINDOW, THRESHOLD, RISE = 30, 8, 0.2, 0.12
+# 30 steps of 12 groups x 8: a step's mean reward under the initial policy is 0.07 +- 0.02 (a token
+# drawn from 16: 1/16 a digit), so a window mean of 8 steps is known to +-0.007 and a rise of 0.06 is
+# 6 standard errors of the difference. Measured (last-8 means): 0.243-0.281 for the four cases here
+# (rises 0.18-0.21); over seeds 2-5 as well, 0.164-0.263 (rises 0.085-0.18): the bars hold for every
+# seed tried, so another machine's rounding (another trajectory) still clears them
+STEPS, WINDOW, THRESHOLD, RISE = 30, 8, 0.14, 0.06
 
 
 def _cfg(**kw):
