@@ -137,7 +137,9 @@ class _RingDense(torch.autograd.Function):
                 dk[j] = dk[j] + _fold(to_acc(gk), G)
                 dv[j] = dv[j] + _fold(to_acc(gv), G)
             # the block's gradients follow it: after the last step they arrive at their owner
-            dkv, reqs = ring_shift([torch.cat(dk, dim=2), torch.cat(dv, dim=2)], batch.group, tag=2)
+            dkv, reqs = [torch.cat(dk, dim=2), torch.cat(dv, dim=2)], []
+            if cp > 1:
+                dkv, reqs = ring_shift(dkv, batch.group, tag=2)
             if prefetch is not None:
                 kv, more = prefetch
                 reqs = reqs + more

@@ -1,0 +1,131 @@
+"""Context parallelism's CUDA paths on one GPU (bf16; `pytest -m gpu`): what the CPU suite cannot run.
+
+- the fused ring's blocks (`flash.block_forward` / `block_backward`, PyTorch's flash kernel) and the
+  ring itself at CP = 1 (the same block schedule, no exchange) against float64 attention;
+- the all-gather's lower-right causal path at CP = 1;
+- gated DeltaNet's `fla_rule` (fla's kernel with an entering state, its final state and their
+  gradients) against `torch_rule` (the torch chunked rule), unpacked and packed, and the whole
+  cp rule on fla against it.
+Tolerances: bf16 paths within 4x the error of a plain bf16 SDPA call (the same kernels' class) plus a
+floor; fla in fp32 against torch fp32 by relative norm (fla's dots may use TF32).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from bumblebee.primitives.context_parallel import flash, layout
+from bumblebee.primitives.context_parallel.gdn import fla_rule, gated_delta_rule, torch_rule
+
+pytestmark = pytest.mark.gpu
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def _attention_ref(q, k, v, scale, causal):
+    G = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(G, 1), v.repeat_interleave(G, 1)
+    s = q @ k.transpose(-1, -2) * scale
+    if causal:
+        s = s.masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril(), float("-inf"))
+    return torch.softmax(s, -1) @ v, torch.logsumexp(s, -1)
+
+
+def _grads(fn, leaves, w):
+    leaves = [t.detach().clone().requires_grad_() for t in leaves]
+    out = fn(*leaves)
+    (out.float() * w).sum().backward()
+    return [out.detach().float()] + [t.grad.float() for t in leaves]
+
+
+def _close(got, ref64, plain, floor=1e-3):
+    for a, b, c in zip(got, ref64, plain):
+        err, own = (a.double() - b).abs().max().item(), (c.double() - b).abs().max().item()
+        assert err <= 4 * own + floor * b.abs().max().item(), (err, own)
+
+
+@cuda
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("D", [128, 256])
+def test_flash_block_forward_and_backward(causal, D):
+    g = torch.Generator(device="cuda").manual_seed(D)
+    q, k, v, do = (torch.randn(1, 4, 1000, D, device="cuda", generator=g) for _ in range(4))
+    scale = D ** -0.5
+    o64, lse64 = _attention_ref(*(t.double() for t in (q, k, v)), scale, causal)
+    qb, kb, vb = (t.bfloat16() for t in (q, k, v))
+    o, lse, aux = flash.block_forward(qb, kb, vb, causal, scale)
+    assert (lse.double() - lse64).abs().max().item() < 0.05
+    dq, dk, dv = flash.block_backward(do.bfloat16(), qb, kb, vb, o, lse, causal, scale, aux)
+    ref = _grads(lambda *t: _attention_ref(*t, scale, causal)[0], [t.double() for t in (q, k, v)], do.double())
+    plain = _grads(lambda *t: F.scaled_dot_product_attention(*t, is_causal=causal, scale=scale), [qb, kb, vb], do)
+    _close([o.float(), dq.float(), dk.float(), dv.float()], ref, plain)
+
+
+@cuda
+@pytest.mark.parametrize("exchange", ["allgather", "ring"])
+def test_fused_paths_at_cp1_equal_causal_attention(exchange):
+    T, H, K, D = 2048, 8, 2, 128
+    g = torch.Generator(device="cuda").manual_seed(1)
+    q, k, v, w = (torch.randn(1, h, T, D, device="cuda", generator=g) for h in (H, K, K, H))
+    batch = layout.make_batch(None, T, None, "cuda")
+    fn = flash.allgather_dense if exchange == "allgather" else flash.ring_dense
+    got = _grads(lambda *t: fn(*t, scale=D ** -0.5, batch=batch), [t.bfloat16() for t in (q, k, v)], w)
+    ref = _grads(lambda *t: _attention_ref(*t, D ** -0.5, True)[0], [t.double() for t in (q, k, v)], w.double())
+    plain = _grads(lambda *t: F.scaled_dot_product_attention(*t, is_causal=True, scale=D ** -0.5, enable_gqa=True),
+                   [t.bfloat16() for t in (q, k, v)], w)
+    _close(got, ref, plain)
+
+
+def _gdn_inputs(B, T, H, HV, Dk, Dv, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q, k = (torch.randn(B, T, H, Dk, device="cuda", generator=g) for _ in range(2))
+    v = torch.randn(B, T, HV, Dv, device="cuda", generator=g)
+    gate = -torch.rand(B, T, HV, device="cuda", generator=g) * 0.5
+    beta = torch.rand(B, T, HV, device="cuda", generator=g)
+    return q, k, v, gate, beta
+
+
+def _rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+@cuda
+@pytest.mark.parametrize("packed", [False, True])
+def test_fla_rule_with_state_equals_torch_rule(packed):
+    from bumblebee.primitives.linear_attention import fla_falls_back
+    if fla_falls_back(torch.device("cuda"), torch.float32) is not None:
+        pytest.skip("flash-linear-attention does not serve here")
+    B, T, H, HV, Dk, Dv = (1, 300, 2, 4, 64, 96) if packed else (2, 200, 2, 4, 64, 96)
+    inputs = _gdn_inputs(B, T, H, HV, Dk, Dv, 3)
+    cu = torch.tensor([0, 1, 130, 300], device="cuda") if packed else None
+    N = 3 if packed else B
+    h0 = torch.randn(N, HV, Dk, Dv, device="cuda") * 0.1
+    outs = []
+    for rule in (fla_rule, torch_rule):
+        leaves = [t.clone().requires_grad_() for t in (*inputs, h0)]
+        o, h = rule(*leaves[:5], scale=Dk ** -0.5, initial_state=leaves[5], cu_seqlens=cu)
+        ((o * 0.5).sum() + (h * 0.25).sum()).backward()
+        outs.append([o, h] + [t.grad for t in leaves])
+    for a, b in zip(*outs):
+        assert _rel(a, b) < 5e-3
+
+
+@cuda
+@pytest.mark.parametrize("packed", [False, True])
+def test_cp_rule_on_fla_equals_torch(packed):
+    """The whole cp rule at CP = 1 (two chunks, the widened values and the [0 | I] state) on fla and in torch."""
+    from bumblebee.primitives.linear_attention import fla_falls_back
+    if fla_falls_back(torch.device("cuda"), torch.float32) is not None:
+        pytest.skip("flash-linear-attention does not serve here")
+    B, T = (1, 256) if packed else (2, 256)
+    cu = torch.tensor([0, 1, 100, 140, 256]) if packed else None
+    batch = layout.make_batch(None, T, cu, "cuda")
+    inputs = _gdn_inputs(B, T, 2, 4, 64, 64, 4)
+    outs = []
+    for rule in (fla_rule, torch_rule):
+        leaves = [t.clone().requires_grad_() for t in inputs]
+        o = gated_delta_rule(*leaves, scale=0.125, batch=batch, rule=rule)
+        o.sum().backward()
+        outs.append([o] + [t.grad for t in leaves])
+    for a, b in zip(*outs):
+        assert _rel(a, b) < 5e-3
