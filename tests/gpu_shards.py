@@ -31,6 +31,7 @@ SHARDS = {
         "tests/primitives/test_attention_packed.py",
         "tests/primitives/test_attention_recompute_kept.py",
         "tests/primitives/test_attention_varlen.py",
+        "tests/primitives/test_context_parallel_gpu.py",  # flash blocks; fla's rule at small shapes
     )),
     2: ("MLA and DeepSeek-V3 (FA4 at head dims 192/128, fused Q/K Triton kernels; ~5 min)", (
         "tests/primitives/test_mla.py",
