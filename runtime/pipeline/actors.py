@@ -15,6 +15,25 @@ from bumblebee.runtime.pipeline.samples import Group
 from bumblebee.runtime.pipeline.weights import get
 
 
+def actor_device(gpus: float, option: str) -> torch.device:
+    """The device of an actor that asked Ray for `gpus` GPUs (the `option` naming them): the CPU for
+    0, else the first GPU Ray assigned (Ray narrows CUDA_VISIBLE_DEVICES to its ids, so that id's
+    index among the visible ones), made the current device. A GPU asked of a process whose torch
+    sees no CUDA raises."""
+    import os
+    if not gpus:
+        return torch.device("cpu")
+    ids = [str(i) for i in ray.get_gpu_ids()]
+    if not torch.cuda.is_available() or not ids:
+        raise RuntimeError(f"{option}={gpus} asks for a GPU, but torch in this actor sees no CUDA device "
+                           f"(Ray assigned GPU ids {ids}, torch.cuda.is_available() = {torch.cuda.is_available()}); "
+                           f"set {option}=0 to run on the CPU, or install a CUDA build of torch on the workers")
+    visible = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    device = torch.device("cuda", visible.index(ids[0]) if ids[0] in visible else int(ids[0]))
+    torch.cuda.set_device(device)
+    return device
+
+
 @ray.remote(num_cpus=0)
 class Scheduler:
     """Leases prompts to producers under `Admission` and hands each training step its groups."""
@@ -83,7 +102,9 @@ class Producer:
     def __init__(self, holder: str, engine_factory, task, scheduler, cfg: PipelineConfig):
         torch.set_num_threads(cfg.threads)
         self.holder, self.task, self.scheduler, self.cfg = holder, task, scheduler, cfg
-        self.engine = engine_factory()
+        self.device = actor_device(cfg.producer_gpus, "producer_gpus")
+        # on a GPU the factory is told which (transformers' engine takes `device`); on the CPU called bare
+        self.engine = engine_factory(device=str(self.device)) if cfg.producer_gpus else engine_factory()
         self.busy_s = self.idle_s = 0.0
 
     def attach(self, rank: int, channel) -> None:
@@ -128,6 +149,7 @@ class Trainer:
         torch.set_num_threads(cfg.threads)
         self.model_config, self.cfg, self.scheduler, self.pad_id = model_config, cfg, scheduler, pad_id
         self.rank, self.world, self.group = rank, cfg.trainer_ranks, None
+        self.device = actor_device(cfg.trainer_gpus, "trainer_gpus")
         self.version = 0
 
     def address(self) -> str:
@@ -148,13 +170,14 @@ class Trainer:
         self.channel = channel
         if self.world > 1:  # a step's ranks wait on rank 0's take: the group's limit covers it
             limit = datetime.timedelta(seconds=self.cfg.take_timeout_s + 2 * self.cfg.call_timeout_s)
-            dist.init_process_group("gloo", init_method=f"tcp://{address}", rank=self.rank, world_size=self.world,
+            backend = "gloo" if self.device.type == "cpu" else "cpu:gloo,cuda:nccl"
+            dist.init_process_group(backend, init_method=f"tcp://{address}", rank=self.rank, world_size=self.world,
                                     timeout=limit)
             self.group = dist.group.WORLD
         else:
             channel.attach(0)
             self.group = getattr(self.channel, "trainer_group", None)
-        self.rt, self.ref = build_runtime(self.model_config, self.cfg, group=self.group)
+        self.rt, self.ref = build_runtime(self.model_config, self.cfg, group=self.group, device=self.device)
 
     def publish(self) -> int:
         if self.world > 1:

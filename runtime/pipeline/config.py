@@ -80,10 +80,13 @@ class PipelineConfig:
     restarts: int = 1  # producer restarts allowed over the run
     weights: str = "object_store"  # the weight channel: "object_store" (Ray's) or "p2p" (the primitive)
     trainer_ranks: int = 1  # data-parallel ranks of the trainer (one actor each, one gloo group, FSDP2/ZeRO-1)
+    expert_parallel: int = 1  # experts split over this many of the trainer's ranks (an MoE model; divides trainer_ranks)
+    producer_gpus: float = 0.0  # Ray's num_gpus per producer actor (0: CPU); its engine on the GPU Ray assigns
+    trainer_gpus: float = 0.0  # Ray's num_gpus per trainer rank (0: CPU); its runtime on the GPU Ray assigns
 
     def __post_init__(self):
         for name in ("steps", "groups_per_step", "group_size", "producers", "groups_per_call", "threads",
-                     "trainer_ranks"):
+                     "trainer_ranks", "expert_parallel"):
             _positive(name, getattr(self, name))
         if self.weights not in WEIGHT_CHANNELS:
             raise ValueError(f"weights must be one of {WEIGHT_CHANNELS}, got {self.weights!r}")
@@ -93,6 +96,15 @@ class PipelineConfig:
         if self.weights == "p2p" and self.trainer_ranks > 1:
             raise ValueError("trainer_ranks must be 1 with weights='p2p' (its group spans one trainer rank); "
                              "use weights='object_store'")
+        if self.trainer_ranks % self.expert_parallel:
+            raise ValueError(f"expert_parallel must divide trainer_ranks, got expert_parallel={self.expert_parallel} "
+                             f"with trainer_ranks={self.trainer_ranks}")
+        for name in ("producer_gpus", "trainer_gpus", "producer_cpus", "trainer_cpus"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        if self.weights == "p2p" and (self.producer_gpus or self.trainer_gpus):
+            raise ValueError("producer_gpus and trainer_gpus must be 0 with weights='p2p' (its group is gloo over "
+                             "CPU tensors); use weights='object_store' for actors on GPUs")
         if not (isinstance(self.eta, int) and self.eta >= 0):
             raise ValueError(f"eta must be an int >= 0, got {self.eta!r}")
         for name in ("take_timeout_s", "weight_timeout_s", "call_timeout_s", "lr"):

@@ -24,6 +24,10 @@ class Pipeline:
     def __init__(self, cfg: PipelineConfig, model_config: dict, task, *, engine=None):
         if not ray.is_initialized():
             raise RuntimeError("Pipeline needs Ray: call ray.init(...) first")
+        gpus = ray.cluster_resources().get("GPU", 0)
+        for name in ("producer_gpus", "trainer_gpus"):  # an actor Ray cannot place would only time out
+            if getattr(cfg, name) > gpus:
+                raise ValueError(f"{name}={getattr(cfg, name)} per actor, but the Ray cluster has {gpus:g} GPUs")
         self.cfg, self.task = cfg, task
         self.engine = engine or functools.partial(TransformersEngine, model_config, eos_token_id=task.eos_id,
                                                   pad_token_id=task.pad_id)
@@ -39,8 +43,8 @@ class Pipeline:
 
     def _start(self, cfg, model_config, task) -> None:
         self.scheduler = Scheduler.remote(task, cfg)
-        self.trainers = [Trainer.options(num_cpus=cfg.trainer_cpus).remote(model_config, cfg, self.scheduler,
-                                                                           task.pad_id, rank)
+        self.trainers = [Trainer.options(num_cpus=cfg.trainer_cpus, num_gpus=cfg.trainer_gpus).remote(
+                             model_config, cfg, self.scheduler, task.pad_id, rank)
                          for rank in range(cfg.trainer_ranks)]
         self.trainer = self.trainers[0]
         for i in range(cfg.producers):  # their processes start beside the trainer's
@@ -65,8 +69,8 @@ class Pipeline:
         answer of a dead one can never pass for its successor's."""
         holder = f"{i}.{self.incarnations.get(i, 0)}"
         self.incarnations[i] = self.incarnations.get(i, 0) + 1
-        p = Producer.options(num_cpus=self.cfg.producer_cpus).remote(holder, self.engine, self.task, self.scheduler,
-                                                                       self.cfg)
+        p = Producer.options(num_cpus=self.cfg.producer_cpus, num_gpus=self.cfg.producer_gpus).remote(
+            holder, self.engine, self.task, self.scheduler, self.cfg)
         self.producers[i], self.holders[i] = p, holder
         return p
 

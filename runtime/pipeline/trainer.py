@@ -18,8 +18,11 @@ from bumblebee.runtime.pipeline.samples import Group, informative, to_batch
 def build_runtime(model_config: dict, cfg: PipelineConfig, group=None, device="cpu"):
     """(Runtime of the policy, Runtime of the reference or None): the model on `device` under
     `cfg.state_sharding` on `group` (the trainer's own ranks), or on a one-rank group (gloo, and NCCL
-    for CUDA), created here when none exists (the trainer actor's own process). On CUDA the caller's
-    current device must be `device` (the mesh takes the current one)."""
+    for CUDA), created here when none exists (the trainer actor's own process). With
+    `cfg.expert_parallel` = EP > 1 each rank keeps E / EP experts (`shard_experts` on an
+    (efsdp, ep) mesh over `group`, which must then be the default group: its subgroups are made
+    by every rank of it) and the MoE dispatch is "all_to_all" unless `cfg.impl` names "chunked".
+    On CUDA the caller's current device must be `device` (the mesh takes the current one)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
@@ -33,9 +36,23 @@ def build_runtime(model_config: dict, cfg: PipelineConfig, group=None, device="c
             backend = "gloo" if device.type == "cpu" else "cpu:gloo,cuda:nccl"
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
         mesh = init_device_mesh(device.type, (1,), mesh_dim_names=("dp",))
-    model = models.build(model_config, impl=dict(cfg.impl), seed=cfg.seed, device=device)
+    impl, ep = dict(cfg.impl), cfg.expert_parallel
+    if ep > 1:
+        impl.setdefault("moe_dispatch", "all_to_all")
+        if impl["moe_dispatch"] not in ("all_to_all", "chunked"):
+            raise ValueError(f"expert_parallel={ep} needs impl['moe_dispatch'] 'all_to_all' or 'chunked', "
+                             f"got {impl['moe_dispatch']!r}")
+        if mesh.size() % ep or (group is not None and dist.get_world_size() != mesh.size()):
+            raise ValueError(f"expert_parallel={ep} needs the trainer's ranks ({mesh.size()}) to be a multiple of "
+                             f"it and to make up the whole default group ({dist.get_world_size()} ranks)")
+    model = models.build(model_config, impl=impl, seed=cfg.seed, device=device)
+    kw = {}
+    if ep > 1:
+        from bumblebee.parallelize import shard_experts
+        kw["ep_mesh"] = init_device_mesh(device.type, (mesh.size() // ep, ep), mesh_dim_names=("efsdp", "ep"))
+        shard_experts(model, kw["ep_mesh"]["ep"].get_group())
     state = registry.resolve("state_sharding", cfg.state_sharding)(model, mesh, lr=cfg.lr, mixed_precision="fp32",
-                                                                   grad_clip=cfg.grad_clip)
+                                                                   grad_clip=cfg.grad_clip, **kw)
     ref = Runtime(models.build(model_config, seed=cfg.seed, device=device)) if cfg.objective.kl_coef else None
     return Runtime(model, state), ref
 

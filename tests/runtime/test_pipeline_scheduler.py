@@ -246,3 +246,13 @@ def test_launch_config_is_typed_and_refuses_unknown_keys(tmp_path):
         path.write_text(json.dumps(bad))
         with pytest.raises(ValueError, match=match):
             load_config(path)
+
+
+@pytest.mark.parametrize("kw,named", [(dict(trainer_ranks=2, expert_parallel=3), "expert_parallel must divide"),
+                                      (dict(expert_parallel=0), "expert_parallel must be an int > 0"),
+                                      (dict(producer_gpus=-1), "producer_gpus must be >= 0"),
+                                      (dict(trainer_gpus=-0.5), "trainer_gpus must be >= 0")])
+def test_parallel_and_device_options_are_checked(kw, named):
+    from bumblebee.runtime.pipeline import PipelineConfig
+    with pytest.raises(ValueError, match=named):
+        PipelineConfig(steps=1, **kw)
