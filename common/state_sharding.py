@@ -156,7 +156,8 @@ class TrainState:
         raise NotImplementedError
 
     def after_update(self) -> None:
-        """Bring the compute parameters up to date with the masters (a no-op for FSDP2)."""
+        """Bring the compute parameters up to date with the masters (ZeRO-1: gather them; FSDP2: drop
+        the unsharded parameters a forward without a backward left, so the next forward gathers)."""
 
     def zero_grad(self) -> None:
         raise NotImplementedError

@@ -17,7 +17,7 @@ are nested units, so the root holds only their dense part unsharded. Per rank: 1
 from __future__ import annotations
 
 import torch
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from bumblebee.registry import register
@@ -54,12 +54,21 @@ class FSDP2State(TrainState):
             a.set_modules_to_forward_prefetch([b])
             b.set_modules_to_backward_prefetch([a])
         self.units = units
+        self._fsdp_modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
         self._params = named_params(model)
         self.full_shapes = {n: self.global_shape(n, p) for n, p in self._params.items()}
         self.optimizer = self._make_optimizer(list(self._params.values()))
 
     def masters(self):
         return self._params
+
+    def after_update(self):
+        """Drop the gathered parameters FSDP2 keeps after a forward that no backward followed (the root
+        unit's always: final norm, head or tied embedding; every unit's under reshard_after_forward=False):
+        the next forward reuses them without a gather, so after the masters change (a step, a load) it
+        would compute with the old weights. Resharding a unit that is sharded already does nothing."""
+        for m in self._fsdp_modules:
+            m.reshard()
 
     def reduced_grad_shards(self):
         out = []

@@ -36,7 +36,6 @@ import torch
 import torch.distributed as dist
 from tensordict import TensorDict
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule
 from verl.utils import tensordict_utils as tu
 from verl.workers.config import ActorConfig, EngineConfig
 from verl.workers.engine.base import BaseEngine, BaseEngineCtx, EngineRegistry
@@ -443,12 +442,7 @@ class BumblebeeEngine(BaseEngine):
         if hdfs_path is not None and (local_path is None or not os.path.isdir(local_path)):
             from verl.utils.fs import copy_to_local
             local_path, fetched = copy_to_local(hdfs_path), True
-        with self._resident():
-            # FSDP2 keeps the root unit's parameters (final norm, heads) unsharded after a forward
-            # (reshard_after_forward=False there): dropped first, the next forward gathers the loaded ones
-            for m in self.model.modules():
-                if isinstance(m, FSDPModule):
-                    m.reshard()
+        with self._resident():  # the state's load drops FSDP2's gathered parameters a forward left
             self.runtime.load_state(local_path)
         sched = os.path.join(local_path, SCHEDULE_FILE)
         if self.lr_scheduler is not None and os.path.isfile(sched):
