@@ -168,14 +168,14 @@ class Trainer:
 
         from bumblebee.runtime.pipeline.trainer import build_runtime
         self.channel = channel
-        if self.world > 1:  # a step's ranks wait on rank 0's take: the group's limit covers it
+        if self.world > 1 and self.cfg.weights != "p2p":  # a step's ranks wait on rank 0's take: the limit covers it
             limit = datetime.timedelta(seconds=self.cfg.take_timeout_s + 2 * self.cfg.call_timeout_s)
             backend = "gloo" if self.device.type == "cpu" else "cpu:gloo,cuda:nccl"
             dist.init_process_group(backend, init_method=f"tcp://{address}", rank=self.rank, world_size=self.world,
                                     timeout=limit)
             self.group = dist.group.WORLD
-        else:
-            channel.attach(0)
+        else:  # p2p: the channel's group holds the trainer's ranks (a subgroup of their own) and the producers
+            channel.attach(self.rank)
             self.group = getattr(self.channel, "trainer_group", None)
         self.rt, self.ref = build_runtime(self.model_config, self.cfg, group=self.group, device=self.device)
 

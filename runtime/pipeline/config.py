@@ -79,8 +79,8 @@ class PipelineConfig:
     trainer_cpus: float = 1.0
     restarts: int = 1  # producer restarts allowed over the run
     weights: str = "object_store"  # the weight channel: "object_store" (Ray's) or "p2p" (the primitive)
-    trainer_ranks: int = 1  # data-parallel ranks of the trainer (one actor each, one gloo group, FSDP2/ZeRO-1)
-    expert_parallel: int = 1  # experts split over this many of the trainer's ranks (an MoE model; divides trainer_ranks)
+    trainer_ranks: int = 1  # data-parallel ranks of the trainer (one actor each, FSDP2/ZeRO-1 over their ranks)
+    expert_parallel: int = 1  # an MoE model's experts split over this many trainer ranks (divides trainer_ranks)
     producer_gpus: float = 0.0  # Ray's num_gpus per producer actor (0: CPU); its engine on the GPU Ray assigns
     trainer_gpus: float = 0.0  # Ray's num_gpus per trainer rank (0: CPU); its runtime on the GPU Ray assigns
 
@@ -93,9 +93,9 @@ class PipelineConfig:
         if self.weights == "p2p" and self.restarts:
             raise ValueError("restarts must be 0 with weights='p2p': a dead rank breaks the transfer's group "
                              "(the object_store channel survives restarts)")
-        if self.weights == "p2p" and self.trainer_ranks > 1:
-            raise ValueError("trainer_ranks must be 1 with weights='p2p' (its group spans one trainer rank); "
-                             "use weights='object_store'")
+        if self.weights == "p2p" and self.expert_parallel > 1:
+            raise ValueError("expert_parallel must be 1 with weights='p2p': the experts' mesh is made over the "
+                             "default group, which the channel's group extends to the producers")
         if self.trainer_ranks % self.expert_parallel:
             raise ValueError(f"expert_parallel must divide trainer_ranks, got expert_parallel={self.expert_parallel} "
                              f"with trainer_ranks={self.trainer_ranks}")

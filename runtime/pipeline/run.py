@@ -53,9 +53,10 @@ class Pipeline:
         if cfg.weights == "p2p":  # one group over all of them, joined at once
             from bumblebee.runtime.pipeline.weights_p2p import P2PChannel
             address = get(self.trainer.address.remote(), cfg.call_timeout_s, "the trainer's address")
-            self.channel = P2PChannel(cfg.producers, address, cfg.weight_timeout_s)
+            self.channel = P2PChannel(cfg.producers, address, cfg.weight_timeout_s, trainers=cfg.trainer_ranks,
+                                      trainer_timeout_s=cfg.take_timeout_s + 2 * cfg.call_timeout_s)
         address = None
-        if cfg.trainer_ranks > 1:  # the trainer's ranks' own group, at rank 0's address
+        if cfg.trainer_ranks > 1 and cfg.weights != "p2p":  # the trainer's ranks' own group, at rank 0's address
             address = get(self.trainer.address.remote(), cfg.call_timeout_s, "the trainer's address")
         joins = [t.attach.remote(self.channel, address) for t in self.trainers]
         joins += [p.attach.remote(i + 1, self.channel) for i, p in self.producers.items()]

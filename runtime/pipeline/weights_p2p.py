@@ -1,9 +1,10 @@
 """The weight-transfer primitive as the pipeline's channel (`PipelineConfig.weights = "p2p"`): one
-gloo group spans the trainer (rank 0) and the producers (ranks 1..P); each producer has its own
-`Link` (its own two-rank group) and the trainer a sender per link, in the primitive's async mode:
-`publish` snapshots the trainer's shards (`export_weight_shards`, no gather) and returns, a
-producer's `poll` fetches the newest version into its engine's parameters, in place, as one
-transaction. The trainer's FSDP2/ZeRO-1 mesh is a group of its own (the primitive's service thread
+gloo group spans the trainer's T ranks (ranks 0..T-1) and the producers (ranks T..T+P-1); each
+producer has its own `Link` (the trainer's ranks and it) and every trainer rank a sender per link,
+in the primitive's async mode: `publish` snapshots the rank's own shards (`export_weight_shards`,
+no gather) and returns, a producer's `poll` fetches the newest version all trainer ranks hold into
+its engine's parameters, each slice from the rank holding it, in place, as one transaction. The
+trainer's FSDP2/ZeRO-1 mesh is a group of its own over its ranks (the primitive's service thread
 uses the link's). A rank that dies breaks the group: this channel does not survive a producer
 restart (the object-store channel does)."""
 from __future__ import annotations
@@ -23,26 +24,39 @@ class P2PChannel:
     address: str  # "host:port" of the trainer's rendezvous
     timeout_s: float
     poll_s: float = 0.02  # the producers' poll interval while they wait for a newer version
+    trainers: int = 1  # the trainer's ranks (each sends its own shards)
+    trainer_timeout_s: float | None = None  # the trainer ranks' own subgroup's limit (default timeout_s)
 
     def attach(self, rank: int, engine=None) -> None:
-        """Join the group (every rank at once: the driver starts all attaches before waiting)."""
+        """Join the group (every rank at once: the driver starts all attaches before waiting): trainer
+        rank `rank` without an engine, producer `rank` - 1 (rank >= 1) with its engine."""
         import torch.distributed as dist
 
         from bumblebee import registry
         from bumblebee.primitives.weight_transfer import Link, P2PTransfer
-        dist.init_process_group("gloo", init_method=f"tcp://{self.address}", rank=rank,
-                                world_size=self.producers + 1, timeout=datetime.timedelta(seconds=self.timeout_s))
-        self.trainer_group = dist.new_group([0])  # every rank creates every group, in one order
-        groups = {i: dist.new_group([0, i]) for i in range(1, self.producers + 1)}
+        t = self.trainers
+        trainer_ranks = tuple(range(t))
+        if engine is not None and not 1 <= rank <= self.producers:
+            raise ValueError(f"a producer attaches as rank 1..{self.producers}, got {rank}")
+        if engine is None and not 0 <= rank < t:
+            raise ValueError(f"a trainer rank attaches as 0..{t - 1}, got {rank}")
+        me = rank if engine is None else t + rank - 1
+        dist.init_process_group("gloo", init_method=f"tcp://{self.address}", rank=me,
+                                world_size=t + self.producers, timeout=datetime.timedelta(seconds=self.timeout_s))
+        limit = datetime.timedelta(seconds=self.trainer_timeout_s or self.timeout_s)
+        # every rank makes every group, in one order
+        self.trainer_group = dist.new_group(list(trainer_ranks), timeout=limit)
+        groups = {i: dist.new_group([*trainer_ranks, t + i - 1]) for i in range(1, self.producers + 1)}
         transfer = registry.resolve("weight_transfer", P2PTransfer(mode="async", timeout_s=self.timeout_s))
-        links = {i: Link((0,), (i,), group=g, name=f"producer{i}") for i, g in groups.items()}
-        if rank == 0:
+        links = {i: Link(trainer_ranks, (t + i - 1,), group=g, name=f"producer{i}") for i, g in groups.items()}
+        if engine is None:
             self.senders = [transfer(link) for link in links.values()]
         else:
             load, targets = engine.weight_targets()
             self.receiver = transfer(links[rank], load_weights=load, targets=targets)
 
-    def publish(self, version: int, runtime) -> None:
+    def publish(self, version: int, runtime, rank: int = 0) -> None:
+        """Every trainer rank calls it with its own shards (no collective)."""
         shards = list(runtime.export_weight_shards(dtype=torch.float32))
         for sender in self.senders:
             sender.publish(shards, version)

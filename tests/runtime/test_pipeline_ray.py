@@ -1,8 +1,8 @@
 """The asynchronous pipeline on a local Ray (2 CPUs): a tiny Qwen3 learns to copy two digits at
 eta = 1 while a producer is killed mid-run (every prompt trained exactly once) and stalled waits
 raise PipelineTimeout; eta = 0 makes the plain synchronous loop's updates with weights sent by the
-transfer primitive, and with the trainer over two ranks (FSDP2 inside its actors). Skipped without
-Ray (the `rl` extra)."""
+transfer primitive, with the trainer over two ranks (FSDP2 inside its actors), and with both.
+Skipped without Ray (the `rl` extra)."""
 from __future__ import annotations
 
 import dataclasses
@@ -119,6 +119,15 @@ def test_a_trainer_over_two_ranks_makes_the_one_rank_updates(local_ray):
     next steps' samples are the one-rank loop's."""
     _equals_the_synchronous_loop(_cfg(steps=3, eta=0, groups_per_step=4, group_size=4, groups_per_call=4,
                                       trainer_ranks=2, trainer_cpus=0.5, producer_cpus=0.5))
+
+
+def test_two_trainer_ranks_send_their_shards_through_the_transfer_primitive(local_ray):
+    """Two trainer ranks (FSDP2 on a subgroup of the channel's group) each send their own shards to
+    the producer through the weight-transfer primitive, which assembles every tensor from the rank
+    holding it: the samples (equal rewards and lengths) and updates are the one-rank plain loop's."""
+    _equals_the_synchronous_loop(_cfg(steps=3, eta=0, groups_per_step=4, group_size=4, groups_per_call=4,
+                                      weights="p2p", restarts=0, trainer_ranks=2, trainer_cpus=0.5,
+                                      producer_cpus=0.5))
 
 
 def test_a_start_that_cannot_finish_raises(local_ray):
