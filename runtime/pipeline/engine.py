@@ -4,6 +4,7 @@ vLLM or SGLang adapter implements; the shipped one runs transformers' `generate`
 weights the trainer exports (`Runtime.export_weights`: HF names and layout)."""
 from __future__ import annotations
 
+import re
 from typing import Callable, Iterable, Protocol
 
 import torch
@@ -20,6 +21,9 @@ class EngineAdapter(Protocol):
     def generate(self, prompts: list[list[int]], n: int, sampling: Sampling, *, seed: int,
                  refresh: Callable[[], None] | None = None) -> list[list[Completion]]:
         """`n` completions of each prompt; `refresh()` may load newer weights between tokens."""
+
+
+_EXPERT = re.compile(r"(.*\.experts)\.(\d+)\.(gate|up|down)_proj\.weight")  # an expert's tensor, HF checkpoint name
 
 
 class TransformersEngine:
@@ -44,8 +48,9 @@ class TransformersEngine:
         self.version = -1
 
     def load_weights(self, weights, version: int) -> None:
-        got = self.model.load_state_dict(dict(weights), strict=False)
-        missing = [k for k in got.missing_keys if not (self.tied and k == "lm_head.weight")]
+        got, fused = self._load(weights)
+        missing = [k for k in got.missing_keys if not (self.tied and k == "lm_head.weight") and k not in fused]
+        missing += sorted(k for k, n in fused.items() if n != self._pieces(k))
         if got.unexpected_keys or missing:
             raise ValueError(f"weights do not match the engine's model: unexpected {got.unexpected_keys[:4]}, "
                              f"missing {missing[:4]}")
@@ -56,10 +61,33 @@ class TransformersEngine:
     def weight_targets(self):
         """(loader, {name: parameter}) for a transfer that writes the engine's parameters in place
         (the weight-transfer primitive infers its layout from the loader)."""
-        @torch.no_grad()
         def load(weights):
-            self.model.load_state_dict(dict(weights), strict=False)
+            self._load(weights)
         return load, dict(self.model.named_parameters())
+
+    @torch.no_grad()
+    def _load(self, weights):
+        """Load HF-checkpoint-named tensors; (load_state_dict's result for the rest, {stack: pieces
+        written}). transformers 5 holds an MoE layer's experts as two stacks, `gate_up_proj` [E, 2I, H]
+        (each expert's gate rows, then its up rows) and `down_proj` [E, H, I], where the checkpoint
+        (and our export) has one tensor per expert and projection: those are copied into their
+        slice of the stack, in place."""
+        params, rest, fused = dict(self.model.named_parameters()), {}, {}
+        for name, t in weights:
+            m = _EXPERT.fullmatch(name)
+            stack = m and f"{m[1]}.{'down_proj' if m[3] == 'down' else 'gate_up_proj'}"
+            if not stack or stack not in params:
+                rest[name] = t
+                continue
+            p, e = params[stack], int(m[2])
+            half = p.shape[1] // 2
+            {"gate": p[e, :half], "up": p[e, half:], "down": p[e]}[m[3]].copy_(t)
+            fused[stack] = fused.get(stack, 0) + 1
+        return self.model.load_state_dict(rest, strict=False), fused
+
+    def _pieces(self, stack: str) -> int:
+        """How many checkpoint tensors make up `stack`: two per expert for gate_up_proj, one for down_proj."""
+        return dict(self.model.named_parameters())[stack].shape[0] * (2 if stack.endswith("gate_up_proj") else 1)
 
     @torch.no_grad()
     def generate(self, prompts, n, sampling: Sampling, *, seed: int, refresh=None) -> list[list[Completion]]:

@@ -75,3 +75,20 @@ def test_weights_that_do_not_fit_are_refused():
         engine.load_weights(weights.items(), version=0)
     with pytest.raises(ValueError, match="model_type"):
         TransformersEngine({k: v for k, v in CONFIG.items() if k != "model_type"})
+
+
+def test_an_moe_export_loads_into_transformers_fused_experts():
+    """transformers 5 holds a Qwen3-MoE layer's experts as two stacks; the export has one tensor per
+    expert and projection: the engine fills the stacks, and samples with the trained model's log-probs."""
+    moe = {**models.NAMED["qwen3-moe-tiny"], "vocab_size": 16, "eos_token_id": None}
+    rt = Runtime(models.build(moe, seed=0))
+    engine = TransformersEngine(moe, pad_token_id=TASK.pad_id)
+    weights = dict(rt.export_weights())
+    assert "model.layers.0.mlp.experts.3.up_proj.weight" in weights
+    engine.load_weights(weights.items(), version=0)
+    prompt = [10, 3, 1, 4, 11]
+    (c, _), = engine.generate([prompt], 2, Sampling(max_new_tokens=4), seed=1)
+    torch.testing.assert_close(torch.tensor(c.logprobs), _logprobs(rt, prompt, c.tokens), rtol=1e-4, atol=1e-5)
+    weights.pop("model.layers.1.mlp.experts.7.gate_proj.weight")
+    with pytest.raises(ValueError, match=r"missing \['model.layers.1.mlp.experts.gate_up_proj'\]"):
+        engine.load_weights(weights.items(), version=1)
