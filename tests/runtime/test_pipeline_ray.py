@@ -1,7 +1,8 @@
 """The asynchronous pipeline on a local Ray (2 CPUs): a tiny Qwen3 learns to copy two digits at
 eta = 1 while a producer is killed mid-run (every prompt trained exactly once) and stalled waits
 raise PipelineTimeout; eta = 0 makes the plain synchronous loop's updates with weights sent by the
-transfer primitive, with the trainer over two ranks (FSDP2 inside its actors), and with both.
+transfer primitive, with the trainer over two ranks (FSDP2 inside its actors), with both, and for an
+MoE model with its experts split over the trainer's ranks.
 Skipped without Ray (the `rl` extra)."""
 from __future__ import annotations
 
@@ -84,16 +85,16 @@ def test_learns_asynchronously_with_a_producer_killed(local_ray, tmp_path):
     assert len((tmp_path / "run.jsonl").read_text().splitlines()) == STEPS
 
 
-def _equals_the_synchronous_loop(cfg):
+def _equals_the_synchronous_loop(cfg, model=CONFIG, abs_tol=1e-8):
     from bumblebee.runtime.pipeline.engine import TransformersEngine
     from bumblebee.runtime.pipeline.trainer import synchronous_run
-    with Pipeline(cfg, CONFIG, TASK) as p:
+    with Pipeline(cfg, model, TASK) as p:
         piped = p.run(on_step=None)
     threads, had_group = torch.get_num_threads(), dist.is_initialized()
     torch.set_num_threads(cfg.threads)  # as the actors run: one reduction order
     try:
-        plain = synchronous_run(dataclasses.replace(cfg, trainer_ranks=1, weights="object_store"), CONFIG, TASK,
-                                TransformersEngine(CONFIG, pad_token_id=TASK.pad_id))
+        one_rank = dataclasses.replace(cfg, trainer_ranks=1, expert_parallel=1, weights="object_store")
+        plain = synchronous_run(one_rank, model, TASK, TransformersEngine(model, pad_token_id=TASK.pad_id))
     finally:  # the loop's one-rank group and the thread count are this process's: put them back
         torch.set_num_threads(threads)
         if dist.is_initialized() and not had_group:
@@ -102,8 +103,9 @@ def _equals_the_synchronous_loop(cfg):
     for a, b in zip(piped, plain):
         assert a["staleness_max"] == 0 and a["reward"] == b["reward"] and a["lengths"] == b["lengths"]
         for key in ("loss", "entropy", "behave_kl"):
-            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-8), key
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=abs_tol, nan_ok=True), key  # nan: nothing kept
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
+    return piped
 
 
 def test_eta_zero_through_the_transfer_primitive_equals_the_synchronous_loop(local_ray):
@@ -128,6 +130,21 @@ def test_two_trainer_ranks_send_their_shards_through_the_transfer_primitive(loca
     _equals_the_synchronous_loop(_cfg(steps=3, eta=0, groups_per_step=4, group_size=4, groups_per_call=4,
                                       weights="p2p", restarts=0, trainer_ranks=2, trainer_cpus=0.5,
                                       producer_cpus=0.5))
+
+
+def test_an_moe_trainer_with_experts_over_two_ranks_makes_the_one_rank_updates(local_ray):
+    """A tiny Qwen3-MoE, its experts split over the trainer's two ranks (EP = 2, all_to_all), its
+    gathered export loaded into the producer's transformers model: the one-rank plain loop's samples
+    and updates (no load-balancing term: it is each rank's own tokens'). The all_to_all dispatch sums
+    the experts' outputs in another order than the one-rank dispatch: the loss, a token mean of
+    terms of size |advantage| ~ 1 that cancel to ~1e-3, then differs by a few float32 roundings of
+    those terms (3e-8 seen), hence the absolute tolerance of 1e-6."""
+    moe = {**models.NAMED["qwen3-moe-tiny"], "vocab_size": 16, "bos_token_id": TASK.bos_id,
+           "pad_token_id": TASK.pad_id, "eos_token_id": None, "router_aux_loss_coef": 0.0}
+    log = _equals_the_synchronous_loop(_cfg(steps=3, eta=0, groups_per_step=8, group_size=8, groups_per_call=8,
+                                            trainer_ranks=2, expert_parallel=2, trainer_cpus=0.5, producer_cpus=0.5),
+                                       moe, abs_tol=1e-6)
+    assert sum(m["groups_kept"] for m in log) >= 2, [m["groups_kept"] for m in log]  # steps that trained
 
 
 def test_a_start_that_cannot_finish_raises(local_ray):
