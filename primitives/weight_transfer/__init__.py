@@ -40,14 +40,18 @@ class P2PTransfer:
                                  "(costs the receiver's update bytes); False writes each round as it lands")
     verify: bool = option(True, "check an inferred layout against a real load_weights call on random "
                           "tensors (one extra call; a cached layout is always checked)")
+    poll_s: float = option(0.005, "the longest pause between store checks, only where the store cannot be "
+                           "cloned per thread; otherwise every wait is the store's own, woken by the key")
 
     def __post_init__(self):
         check_choice(self, "mode", ("sync", "async"))
         check_int(self, "budget_bytes", 16)
         check_bool(self, "transactional")
         check_bool(self, "verify")
-        if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) or self.timeout_s <= 0:
-            raise ValueError(f"P2PTransfer.timeout_s must be a number > 0; got {self.timeout_s!r}")
+        for name in ("timeout_s", "poll_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise ValueError(f"P2PTransfer.{name} must be a number > 0; got {value!r}")
 
 
 @register("weight_transfer", "p2p", kind="primitive", twin="broadcast", default=True, config=P2PTransfer)

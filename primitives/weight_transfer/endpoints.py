@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
+
 import torch
 import torch.distributed as dist
 
@@ -20,6 +22,8 @@ from bumblebee.primitives.weight_transfer.execute import Control, Mover, agree, 
 from bumblebee.primitives.weight_transfer.infer import LayoutCache, infer_layout
 from bumblebee.primitives.weight_transfer.plan import make_plan
 from bumblebee.primitives.weight_transfer.spec import sender_spec
+
+_IDLE_S = 3600.0  # an idle service's store wait: woken by a request or by close(), this only re-arms it
 
 
 def _merge_manifests(manifests) -> tuple:
@@ -37,7 +41,7 @@ class _Endpoint:
         self.config, self.link, self.rank = config, link, rank
         store = link.store or dist.distributed_c10d._get_default_store()
         self.ctl = Control(store, f"weight_transfer/{link.name}/", link.trainer_ranks + link.rollout_ranks,
-                           config.timeout_s)
+                           config.timeout_s, config.poll_s)
         self.n, self.version, self.plan, self.mover = 0, None, None, None
         self.broken: str | None = None
         self.on_round = None  # test seam: called with the round index after each round
@@ -127,6 +131,7 @@ class WeightSender(_Endpoint):
         self._lock = threading.Lock()
         self._thread = None
         self._stop = threading.Event()
+        self._published = 0
         self.error: BaseException | None = None
 
     def _device(self):
@@ -169,6 +174,12 @@ class WeightSender(_Endpoint):
             self._slots.append([version, (spec, manifest, snap), False])
             held = [s[0] for s in self._slots]
         self.ctl.post("pub", self.rank, held)
+        # a fresh key per publish: what a rollout waiting in poll(wait_s) is woken by (a store wait
+        # sees a key appear, never a value change); "pubn" says which one comes next
+        self._published += 1
+        self.ctl.post(f"pub-{self._published}", self.rank, version)
+        self.ctl.post("pubn", self.rank, self._published)
+        self.ctl.forget(f"pub-{self._published - 3}", self.rank)
         if self._thread is None:
             self._thread = threading.Thread(target=self._serve, daemon=True, name="weight-transfer")
             self._thread.start()
@@ -176,10 +187,11 @@ class WeightSender(_Endpoint):
     def _serve(self):
         leader = self.link.rollout_ranks[0]
         while not self._stop.is_set():
-            try:
-                if not self.ctl._has(f"{self.n}/req/{leader}"):
-                    self._stop.wait(0.02)
+            try:  # woken by the rollout's request, or by close() posting the same key
+                if not self.ctl.wait([f"{self.n}/req/{leader}"], _IDLE_S):
                     continue
+                if self._stop.is_set():
+                    return
                 req = self.ctl.collect(f"{self.n}/req", [leader])[leader]
             except TransferError as e:  # the store is gone
                 self.error = e
@@ -205,7 +217,11 @@ class WeightSender(_Endpoint):
     def close(self):
         self._stop.set()
         if self._thread is not None:
+            leader = self.link.rollout_ranks[0]
+            n = self.n  # the key an idle service waits on (it moves only while the service transfers)
+            self.ctl.post(f"{n}/req", leader, None)
             self._thread.join()
+            self.ctl.forget(f"{n}/req", leader)
 
 
 class WeightReceiver(_Endpoint):
@@ -252,24 +268,52 @@ class WeightReceiver(_Endpoint):
         with self._flight():
             return self._transfer(None, None, timeout_s or self.config.timeout_s)
 
-    def poll(self) -> int | None:
-        """Async mode, called by every rollout rank together: fetch and commit the newest version all
-        senders hold, if newer than ours; returns it, or None when there is nothing newer."""
+    def _newest(self):
+        """The newest version every sender holds, if newer than ours (None: nothing newer)."""
+        senders = self.link.trainer_ranks
+        if not all(self.ctl._has(f"pub/{s}") for s in senders):
+            return None
+        held = self.ctl.collect("pub", senders)
+        newest = max(set.intersection(*(set(v) for v in held.values())), default=None)
+        return newest if newest is not None and (self.version is None or newest > self.version) else None
+
+    def poll(self, wait_s: float = 0.0) -> int | None:
+        """Async mode, called by every rollout rank together (with the same `wait_s`): fetch and
+        commit the newest version all senders hold, if newer than ours; returns it, or None when
+        there is nothing newer within `wait_s` seconds (the wait is woken by the senders' next
+        publish, never a poll interval)."""
         if self.config.mode != "async":
             raise RuntimeError("poll() is the async mode's call; this endpoint is sync: use update()")
+        if isinstance(wait_s, bool) or not isinstance(wait_s, (int, float)) or wait_s < 0:
+            raise ValueError(f"poll: wait_s must be a number >= 0; got {wait_s!r}")
         with self._flight():
             leader, m = self.link.rollout_ranks[0], self._polls
             self._polls += 1
             if self.rank == leader:
-                want = None
-                if all(self.ctl._has(f"pub/{s}") for s in self.link.trainer_ranks):
-                    held = self.ctl.collect("pub", self.link.trainer_ranks)
-                    common = set.intersection(*(set(v) for v in held.values()))
-                    newest = max(common, default=None)
-                    want = newest if newest is not None and (self.version is None or newest > self.version) else None
+                deadline = time.monotonic() + wait_s
+                want = self._newest()
+                while want is None and time.monotonic() < deadline:
+                    senders = self.link.trainer_ranks
+                    if not all(self.ctl._has(f"pubn/{s}") for s in senders):  # nothing published yet
+                        nxt = {s: 1 for s in senders}
+                    else:
+                        nxt = {s: n + 1 for s, n in self.ctl.collect("pubn", senders).items()}
+                    want = self._newest()  # a publish between reading pubn and here
+                    if want is None:
+                        self.ctl.wait([f"pub-{n}/{s}" for s, n in nxt.items()], max(0.0, deadline - time.monotonic()))
+                        want = self._newest()
                 self.ctl.post(f"poll-{m}", leader, want)
-            want = self.ctl.collect(f"poll-{m}", [leader])[leader]
-            if self.rank == leader:
+            want = self.ctl.collect(f"poll-{m}", [leader], timeout_s=wait_s + self.config.timeout_s)[leader]
+            # the previous answer goes once every rank has read it: a rank may still be on its way
+            # to it when the leader, with nothing new, comes back for the next poll
+            others = [r for r in self.link.rollout_ranks if r != leader]
+            if self.rank != leader:
+                self.ctl.post(f"poll-read-{m}", self.rank, True)
+            elif m > 0 and others:
+                self.ctl.collect(f"poll-read-{m - 1}", others)
+                for r in others:
+                    self.ctl.forget(f"poll-read-{m - 1}", r)
+            if self.rank == leader and m > 0:
                 self.ctl.forget(f"poll-{m - 1}", leader)
             if want is None:
                 return None

@@ -15,6 +15,7 @@ An update `n` (both sides count them) has three steps:
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import pickle
 import threading
@@ -33,44 +34,81 @@ def _align(n: int) -> int:
 
 
 class Control:
-    """Posts and collects small pickled messages under `prefix` in the store, with a timeout. One
-    store client may be shared by threads (the async service beside the trainer): every call holds
-    a lock, and waiting is polling (`check`), never a blocking `wait` that would hold the client."""
+    """Posts and collects small pickled messages under `prefix` in the store, with a timeout.
 
-    def __init__(self, store, prefix: str, ranks, timeout_s: float):
+    Waiting is event-driven: each thread (the async service beside the trainer's main thread) talks
+    through its own clone of the store client, so it can block in the store's `wait`, woken the
+    moment the key is set, without holding up another thread's `set` (a shared client serializes
+    them: a publish once waited 0.9 s behind the service's wait). Where the store cannot be cloned,
+    one client is shared under a lock and polled with a backoff from 1 ms to `poll_s`; `polls`
+    counts those pauses (0 on the event-driven path)."""
+
+    def __init__(self, store, prefix: str, ranks, timeout_s: float, poll_s: float = 0.005):
         self.store = dist.PrefixStore(prefix, store)
-        self.ranks, self.timeout_s = tuple(ranks), timeout_s
+        self.ranks, self.timeout_s, self.poll_s = tuple(ranks), timeout_s, poll_s
         self._lock = threading.Lock()
+        self._local = threading.local()
+        self.polls = 0
+        try:
+            self.store.clone()
+            self._cloneable = True
+        except Exception:  # a store without clone(): the shared, polled client
+            self._cloneable = False
+
+    @contextlib.contextmanager
+    def _client(self):
+        if not self._cloneable:
+            with self._lock:
+                yield self.store
+            return
+        own = getattr(self._local, "store", None)
+        if own is None:
+            own = self._local.store = self.store.clone()
+        yield own
 
     def post(self, key: str, rank: int, obj) -> None:
-        with self._lock:
-            self.store.set(f"{key}/{rank}", pickle.dumps(obj))
+        with self._client() as st:
+            st.set(f"{key}/{rank}", pickle.dumps(obj))
+
+    def wait(self, keys, timeout_s: float) -> bool:
+        """Whether every key exists within `timeout_s` (TransferError if the store is gone)."""
+        if self._cloneable:
+            try:
+                with self._client() as st:
+                    st.wait(list(keys), datetime.timedelta(seconds=timeout_s))
+                return True
+            except Exception:  # a timeout, or a store that is gone (then _has raises)
+                return self._has(*keys)
+        deadline, pause = time.monotonic() + timeout_s, 0.001
+        while not self._has(*keys):
+            if time.monotonic() > deadline:
+                return False
+            self.polls += 1
+            time.sleep(pause)
+            pause = min(2 * pause, self.poll_s)
+        return True
 
     def collect(self, key: str, ranks=None, timeout_s=None) -> dict:
         ranks = self.ranks if ranks is None else ranks
         keys = [f"{key}/{r}" for r in ranks]
         limit = timeout_s or self.timeout_s
-        deadline, pause = time.monotonic() + limit, 0.001
-        while not self._has(*keys):
-            if time.monotonic() > deadline:
-                late = [r for r, k in zip(ranks, keys) if not self._has(k)]
-                raise TransferError(f"{key}: ranks {late} did not answer within {limit} s (dead or stuck)")
-            time.sleep(pause)
-            pause = min(2 * pause, 0.005)
-        with self._lock:
-            return {r: pickle.loads(self.store.get(k)) for r, k in zip(ranks, keys)}
+        if not self.wait(keys, limit):
+            late = [r for r, k in zip(ranks, keys) if not self._has(k)]
+            raise TransferError(f"{key}: ranks {late} did not answer within {limit} s (dead or stuck)")
+        with self._client() as st:
+            return {r: pickle.loads(st.get(k)) for r, k in zip(ranks, keys)}
 
     def _has(self, *keys) -> bool:
         try:
-            with self._lock:
-                return self.store.check(list(keys))
+            with self._client() as st:
+                return st.check(list(keys))
         except Exception as e:  # the store's host died: no answer will ever come
             raise TransferError(f"the control store is gone: {type(e).__name__}: {e}") from None
 
     def forget(self, key: str, rank: int) -> None:
         try:
-            with self._lock:
-                self.store.delete_key(f"{key}/{rank}")
+            with self._client() as st:
+                st.delete_key(f"{key}/{rank}")
         except Exception:
             pass
 

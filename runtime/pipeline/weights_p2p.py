@@ -10,7 +10,6 @@ restart (the object-store channel does)."""
 from __future__ import annotations
 
 import datetime
-import time
 from dataclasses import dataclass
 
 import torch
@@ -23,7 +22,6 @@ class P2PChannel:
     producers: int
     address: str  # "host:port" of the trainer's rendezvous
     timeout_s: float
-    poll_s: float = 0.02  # the producers' poll interval while they wait for a newer version
     trainers: int = 1  # the trainer's ranks (each sends its own shards)
     trainer_timeout_s: float | None = None  # the trainer ranks' own subgroup's limit (default timeout_s)
 
@@ -69,10 +67,11 @@ class P2PChannel:
         return True
 
     def wait_newer(self, engine, timeout_s: float) -> int:
-        start, deadline = engine.version, time.monotonic() + timeout_s
-        while not self.refresh(engine):
-            if time.monotonic() > deadline:
-                raise PipelineTimeout(f"no weights newer than version {start} within {timeout_s:g} s "
-                                      f"(weight_timeout_s): the trainer stalled or died")
-            time.sleep(self.poll_s)
-        return engine.version
+        """The receiver's poll waits in the store, woken by the trainer's next publish: no poll interval."""
+        start = engine.version
+        version = self.receiver.poll(wait_s=timeout_s)
+        if version is None:
+            raise PipelineTimeout(f"no weights newer than version {start} within {timeout_s:g} s "
+                                  f"(weight_timeout_s): the trainer stalled or died")
+        engine.version = version
+        return version

@@ -1,10 +1,11 @@
-"""Weight transfer across gloo ranks: trainer ranks (FSDP2, with and without EP = 2) to rollout
-ranks (a vLLM-style engine at TP 1 and 2, experts over EP 2, transformers' own model), sync and
-async, p2p against its broadcast twin; after every transfer each rollout parameter equals, bit for
-bit, what its own load_weights makes of the HF checkpoint of that version. Failures (a receiver
-that raises mid-update, a dtype mismatch, a missing and an extra tensor, an update started while
-one is in flight, a sender killed mid-update) raise on every rank with the previous weights intact;
-100 updates run with flat memory."""
+"""Weight transfer across gloo ranks: trainer ranks (FSDP2 over 1, 2 and 4 ranks, with and
+without EP = 2) to rollout ranks (a vLLM-style engine at TP 1, 2 and 4, experts over EP 2,
+transformers' own model; Qwen3, Qwen3-MoE, Qwen3.5-MoE, DeepSeek-V3), sync and async, p2p against
+its broadcast twin; after every transfer each rollout parameter equals, bit for bit, what its own
+load_weights makes of the HF checkpoint of that version. Failures (a receiver that raises
+mid-update, a dtype mismatch, a missing and an extra tensor, an update started while one is in
+flight, a sender killed mid-update) raise on every rank with the previous weights intact; 100
+updates run with flat memory; an async poll is woken by the publish, never by a poll interval."""
 from __future__ import annotations
 
 import threading
@@ -95,7 +96,7 @@ def main4(ctx):
             full = R.hf_full(model, state)
             if ctx.rank == 0:
                 res["full"][v] = full
-            time.sleep(0.2)
+            time.sleep(0.1)
         a.ctl.collect("async-done", [ctx.rollouts[0]])
         a.close()
         res["publish_s"] = took
@@ -140,7 +141,7 @@ def main4(ctx):
         if v is not None:
             got.append(v)
             snap[("async", v)] = _clone(tp)
-        time.sleep(0.5)  # a slow rollout: some versions are skipped
+        time.sleep(0.25)  # a slow rollout (slower than the trainer's 0.1 s steps): some versions are skipped
     if ctx.rank == ctx.rollouts[0]:
         a.ctl.post("async-done", ctx.rank, True)
     res["async"] = got
@@ -210,9 +211,12 @@ def one3(ctx):
     transformers models."""
     name = "qwen3-tiny"
     cfg = {"tp": P2PTransfer(budget_bytes=64 << 10, timeout_s=LIMIT, transactional=False),  # rounds land at once
-           "hf": P2PTransfer(budget_bytes=1 << 20, timeout_s=LIMIT)}
+           "hf": P2PTransfer(budget_bytes=1 << 20, timeout_s=LIMIT),
+           # a poll interval as long as the whole test: an update that waited on one would time out
+           "wake": P2PTransfer(mode="async", timeout_s=LIMIT, poll_s=LIMIT)}
     p2p = {k: registry.resolve("weight_transfer", c) for k, c in cfg.items()}
     link = {k: Link(ctx.trainers, ctx.rollouts, name=k) for k in ("tp", "hf")}
+    wake = Link(ctx.trainers, ctx.rollouts, name="wake")
     res = {"full": {}, "snaps": {}, "rss": []}
     if ctx.is_trainer:
         model, state, _ = R.trainer_state(ctx, name)
@@ -231,6 +235,12 @@ def one3(ctx):
             if v in (21, 101):
                 res["rss"].append(_rss_mib())
         res["full"][101] = R.hf_full(model, state)
+        a = p2p["wake"](wake)
+        a.ctl.collect("waiting", [ctx.rollouts[0]])  # the rollout is (about to be) waiting in poll
+        a.publish(sh, 200)
+        a.ctl.collect("woke", ctx.rollouts)
+        a.close()
+        res["polls"] = a.ctl.polls
         return res
     R.other_meshes(ctx, ep=False)
     man = R.manifest_of_model(name)
@@ -245,6 +255,14 @@ def one3(ctx):
             res["rss"].append(_rss_mib())
     res["snaps"][("hf", 101)] = _clone(eng["hf"][1])
     res["staged"] = end["hf"].stats["staged_bytes"]
+    lw, targets, key = R.engine(ctx, name, man)
+    b = p2p["wake"](wake, load_weights=lw, targets=targets, layout_key=key)
+    if ctx.rank == ctx.rollouts[0]:
+        b.ctl.post("waiting", ctx.rank, True)
+    res["woken"] = b.poll(wait_s=LIMIT)  # returns on the publish (event-driven), not on a poll tick
+    res["snaps"][("wake", res["woken"])] = _clone(targets)
+    b.ctl.post("woke", ctx.rank, True)
+    res["polls"] = b.ctl.polls
     return res
 
 
@@ -265,59 +283,41 @@ def test_one_trainer_to_tp2_engine_and_transformers_replicas(one):
             assert all(torch.equal(one[rank]["snaps"][("hf", v)][k], full[v][k]) for k in full[v]), v
 
 
+def test_async_poll_is_woken_by_the_publish_not_a_poll_interval(one):
+    """poll_s is as long as the test's own limit: a wait bounded below by it would never finish."""
+    man = R.manifest_of_model("qwen3-tiny")
+    for i, rank in enumerate((1, 2)):
+        assert one[rank]["woken"] == 200
+        e = VllmStyleEngine(man, models.NAMED["qwen3-tiny"], tp_rank=i, tp_size=2)
+        e.load_weights(iter(one[0]["full"][101].items()))
+        assert _same(one[rank]["snaps"][("wake", 200)], e.params)
+    assert [r["polls"] for r in one] == [0, 0, 0]  # no rank paused to poll the store
+
+
+def test_control_waits_in_the_store_and_times_out_naming_the_late_rank():
+    import torch.distributed as dist
+    from bumblebee.primitives.weight_transfer.execute import Control
+    store = dist.HashStore()
+    for cloneable in (True, False):  # False: a store without clone(), polled with a backoff
+        ctl = Control(store, f"c{cloneable}/", (0, 1, 2), timeout_s=LIMIT, poll_s=0.001)
+        ctl._cloneable = cloneable
+        go = threading.Event()
+        th = threading.Thread(target=lambda: (go.wait(), ctl.post("k", 1, "one"), ctl.post("k", 2, [2])))
+        th.start()
+        go.set()
+        assert ctl.collect("k", (1, 2)) == {1: "one", 2: [2]}
+        th.join()
+        with pytest.raises(TransferError, match=r"k: ranks \[0\] did not answer within 0.2 s"):
+            ctl.collect("k", (0, 1), timeout_s=0.2)
+        if cloneable:
+            assert ctl.polls == 0
+
+
 def test_hundred_updates_keep_memory_flat(one):
     for r in one:
         early, late = r["rss"]
         assert late - early < 16, r["rss"]  # MiB over 80 updates of ~0.9 MB each: no buffer per update
     assert one[1]["staged"] == sum(t.numel() * 4 for t in one[0]["full"][1].values())
-
-
-def dead3(ctx):
-    """2 trainer ranks (FSDP2, Qwen3.5-MoE) -> 1 rollout rank (TP 1): an update, then trainer rank 1
-    dies in the middle of the next one; the survivors raise within the timeout."""
-    name = "qwen3.5-moe-tiny"
-    timeout = 5.0
-    p2p = registry.resolve("weight_transfer", P2PTransfer(budget_bytes=16 << 10, timeout_s=timeout))
-    link = Link(ctx.trainers, ctx.rollouts, name="dead")
-    res = {}
-    if ctx.is_trainer:
-        model, state, _ = R.trainer_state(ctx, name)
-        end = p2p(link)
-        end.update(R.shards(model, state), 1, timeout_s=LIMIT)  # waits on the rollout's layout inference
-        full = R.hf_full(model, state)
-        res["full"] = full if ctx.rank == 0 else None
-        if ctx.rank == 1:
-            import os
-            end.on_round = lambda r: os._exit(0) if r == 1 else None
-        sh = R.shards(model, state)
-        end.ctl.post("sending", ctx.rank, True)  # the rollout starts its clock with ours
-        t0 = time.perf_counter()
-        res["error"] = _error(lambda: end.update(sh, 2))
-        res["took"] = time.perf_counter() - t0
-        return res
-    man = R.manifest_of_model(name)
-    lw, targets, key = R.engine(ctx, name, man)
-    end = p2p(link, load_weights=lw, targets=targets, layout_key=key)
-    end.update(timeout_s=LIMIT)  # waits on the trainer's FSDP2 set-up
-    res["v1"] = _clone(targets)
-    end.ctl.collect("sending", ctx.trainers, timeout_s=LIMIT)
-    t0 = time.perf_counter()
-    res["error"] = _error(end.update)
-    res["took"] = time.perf_counter() - t0
-    res["intact"] = _same(targets, res["v1"])
-    res["after"] = _error(end.update)  # the endpoint knows it is unusable
-    return res
-
-
-def test_dead_sender_raises_everywhere_within_the_timeout(tmp_path):
-    r = R.spawn(2, 1, MOD, "dead3", tmp_path, timeout_s=LIMIT)
-    assert r[1] == {"dead": True}
-    for rank in (0, 2):
-        assert r[rank]["error"] is not None and r[rank]["took"] < 3 * 5.0, (rank, r[rank]["error"], r[rank]["took"])
-    assert r[2]["intact"] and "unusable" in r[2]["after"]
-    e = VllmStyleEngine(R.manifest_of_model("qwen3.5-moe-tiny"), models.NAMED["qwen3.5-moe-tiny"])
-    e.load_weights(iter(r[0]["full"].items()))
-    assert _same(r[2]["v1"], e.params)  # Qwen3.5-MoE from FSDP2 on 2 ranks: in_proj_qkvz, conv, A_log
 
 
 def contract2(ctx):
@@ -357,3 +357,77 @@ def contract(name: str, twin: str, out_dir) -> None:
             assert any(k.endswith("e_score_correction_bias") for k in e.params)
         for impl in (name, twin):
             assert _same(r[1][(model, impl)], e.params), (model, impl)
+
+
+FOUR_JOBS = ((MOE, True, ((1, 0), (4, 0), (4, 1), (4, 2), (4, 3))),  # FSDP2 x 4 with EP 2 -> TP 1 and TP 4
+             ("deepseek-v3-tiny", False, ((2, 0), (2, 1))),  # FSDP2 x 4 without EP -> TP 2
+             ("qwen3.5-moe-tiny", False, ((2, 1), (1, 0))))  # in_proj_qkvz, conv, A_log; TP 1: then a rank dies
+DEAD_TIMEOUT_S = 5.0
+
+
+def four5(ctx):
+    """4 trainer ranks -> 1 rollout rank, which plays every rank of each rollout layout in turn (one
+    link per TP rank: the plan and the bytes of a rollout rank depend on its own layout only). Last,
+    trainer rank 3 dies in the middle of a Qwen3.5-MoE update: the survivors raise within the timeout."""
+    p2p = registry.resolve("weight_transfer", P2PTransfer(budget_bytes=32 << 10, timeout_s=LIMIT))
+    short = registry.resolve("weight_transfer", P2PTransfer(budget_bytes=16 << 10, timeout_s=DEAD_TIMEOUT_S))
+    res = {}
+    for name, ep, layouts in FOUR_JOBS:
+        links = {(tp, r): Link(ctx.trainers, ctx.rollouts, name=f"{name}-tp{tp}-{r}") for tp, r in layouts}
+        last = name == FOUR_JOBS[-1][0]
+        if ctx.is_trainer:
+            model, state, _ = R.trainer_state(ctx, name, ep=ep)
+            sh = R.shards(model, state)
+            ends = [(short if last and tp == 1 else p2p)(link) for (tp, _), link in links.items()]
+            for end in ends:
+                end.update(sh, 1, timeout_s=LIMIT)  # waits on the rollout's layout inference
+            full = R.hf_full(model, state)
+            res[name] = full if ctx.rank == 0 else None
+            if not last:
+                continue
+            end = ends[-1]
+            if ctx.rank == 3:
+                import os
+                end.on_round = lambda r: os._exit(0) if r == 1 else None
+            end.ctl.post("sending", ctx.rank, True)  # the rollout starts its clock with ours
+            t0 = time.perf_counter()
+            res["error"] = _error(lambda: end.update(sh, 2))
+            res["took"] = time.perf_counter() - t0
+            return res
+        R.other_meshes(ctx, ep=ep)
+        man = R.manifest_of_model(name)
+        for (tp, r), link in links.items():
+            eng = VllmStyleEngine(man, models.NAMED[name], tp_rank=r, tp_size=tp)
+            end = (short if last and tp == 1 else p2p)(link, load_weights=eng.load_weights, targets=eng.params,
+                                                       layout_key=f"tp{r}/{tp}")
+            end.update(timeout_s=LIMIT)  # waits on the trainer's FSDP2 set-up
+            res[(name, tp, r)] = _clone(eng.params)
+    end.ctl.collect("sending", ctx.trainers, timeout_s=LIMIT)
+    t0 = time.perf_counter()
+    res["error"] = _error(end.update)
+    res["took"] = time.perf_counter() - t0
+    res["intact"] = _same(eng.params, res[(name, tp, r)])
+    res["after"] = _error(end.update)  # the endpoint knows it is unusable
+    return res
+
+
+@pytest.fixture(scope="module")
+def four(tmp_path_factory):
+    return R.spawn(4, 1, MOD, "four5", tmp_path_factory.mktemp("wt4"), timeout_s=LIMIT)
+
+
+def test_four_trainer_ranks_to_tp1_tp2_tp4_layouts_bitwise(four):
+    for name, _, layouts in FOUR_JOBS:
+        man = R.manifest_of_model(name)
+        for tp, rank in layouts:
+            e = VllmStyleEngine(man, models.NAMED[name], tp_rank=rank, tp_size=tp)
+            e.load_weights(iter(four[0][name].items()))
+            assert _same(four[4][(name, tp, rank)], e.params), (name, tp, rank)
+
+
+def test_dead_sender_raises_everywhere_within_the_timeout(four):
+    assert four[3] == {"dead": True}
+    for rank in (0, 1, 2, 4):
+        r = four[rank]
+        assert r["error"] is not None and r["took"] < 3 * DEAD_TIMEOUT_S, (rank, r["error"], r["took"])
+    assert four[4]["intact"] and "unusable" in four[4]["after"]
