@@ -39,6 +39,10 @@ class LocalPipeline:
         if cfg.trainer_ranks != 1:
             raise ValueError(f"trainer_ranks must be 1 in the local mode (one trainer thread), got {cfg.trainer_ranks}; "
                              f"the Ray pipeline runs a trainer over several ranks")
+        for name in ("producer_gpus", "trainer_gpus"):  # Ray's options: here devices are named instead
+            if getattr(cfg, name):
+                raise ValueError(f"{name} asks Ray for GPUs: the local mode takes trainer_device and "
+                                 f"producer_devices instead (the launch config's [devices]); set {name}=0")
         self.cfg, self.model_config, self.task = cfg, model_config, task
         self.trainer_device = torch.device(trainer_device)
         devices = list(producer_devices) if producer_devices is not None else [trainer_device] * cfg.producers

@@ -260,3 +260,10 @@ def test_parallel_and_device_options_are_checked(kw, named):
     with pytest.raises(ValueError, match=named):
         PipelineConfig(steps=1, **kw)
     PipelineConfig(steps=1, weights="p2p", restarts=0, trainer_ranks=2)  # several trainer ranks over p2p
+
+
+def test_the_local_mode_refuses_ray_s_gpu_options():
+    from bumblebee.runtime.pipeline import PipelineConfig
+    from bumblebee.runtime.pipeline.local import LocalPipeline
+    with pytest.raises(ValueError, match="trainer_gpus asks Ray for GPUs: the local mode takes trainer_device"):
+        LocalPipeline(PipelineConfig(steps=1, trainer_gpus=1), {}, None)
