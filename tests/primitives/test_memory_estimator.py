@@ -233,7 +233,7 @@ def test_hybrid_layer_terms():
 @pytest.mark.parametrize("run,row", [p for p in _rows("training_step", "training_step_qwen3-30b-a3b_h200_x1.json",
                                                       "history/6214fc0/training_step_qwen3-30b-a3b_h200_x1_long.json",
                                                       "history/6214fc0/training_step_qwen3-30b-a3b_h200_x1_longest_ours.json",
-                                                      "training_step_qwen3.5-35b-a3b_h200_x1.json",
+                                                      "history/461f8c0/training_step_qwen3.5-35b-a3b_h200_x1.json",
                                                       "history/290e38b/training_step_qwen3.5-35b-a3b_h200_x1_long.json")
                                      if p.values[1]["stack"] == "bumblebee"])
 def test_training_step_peak(run, row):
