@@ -137,9 +137,11 @@ def _sum_k(t_NKD, out, dtype):
 
 def unpermute_grads(g_ND, y_MD, w_sorted_M, token_M, need_w=True):
     """Gradients of `unpermute` in sorted order: gy[p] = w[p] * g[token[p]], and gw[p] =
-    <g[token[p]], y[p]> accumulated in fp32 (None unless need_w). token_M/w_sorted_M may be a chunk's slice."""
+    <g[token[p]], y[p]> accumulated in fp32, or in the inputs' dtype where it is wider (None unless need_w).
+    token_M/w_sorted_M may be a chunk's slice."""
     g_MD = g_ND.index_select(0, token_M)
-    gw_M = (g_MD * y_MD).sum(-1, dtype=torch.float32) if need_w else None
+    acc = torch.promote_types(torch.promote_types(g_MD.dtype, y_MD.dtype), torch.float32)
+    gw_M = (g_MD * y_MD).sum(-1, dtype=acc) if need_w else None
     g_MD.mul_(w_sorted_M.unsqueeze(-1))
     return g_MD.to(y_MD.dtype), gw_M
 

@@ -136,11 +136,12 @@ def expert_dgrad_weighted(g_MD, saved, w1_E2ID, w2_EDI, w_M, *, dh_out=None, a_o
 
 def _swiglu_grads_weighted(h_M2I, du_MI, w_M, dh_out=None, a_out=None):
     """(w a, dh, gw) of `expert_dgrad_weighted` with the torch ops."""
-    w_M1 = w_M.to(torch.float32).unsqueeze(1)
-    da_MI = (du_MI.float() * w_M1).to(du_MI.dtype)
+    acc = torch.promote_types(torch.promote_types(du_MI.dtype, w_M.dtype), torch.float32)  # float64 stays
+    w_M1 = w_M.to(acc).unsqueeze(1)
+    da_MI = (du_MI.to(acc) * w_M1).to(du_MI.dtype)
     a_MI, dh_M2I = _swiglu_grads(h_M2I, da_MI, dh_out=dh_out, a_out=a_out)
-    gw_M = (du_MI.float() * a_MI.float()).sum(1)
-    a_MI.copy_(a_MI.float() * w_M1)  # dW2 = sum of g^T (w a)
+    gw_M = (du_MI.to(acc) * a_MI.to(acc)).sum(1)
+    a_MI.copy_(a_MI.to(acc) * w_M1)  # dW2 = sum of g^T (w a)
     return a_MI, dh_M2I, gw_M
 
 

@@ -243,15 +243,15 @@ def add_group_copies_torch(gx_ND, dx_RD, inv_M, r0, r1):
 
 
 def unpermute_grads(g_ND, y_MD, w_sorted_M, token_M, need_w=True):
-    """(gy [M, D] in y's dtype, gw [M] fp32 or None): gy[p] = w[p] * g[token[p]] (one rounding),
-    gw[p] = <g[token[p]], y[p]> with fp32 products and sum."""
+    """(gy [M, D] in y's dtype, gw [M] fp32 or None; float64 for float64 inputs): gy[p] = w[p] * g[token[p]]
+    (one rounding), gw[p] = <g[token[p]], y[p]> with fp32 products and sum (float64 ones for float64)."""
     M, D = y_MD.shape
     if token_M.numel() != M or w_sorted_M.numel() != M:
         raise ValueError(f"token_M ({token_M.numel()}) and w_sorted_M ({w_sorted_M.numel()}) must have M={M} entries")
     if not use_triton(y_MD):
         return unpermute_grads_torch(g_ND, y_MD, w_sorted_M, token_M, need_w)
     gy = torch.empty(M, D, dtype=y_MD.dtype, device=y_MD.device)
-    gw = torch.empty(M, dtype=torch.float32, device=y_MD.device) if need_w else None
+    gw = torch.empty(M, dtype=_acc_dtype(g_ND, y_MD, w_sorted_M), device=y_MD.device) if need_w else None
     if M == 0:
         return gy, gw
     if D == 0:
@@ -267,5 +267,5 @@ def unpermute_grads(g_ND, y_MD, w_sorted_M, token_M, need_w=True):
 def unpermute_grads_torch(g_ND, y_MD, w_sorted_M, token_M, need_w=True):
     acc = _acc_dtype(g_ND, y_MD, w_sorted_M)
     g = g_ND.index_select(0, token_M).to(acc)
-    gw = (g * y_MD.to(acc)).sum(-1).float() if need_w else None
+    gw = (g * y_MD.to(acc)).sum(-1) if need_w else None
     return (g * w_sorted_M.to(acc).unsqueeze(-1)).to(y_MD.dtype), gw

@@ -218,14 +218,15 @@ def load_balancing_loss(router_logits, num_experts: int, top_k: int):
     """
     if not router_logits:
         return None
-    counts_E = torch.zeros(num_experts, dtype=torch.float32, device=router_logits[0].device)
+    acc = torch.promote_types(router_logits[0].dtype, torch.float32)  # fp32; float64 logits stay float64
+    counts_E = torch.zeros(num_experts, dtype=acc, device=router_logits[0].device)
     probs_E = torch.zeros_like(counts_E)
     rows = 0
     for logits_NE in router_logits:
         probs_NE = torch.softmax(logits_NE, dim=-1)
         idx_NK = torch.topk(probs_NE, top_k, dim=-1)[1]
-        counts_E = counts_E + torch.bincount(idx_NK.reshape(-1), minlength=num_experts).float()
-        probs_E = probs_E + probs_NE.float().sum(dim=0)
+        counts_E = counts_E + torch.bincount(idx_NK.reshape(-1), minlength=num_experts).to(acc)
+        probs_E = probs_E + probs_NE.to(acc).sum(dim=0)
         rows += logits_NE.shape[0]
     return torch.sum((counts_E / rows) * (probs_E / rows)) * num_experts
 

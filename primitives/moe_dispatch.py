@@ -167,7 +167,8 @@ class _ChunkedEP(torch.autograd.Function):
         token_M = None if one and x0 is not None else order_M // K
         sched = _Schedule(x_ND.device, group)
         out_ND = torch.empty_like(x_ND)  # every token is in an active chunk: all rows get written
-        w_sorted_M = weights_NK.reshape(-1).float().index_select(0, order_M) if fused else None
+        w_acc = torch.promote_types(weights_NK.dtype, torch.float32)  # fp32, float64 for float64 weights
+        w_sorted_M = weights_NK.reshape(-1).to(w_acc).index_select(0, order_M) if fused else None
 
         def dispatch(p):  # P: gather the chunk's copies, then D: send them (and their weights)
             a, b = p["copies"]
@@ -237,7 +238,7 @@ class _ChunkedEP(torch.autograd.Function):
         token_M = order_M // K
         need_w = ctx.needs_input_grad[1]
         w_sorted_M = None if ctx.fused else weights_NK.reshape(-1).index_select(0, order_M)  # fused: experts weight
-        gws = []  # fp32 gradient of the routing weights per chunk, in sorted order (chunks are in order)
+        gws = []  # the routing weights' gradient per chunk (fp32 at least), sorted order (chunks are in order)
 
         def weighting_grad(c, p):  # G: gradient of the weighting, then B: send it back to the experts
             a, b = p["copies"]
@@ -307,7 +308,8 @@ class _ChunkedEP(torch.autograd.Function):
         sched.finish()
         gw_NK = None
         if need_w:
-            gw_M = gws[0] if len(gws) == 1 else torch.cat(gws) if gws else g_ND.new_empty(0, dtype=torch.float32)
+            gw_M = gws[0] if len(gws) == 1 else torch.cat(gws) if gws else g_ND.new_empty(
+                0, dtype=torch.promote_types(weights_NK.dtype, torch.float32))
             gw_NK = gw_M.index_select(0, inv_M).view_as(weights_NK).to(weights_NK.dtype)
         return gx_ND, gw_NK, dw1, dw2, None, None, None, None, None, None, None
 

@@ -98,11 +98,13 @@ class LocalGroupedExperts(torch.autograd.Function):
         g_ND = g_ND.contiguous()
         M = order_M.shape[0]
         token_M = order_M // K
-        w_sorted_M = weights_NK.reshape(-1).float().index_select(0, order_M)
+        acc = torch.promote_types(g_ND.dtype, torch.float32)  # fp32; float64 stays float64
+        w_sorted_M = weights_NK.reshape(-1).to(torch.promote_types(weights_NK.dtype, torch.float32)).index_select(
+            0, order_M)
         # the input gradient accumulates group by group into [N, D] fp32 (4 D bytes per token instead of
         # the 2 K D of an [M, D] buffer), one owner per row and group: the same sum order on every run
-        gx_ND = torch.zeros(g_ND.shape, dtype=torch.float32, device=g_ND.device)
-        gw_M = torch.empty(M, dtype=torch.float32, device=g_ND.device)
+        gx_ND = torch.zeros(g_ND.shape, dtype=acc, device=g_ND.device)
+        gw_M = torch.empty(M, dtype=torch.promote_types(acc, w_sorted_M.dtype), device=g_ND.device)
         dw1, dw2 = torch.zeros_like(w1), torch.zeros_like(w2)  # experts without rows get zeros
         for e0, e1, r0, r1 in ctx.groups:
             tok = token_M[r0:r1]

@@ -123,12 +123,12 @@ def _aux_share(model, router_logits, batch):
     the loss (the ranks' shares sum to it) and its gradient the whole loss's, as every rank's tokens
     get the gradient of the global means (the all-reduce passes the gradient through)."""
     E, k = model.config.num_experts, model.config.num_experts_per_tok
-    counts = router_logits[0].new_zeros(E, dtype=torch.float32)
+    counts = router_logits[0].new_zeros(E, dtype=torch.promote_types(router_logits[0].dtype, torch.float32))
     probs, rows = counts.clone(), 0
     for logits in router_logits:
         p = torch.softmax(logits, dim=-1)
-        counts = counts + torch.bincount(torch.topk(p, k, dim=-1)[1].reshape(-1), minlength=E).float()
-        probs = probs + p.float().sum(0)
+        counts = counts + torch.bincount(torch.topk(p, k, dim=-1)[1].reshape(-1), minlength=E).to(counts.dtype)
+        probs = probs + p.to(counts.dtype).sum(0)
         rows += logits.shape[0]
     rows = torch.tensor([float(rows)], device=counts.device)
     if batch.group is not None:
