@@ -23,7 +23,8 @@ one message of the first rollout rank's p2p update size from trainer i to rollou
 at once, by a plain `batch_isend_irecv`. Rates: bytes the receivers take / median update time (the
 slowest rank's), and that as a fraction of the link's rate (target for p2p: >= 0.7). The
 transaction's cost: staging bytes and the commit's copy time per rollout rank. Writes
-<out>/<device>-ranks<N>.json (stamped: commit, versions, device, date).
+<out>/<device>-ranks<N>.json (stamped: commit, versions, device (the accelerator's name), date; the
+--device kind under "device_type"; per rank, the copy programs' calls against entries: "copies").
 """
 from __future__ import annotations
 
@@ -170,6 +171,8 @@ def _endpoint_run(end, call, device, iters, rollout: bool) -> dict:
     times = step_times_ms(synced(lambda: call(1), device), iters, 1, cuda=False)
     got = {"first_update_s": first, "median_ms": statistics.median(times), "times_ms": times,
            "stats": dict(end.stats)}
+    if getattr(end, "mover", None) is not None:  # per update: entries against the copy calls made for them
+        got["copies"] = end.mover.copy_stats()
     if rollout and hasattr(end, "mover"):  # the transaction's cost: staging bytes, the commit's copy
         c = step_times_ms(synced(lambda: end.mover.commit(end.targets), device), 3, 1, cuda=False)
         got["commit_ms"] = statistics.median(c)
@@ -255,7 +258,8 @@ def measured(args) -> dict | None:
                   "staging_bytes_per_rollout_rank": [g[k]["stats"]["staged_bytes"] for g in gathered[T:]],
                   "commit_ms_per_rollout_rank": [g[k].get("commit_ms") for g in gathered[T:]]}
     best = max((k for k in impl if k.startswith("p2p")), key=lambda k: per[k]["GBps"])
-    return {"model": args.model, "layers": args.layers, "device": args.device, "wire_dtype": str(wire),
+    # "device" is stamp()'s (the accelerator's name); the kind of device the ranks ran on apart
+    return {"model": args.model, "layers": args.layers, "device_type": args.device, "wire_dtype": str(wire),
             "world": world, "trainers": T, "rollout_tp": world - T, "trainer_ep": 2 if args.ep else 1,
             "layout": args.layout, "iters": args.iters, "budgets_bytes": list(args.budget_bytes),
             "per_impl": per, "ranks": gathered,

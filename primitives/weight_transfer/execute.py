@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from bumblebee.common.weight_transfer import TransferError
+from bumblebee.primitives.weight_transfer import copies
 from bumblebee.primitives.weight_transfer.boxes import box_shape, view
 from bumblebee.primitives.weight_transfer.spec import dtype_of
 
@@ -127,13 +128,18 @@ def agree(ctl: Control, key: str, rank: int, error: str | None, timeout_s=None, 
 class Mover:
     """This rank's side of a plan: message layouts, persistent buffers, the rounds."""
 
-    def __init__(self, plan, rank: int, group, *, transactional: bool, device):
+    def __init__(self, plan, rank: int, group, *, transactional: bool, device, keep_programs: int = 1):
         self.plan, self.rank, self.group = plan, rank, group
         self.transactional = transactional
         self.msgs = plan.messages(rank)
         self.size = {dt: dtype_of(dt).itemsize for dt in set(plan.dtypes.values())}
-        for key, entries in self.msgs.items():  # larger items first: each entry's offset stays aligned
-            entries.sort(key=lambda e: -self.size[plan.dtypes[e.hf_name]])
+        # larger items first: each entry's offset stays aligned; then in the order of the receiver's
+        # first write (target, offset), so that pieces adjacent in a target (the experts' rows of a
+        # fused w13) are adjacent in the message too and their copies merge (copies.py). Both ends
+        # sort the shared plan the same way, so the bytes of a message agree without a header.
+        for key, entries in self.msgs.items():
+            entries.sort(key=lambda e: (-self.size[plan.dtypes[e.hf_name]],) + (e.writes[0][0], e.writes[0][2])
+                         if e.writes else (-self.size[plan.dtypes[e.hf_name]], "", 0))
         # byte offset of each message in this rank's buffers: sends per round, receives in staging
         self.offset, send_round, recv_round, total = {}, {}, {}, 0
         for key in sorted(self.msgs):
@@ -150,29 +156,56 @@ class Mover:
         self.recv_buf = torch.empty(total if transactional else max(recv_round.values(), default=0),
                                     dtype=torch.uint8, device=device)
         self.staged_bytes = self.recv_buf.numel() if transactional else 0
+        # copy programs, per plan (a new plan gets a new Mover); `keep_programs`: how many source
+        # identities to keep them for (the async sender's snapshots: 3)
+        self.programs = copies.ProgramCache(keep_programs)
 
     def _slice(self, buf, key):
         n = sum(e.nbytes for e in self.msgs[key])
         return buf[self.offset[key]:self.offset[key] + n]
 
-    def pack(self, key, read) -> torch.Tensor:
-        """Fill the send slice of message `key`; `read(entry)` gives the entry's source view."""
-        out, at = self._slice(self.send_buf, key), 0
+    def _pack_pairs(self, key, read):
+        out, at, pairs = self._slice(self.send_buf, key), 0, []
         for e in self.msgs[key]:
-            src = read(e).contiguous().reshape(-1).view(torch.uint8)
-            out[at:at + e.nbytes].copy_(src)
+            src = read(e)  # the shards are in the wire dtype: their bytes go as they are
+            pairs.append((out[at:at + e.nbytes].view(src.dtype).view(src.shape), src))
             at += e.nbytes
-        return out
+        return pairs
 
-    def unpack(self, key, targets) -> None:
-        buf, at = self._slice(self.recv_buf, key), 0
-        for e in self.msgs[key]:
-            dt = dtype_of(self.plan.dtypes[e.hf_name])
-            got = buf[at:at + e.nbytes].view(dt).view(box_shape(e.box))
-            for target, strides, offset in e.writes:
-                t = targets[target]
-                t.as_strided(box_shape(e.box), strides, t.storage_offset() + offset).copy_(got)
-            at += e.nbytes
+    def pack(self, key, read, ident=None) -> torch.Tensor:
+        """Fill the send slice of message `key`; `read(entry)` gives the entry's source view. With
+        `ident` (the sources' `copies.identity`) the message's copy program is cached under it."""
+        make = lambda: copies.build(self._pack_pairs(key, read))  # noqa: E731
+        (make() if ident is None else self.programs.get(ident, ("pack", key), make)).run()
+        return self._slice(self.send_buf, key)
+
+    def _unpack_pairs(self, keys, targets):
+        pairs = []
+        for key in keys:
+            buf, at = self._slice(self.recv_buf, key), 0
+            for e in self.msgs[key]:
+                dt = dtype_of(self.plan.dtypes[e.hf_name])
+                got = buf[at:at + e.nbytes].view(dt).view(box_shape(e.box))
+                for target, strides, offset in e.writes:
+                    t = targets[target]
+                    pairs.append((t.as_strided(box_shape(e.box), strides, t.storage_offset() + offset), got))
+                at += e.nbytes
+        return pairs
+
+    def unpack(self, keys, targets, ident=None) -> None:
+        """Copy the received messages `keys` (in order) into `targets`, through one cached program
+        when `ident` (the targets' `copies.identity`) is given."""
+        keys = tuple(keys)
+        make = lambda: copies.build(self._unpack_pairs(keys, targets))  # noqa: E731
+        (make() if ident is None else self.programs.get(ident, ("unpack", keys), make)).run()
+
+    def copy_stats(self) -> dict:
+        """Entries (with their writes) this rank copies per update, and the copy calls its newest
+        programs make for them (the multi-tensor copy counted once)."""
+        progs = self.programs.entries[-1][1].values() if self.programs.entries else ()
+        return {"entries": sum(len(v) for v in self.msgs.values()),
+                "copy_calls": sum(p.launches for p in progs), "builds": self.programs.builds,
+                "volatile": self.programs.volatile}
 
     @torch.no_grad()
     def move(self, read=None, targets=None, timeout_s: float = 60.0, on_round=None) -> list[str]:
@@ -185,13 +218,15 @@ class Mover:
         # always blocks, so there every round carries the timeout (a dead peer raises in time).
         stream_ordered = self.send_buf.device.type == "cuda"
         last = max((k[0] for k in self.msgs), default=-1)  # this rank's last round with messages
+        src_ident = _ident_of(read)
+        dst_ident = _targets_ident(targets) if not self.transactional and targets is not None else None
         for r in range(self.plan.rounds):
             ops, keys = [], [k for k in sorted(self.msgs) if k[0] == r]
             for key in keys:
                 _, src, dst = key
                 if src == self.rank:
                     try:
-                        buf = self.pack(key, read)
+                        buf = self.pack(key, read, src_ident)
                     except Exception as e:  # still send: the receiver is waiting for these bytes
                         errors.append(f"packing {key}: {type(e).__name__}: {e}")
                         buf = self._slice(self.send_buf, key)
@@ -208,9 +243,7 @@ class Mover:
                 return errors
             try:
                 if not self.transactional and targets is not None:
-                    for key in keys:
-                        if key[2] == self.rank:
-                            self.unpack(key, targets)
+                    self.unpack([k for k in keys if k[2] == self.rank], targets, dst_ident)
                 if on_round is not None:
                     on_round(r)
             except Exception as e:
@@ -220,21 +253,31 @@ class Mover:
     @torch.no_grad()
     def commit(self, targets) -> None:
         """Copy the staged update into the targets (transactional mode, after a unanimous vote)."""
-        if self.transactional:
-            for key in sorted(self.msgs):
-                if key[2] == self.rank:
-                    self.unpack(key, targets)
+        if self.transactional:  # the whole update in one program
+            self.unpack([k for k in sorted(self.msgs) if k[2] == self.rank], targets, _targets_ident(targets))
 
 
-def read_from(local: dict):
-    """`read(entry)` over this rank's shards {(hf name, box): tensor}: the entry's view."""
-    by_name: dict = {}
-    for (name, box), t in local.items():
-        by_name.setdefault(name, []).append((box, t))
+def _ident_of(read):
+    tensors = getattr(read, "tensors", None)
+    return None if tensors is None else copies.identity(tensors)
 
-    def read(e):
-        for box, t in by_name.get(e.hf_name, ()):
+
+def _targets_ident(targets: dict):
+    return tuple(targets) + copies.identity(targets.values())
+
+
+class read_from:
+    """`read(entry)` over this rank's shards {(hf name, box): tensor}: the entry's view. `tensors`:
+    the shards, whose identity keys the sender's cached copy programs."""
+
+    def __init__(self, local: dict):
+        self.by_name: dict = {}
+        for (name, box), t in local.items():
+            self.by_name.setdefault(name, []).append((box, t))
+        self.tensors = tuple(local.values())
+
+    def __call__(self, e):
+        for box, t in self.by_name.get(e.hf_name, ()):
             if all(s <= es and es + (ec - 1) * est < s + c for (s, _, c), (es, est, ec) in zip(box, e.box)):
                 return view(t, e.box, tuple(s for s, _, _ in box))
         raise KeyError(f"this rank holds no box of {e.hf_name!r} covering {e.box}")
-    return read

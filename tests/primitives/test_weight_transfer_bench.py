@@ -21,6 +21,9 @@ def test_bench_measures_p2p_twin_and_link_on_four_gloo_ranks(tmp_path):
     assert p.returncode == 0, (p.stdout[-2000:], p.stderr[-3000:])
     r = json.loads((tmp_path / "cpu-ranks4.json").read_text())
     assert r["slot"] == "weight_transfer" and r["commit"] and r["device"] == "cpu" and r["layout"] == "given"
+    assert r["device_type"] == "cpu"
+    for g in r["ranks"]:  # each p2p rank's copy programs: fewer calls than entries
+        assert 0 < g["p2p@1048576"]["copies"]["copy_calls"] < g["p2p@1048576"]["copies"]["entries"], g
     per = r["per_impl"]
     assert set(per) == {"p2p@65536", "p2p@1048576", "broadcast"}
     for k, v in per.items():
