@@ -3,14 +3,19 @@ registry), never through the engine: verl 0.9.1 ships no CPU platform and falls 
 so its workers would allocate metrics and micro-batch counts on "cuda". A "cpu" platform registered
 in `verl.plugin.platform.PlatformRegistry` and selected with `VERL_PLATFORM=cpu` (verl's own
 override) makes `get_device_name()` "cpu", `get_torch_device()` a module with the memory queries
-verl's workers make, and the communication backend gloo. Imported only where verl is installed."""
+verl's workers make, and the communication backend gloo. Under Ray (verl's PPO trainer) verl
+imports this module in every process through `VERL_USE_EXTERNAL_MODULES=tests.e2e.verl_cpu`; there
+its workers' process group is plain gloo (`_gloo_process_group_ray`). Imported only where verl is
+installed."""
 from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import types
 
 import torch
+import verl.utils.distributed as verl_distributed
 from verl.plugin.platform import platform_manager
 from verl.plugin.platform.platform_base import PlatformBase
 from verl.plugin.platform.platform_manager import PlatformRegistry
@@ -105,6 +110,23 @@ class PlatformCPU(PlatformBase):
 
     def cudart(self):
         return None
+
+
+_init_process_group_ray = verl_distributed.initialize_global_process_group_ray
+
+
+def _gloo_process_group_ray(timeout_second=None, backend=None):
+    """verl's workers under Ray build their process group as "cpu:gloo,<device>:<backend>", which
+    torch refuses when the device is "cpu" too (a duplicate device type): plain gloo there."""
+    if backend is None and platform_manager.get_platform().device_name == "cpu":
+        backend = "gloo"
+    return _init_process_group_ray(timeout_second=timeout_second, backend=backend)
+
+
+# imported by verl itself in Ray's processes (VERL_USE_EXTERNAL_MODULES), before its workers' modules
+for _module in ("verl.utils.distributed", "verl.workers.engine_workers", "verl.checkpoint_engine.base"):
+    if _module in sys.modules:
+        sys.modules[_module].initialize_global_process_group_ray = _gloo_process_group_ray
 
 
 def use_cpu_platform() -> None:
