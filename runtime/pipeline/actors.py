@@ -8,7 +8,7 @@ import time
 import ray
 import torch
 
-from bumblebee.runtime.pipeline.admission import Admission, Lease
+from bumblebee.runtime.pipeline.admission import Ledger
 from bumblebee.runtime.pipeline.config import PipelineConfig, PipelineTimeout
 from bumblebee.runtime.pipeline.engine import rollout
 from bumblebee.runtime.pipeline.samples import Group
@@ -39,59 +39,38 @@ class Scheduler:
     """Leases prompts to producers under `Admission` and hands each training step its groups."""
 
     def __init__(self, task, cfg: PipelineConfig):
-        self.adm = Admission(cfg.groups_per_step, cfg.eta, cfg.steps)
-        self.it, self.prompts, self.groups = task.prompts(cfg.seed), {}, {}
+        self.ledger = Ledger(task, cfg)
         self.changed = asyncio.Event()
-        self.generated_lengths: list[int] = []
-        self.load: dict[str, tuple[float, float]] = {}  # producer -> (busy s, idle s), cumulative
 
     async def admit(self, producer: str, version: int, most: int):
-        """(up to `most` [(lease, prompt, meta)], status): status "wait" (newer weights needed for the
-        next one), "done" (all admitted) or None."""
-        leases = []
-        while len(leases) < most:
-            got = self.adm.admit(producer, version)
-            if not isinstance(got, Lease):
-                return leases, got
-            if got.group not in self.prompts:  # groups are first issued in order: the dataset's next prompt
-                self.prompts[got.group] = next(self.it)
-            leases.append((got, *self.prompts[got.group]))
-        return leases, None
+        """`Ledger.admit`."""
+        return self.ledger.admit(producer, version, most)
 
     async def submit(self, producer: str, groups: list[Group], busy_s: float, idle_s: float) -> None:
-        for group in groups:
-            self.adm.submit(producer, group.group)
-            self.groups[group.group] = group
-            self.generated_lengths += [len(c.tokens) for c in group.completions]
-        self.load[producer] = (busy_s, idle_s)
+        self.ledger.submit(producer, groups, busy_s, idle_s)
         self.changed.set()
         self.changed = asyncio.Event()
 
     async def take(self, ticket: int, timeout_s: float) -> tuple[list[Group], float]:
         """Step `ticket`'s groups, waiting at most `timeout_s`; and the producers' idle fraction."""
         deadline = time.monotonic() + timeout_s
-        while not self.adm.ready(ticket):
+        adm = self.ledger.adm
+        while not adm.ready(ticket):
             left = deadline - time.monotonic()
             try:
                 await asyncio.wait_for(self.changed.wait(), max(left, 0))
             except asyncio.TimeoutError:
-                held = sorted({h for h, lease in self.adm.leases.values() if lease.ticket == ticket})
+                held = sorted({h for h, lease in adm.leases.values() if lease.ticket == ticket})
                 raise PipelineTimeout(
-                    f"step {ticket}: {len(self.adm.done.get(ticket, ()))} of {self.adm.groups_per_step} groups "
+                    f"step {ticket}: {len(adm.done.get(ticket, ()))} of {adm.groups_per_step} groups "
                     f"within {timeout_s:g} s (take_timeout_s); producers holding its prompts: {held}") from None
-        groups = [self.groups.pop(g) for g in self.adm.consume(ticket)]
-        for g in groups:
-            del self.prompts[g.group]
-        busy = sum(b for b, _ in self.load.values())
-        idle = sum(i for _, i in self.load.values())
-        return groups, idle / max(busy + idle, 1e-9)
+        return self.ledger.consume(ticket)
 
     async def release(self, producer: str) -> list[int]:
-        return self.adm.release(producer)
+        return self.ledger.adm.release(producer)
 
     async def stats(self) -> dict:
-        return {"issued": self.adm.issued, "pending": self.adm.pending(), "consumed": sorted(self.adm.consumed),
-                "generated_lengths": list(self.generated_lengths)}
+        return self.ledger.stats()
 
 
 @ray.remote

@@ -94,3 +94,48 @@ class Admission:
     def pending(self) -> int:
         """Groups admitted and not yet consumed (in flight or waiting in the buffer)."""
         return len(self.leases) + sum(len(s) for s in self.done.values())
+
+
+class Ledger:
+    """The scheduler's state around `Admission`, shared by the Ray scheduler actor and the local
+    mode's threads (each guards it its own way): the prompts of admitted groups, the generated groups
+    awaiting their step, the generated lengths and each producer's cumulative (busy s, idle s)."""
+
+    def __init__(self, task, cfg):
+        self.adm = Admission(cfg.groups_per_step, cfg.eta, cfg.steps)
+        self.it, self.prompts, self.groups = task.prompts(cfg.seed), {}, {}
+        self.generated_lengths: list[int] = []
+        self.load: dict = {}
+
+    def admit(self, producer, version: int, most: int):
+        """(up to `most` [(lease, prompt, meta)], status): status "wait" (newer weights needed for the
+        next one), "done" (all admitted) or None."""
+        leases = []
+        while len(leases) < most:
+            got = self.adm.admit(producer, version)
+            if not isinstance(got, Lease):
+                return leases, got
+            if got.group not in self.prompts:  # groups are first issued in order: the dataset's next prompt
+                self.prompts[got.group] = next(self.it)
+            leases.append((got, *self.prompts[got.group]))
+        return leases, None
+
+    def submit(self, producer, groups, busy_s: float, idle_s: float) -> None:
+        for group in groups:
+            self.adm.submit(producer, group.group)
+            self.groups[group.group] = group
+            self.generated_lengths += [len(c.tokens) for c in group.completions]
+        self.load[producer] = (busy_s, idle_s)
+
+    def consume(self, ticket: int):
+        """Step `ticket`'s groups (it must be ready) and the producers' idle fraction so far."""
+        groups = [self.groups.pop(g) for g in self.adm.consume(ticket)]
+        for g in groups:
+            del self.prompts[g.group]
+        busy = sum(b for b, _ in self.load.values())
+        idle = sum(i for _, i in self.load.values())
+        return groups, idle / max(busy + idle, 1e-9)
+
+    def stats(self) -> dict:
+        return {"issued": self.adm.issued, "pending": self.adm.pending(), "consumed": sorted(self.adm.consumed),
+                "generated_lengths": list(self.generated_lengths)}

@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from bumblebee.runtime.pipeline.admission import Admission, Lease
+from bumblebee.runtime.pipeline.admission import Ledger
 from bumblebee.runtime.pipeline.config import PipelineConfig, PipelineTimeout
 from bumblebee.runtime.pipeline.engine import TransformersEngine, rollout
 from bumblebee.runtime.pipeline.report import emit
@@ -52,12 +52,9 @@ class LocalPipeline:
         self.engine = engine or (lambda device: TransformersEngine(model_config, device=str(device),
                                                                     eos_token_id=task.eos_id,
                                                                     pad_token_id=task.pad_id))
-        self.adm = Admission(cfg.groups_per_step, cfg.eta, cfg.steps)
+        self.ledger = Ledger(task, cfg)  # guarded by self.cond
         self.cond = threading.Condition()
-        self.prompts, self.groups, self.generated_lengths = task.prompts(cfg.seed), {}, []
-        self.prompts_of = {}  # group -> (prompt, meta) while admitted and not yet trained
         self.weights, self.version = None, -1  # the newest published weights and their version
-        self.load = {}  # producer -> (busy s, idle s)
         self.errors: list[BaseException] = []
         self.stopping = False
 
@@ -85,14 +82,10 @@ class LocalPipeline:
                                               f"(weight_timeout_s)")
                 self._newest(engine)  # outside the lock: loading takes time
                 with self.cond:
-                    leases, status = [], None
-                    while not self.stopping and len(leases) < cfg.groups_per_call:
-                        got = self.adm.admit(i, engine.version)  # the version it will generate on
-                        if not isinstance(got, Lease):
-                            status = got
-                            break
-                        leases.append((got, *self._prompt(got.group)))
-                    if self.stopping or (not leases and status == "done"):
+                    if self.stopping:
+                        return
+                    leases, status = self.ledger.admit(i, engine.version, cfg.groups_per_call)
+                    if not leases and status == "done":
                         return
                     if not leases:  # the next prompt would be too stale on these weights
                         if not self.cond.wait_for(newer, cfg.weight_timeout_s):
@@ -104,22 +97,12 @@ class LocalPipeline:
                               refresh=functools.partial(self._newest, engine) if cfg.sampling.chunk_tokens else None)
                 busy += time.monotonic() - t0
                 with self.cond:
-                    for group in out:
-                        self.adm.submit(i, group.group)
-                        self.groups[group.group] = group
-                        self.generated_lengths += [len(c.tokens) for c in group.completions]
-                    self.load[i] = (busy, idle)
+                    self.ledger.submit(i, out, busy, idle)
                     self.cond.notify_all()
         except BaseException as e:  # noqa: BLE001 - handed to the trainer, which raises it
             with self.cond:
                 self.errors.append(e)
                 self.cond.notify_all()
-
-    def _prompt(self, group: int):
-        """Group `group`'s (prompt, meta): groups are first admitted in order, so the next of the dataset."""
-        if group not in self.prompts_of:
-            self.prompts_of[group] = next(self.prompts)
-        return self.prompts_of[group]
 
     # -- trainer -------------------------------------------------------------------------------
     def _publish(self, rt, version: int) -> None:
@@ -132,23 +115,19 @@ class LocalPipeline:
 
     def _take(self, step: int):
         cfg = self.cfg
+        adm = self.ledger.adm
         with self.cond:
-            if not self.cond.wait_for(lambda: self.adm.ready(step) or self.errors, cfg.take_timeout_s):
-                raise PipelineTimeout(f"step {step}: {len(self.adm.done.get(step, ()))} of {cfg.groups_per_step} "
+            if not self.cond.wait_for(lambda: adm.ready(step) or self.errors, cfg.take_timeout_s):
+                raise PipelineTimeout(f"step {step}: {len(adm.done.get(step, ()))} of {cfg.groups_per_step} "
                                       f"groups within {cfg.take_timeout_s:g} s (take_timeout_s)")
             if self.errors:
                 raise RuntimeError("a producer failed") from self.errors[0]
-            groups = [self.groups.pop(g) for g in self.adm.consume(step)]
-            for g in groups:
-                del self.prompts_of[g.group]
-            busy = sum(b for b, _ in self.load.values())
-            idle = sum(i for _, i in self.load.values())
-        return groups, idle / max(busy + idle, 1e-9)
+            return self.ledger.consume(step)
 
     def run(self, *, log_path=None, on_step=print, until=None) -> list[dict]:
         """`until(log) -> bool`: stop after the step where it first holds (e.g. a reward threshold;
         the producers' work beyond it is dropped)."""
-        if self.adm.issued:
+        if self.ledger.adm.issued:
             raise RuntimeError("a LocalPipeline runs once: build another for another run")
         cfg, log = self.cfg, []
         result: dict = {}
@@ -202,5 +181,4 @@ class LocalPipeline:
 
     def stats(self) -> dict:
         with self.cond:
-            return {"issued": self.adm.issued, "pending": self.adm.pending(), "consumed": sorted(self.adm.consumed),
-                    "generated_lengths": list(self.generated_lengths)}
+            return self.ledger.stats()
