@@ -4,8 +4,9 @@
   shard / unshard, `shard_batch` (positions, targets shifted on the full sequence, global count),
   `CPBatch` (what the layers need, passed where they take `cu_seqlens`);
 - `comm.py`: the differentiable all-gather (reduce-scatter backward) and the ring shift;
-- `attention.py`: causal GQA attention by all-gather of K/V or by a ring exchange (packed: masked);
-- `flash.py`: the same two exchanges for unpacked rows on fused kernels (no mask; flash per block);
+- `attention.py`: causal GQA attention by all-gather of K/V or by a ring exchange (the dispatch;
+  the ring's masked form for CUDA fp32);
+- `flash.py`: the two exchanges on fused kernels, per document piece of a chunk (no mask; flash per block);
 - `gdn.py`: gated DeltaNet: conv halo, exact fp32 state passing through the chunks' affine maps
   (one call of fla's rule per rank on CUDA);
 - `mla.py`: MLA by an all-gather of the latent and RoPE key, heads expanded on each rank;

@@ -5,29 +5,30 @@ keys and values come from every rank. A query at global position i attends to th
 start(i) <= j <= i (start: its document's first position), so packed documents need no alignment.
 
 - `allgather`: one differentiable all-gather of K and V (backward: a reduce-scatter of dK, dV), then
-  per local chunk c one masked SDPA call against the keys [lo_c, (c + 1) L) in global order. Exact
-  through autograd; moves (CP - 1) / CP of the sequence's K/V to every rank at once.
+  per piece of a local chunk (its rows of one document) one SDPA call against the keys it sees.
+  Exact through autograd; moves (CP - 1) / CP of the sequence's K/V to every rank at once.
 - `ring`: K/V blocks (a rank's two chunks) travel around the ring, the next block's transfer
-  overlapping this block's compute; each (query chunk, key chunk) pair with any allowed entry gives a
+  overlapping this block's compute; each (query piece, key chunk) block with a visible key gives a
   partial output and log-sum-exp, merged in fp32. The backward runs the ring again from the saved
-  log-sum-exp (the FlashAttention backward in torch, fp32), the next K/V block in flight during each
-  step's compute, and sends each block's dK, dV accumulators after it (another tag), so after CP
-  steps every rank holds its own keys' full gradient.
+  log-sum-exp, the next K/V block in flight during each step's compute, and sends each block's dK,
+  dV accumulators after it (another tag), so after CP steps every rank holds its own keys' full
+  gradient.
 
-Unpacked rows take `flash.py` (fused kernels, no mask; the same exchanges); packed documents take
-the masked paths here, which compute in fp32 (float64 inputs: float64). Shape legend: B batch, H
-query heads, K key/value heads, G = H / K, T global tokens, L chunk length, D head dim.
+Both run on fused kernels (`flash.py`), packed rows or not; `fused` is the dispatch decision. The
+one exception is the ring on CUDA in fp32/float64 (flash takes 16-bit only): `masked_ring` here, the
+FlashAttention recurrence in torch with a [L, L] mask per chunk pair, computing in fp32 (float64
+inputs: float64). Shape legend: B batch, H query heads, K key/value heads, G = H / K, T global
+tokens, L chunk length, D head dim.
 """
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from bumblebee.checks import check_attention_inputs
 from bumblebee.norms import to_acc
 from bumblebee.primitives.context_parallel import flash
-from bumblebee.primitives.context_parallel.comm import gather, ring_shift
-from bumblebee.primitives.context_parallel.layout import CPBatch, layout_index, rank_chunks
+from bumblebee.primitives.context_parallel.comm import ring_shift
+from bumblebee.primitives.context_parallel.layout import CPBatch, rank_chunks
 
 
 def check_batch(batch, q) -> CPBatch:
@@ -43,25 +44,16 @@ def _mask(q_pos, q_start, k_pos):
     return (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] >= q_start[:, None])
 
 
+def fused(q: torch.Tensor, exchange: str) -> bool:
+    """Whether `exchange` runs on the fused kernels for q (packed or not): the all-gather always (SDPA
+    takes every dtype), the ring where the flash op takes q's dtype (`flash.ring_usable`)."""
+    return exchange == "allgather" or flash.ring_usable(q)
+
+
 def allgather_attention(q, k, v, *, scale, batch: CPBatch):
     """q [B, H, 2L, D], k, v [B, K, 2L, D] of this rank -> o [B, H, 2L, D] in q's dtype."""
     check_attention_inputs(q, k, v)
-    batch = check_batch(batch, q)
-    if flash.usable(q, batch):
-        return flash.allgather_dense(q, k, v, scale=scale, batch=batch)
-    L, dtype = batch.chunk, q.dtype
-    order = torch.argsort(layout_index(batch.T, batch.cp, q.device))
-    k_all, v_all = (gather(t, batch.group, dim=2).index_select(2, order) for t in (k, v))  # global order
-    pos = torch.arange(batch.T, device=q.device)
-    outs = []
-    for i, c in enumerate(rank_chunks(batch.rank, batch.cp)):
-        lo, hi = batch.lo[i], (c + 1) * L
-        mask = _mask(batch.chunk_index(i), batch.starts[i * L:(i + 1) * L], pos[lo:hi])
-        qc = to_acc(q[:, :, i * L:(i + 1) * L])
-        o = F.scaled_dot_product_attention(qc, to_acc(k_all[:, :, lo:hi]), to_acc(v_all[:, :, lo:hi]),
-                                           attn_mask=mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
-        outs.append(o)
-    return torch.cat(outs, dim=2).to(dtype)
+    return flash.allgather_dense(q, k, v, scale=scale, batch=check_batch(batch, q))
 
 
 def _pairs(batch: CPBatch, src: int):
@@ -167,11 +159,17 @@ def ring_attention(q, k, v, *, scale, batch: CPBatch):
     """q [B, H, 2L, D], k, v [B, K, 2L, D] of this rank -> o [B, H, 2L, D] in q's dtype."""
     check_attention_inputs(q, k, v)
     batch = check_batch(batch, q)
-    if batch.cp == 1:
-        return allgather_attention(q, k, v, scale=scale, batch=batch)
-    if flash.usable(q, batch):
+    if fused(q, "ring"):
         return flash.ring_dense(q, k, v, scale=scale, batch=batch)
+    if batch.cp == 1:  # nothing to exchange
+        return flash.allgather_dense(q, k, v, scale=scale, batch=batch)
     return _Ring.apply(q, k, v, scale, batch)
+
+
+def masked_ring(q, k, v, *, scale, batch: CPBatch):
+    """The ring in torch with a mask per chunk pair (what `ring` runs on CUDA in fp32/float64)."""
+    check_attention_inputs(q, k, v)
+    return _Ring.apply(q, k, v, scale, check_batch(batch, q))
 
 
 EXCHANGES = {"allgather": allgather_attention, "ring": ring_attention}

@@ -1,21 +1,28 @@
-"""Attention over a context-parallel shard of unpacked rows on PyTorch's fused attention kernels.
+"""Attention over a context-parallel shard on PyTorch's fused attention kernels, packed rows included.
 
-Without packed documents every (query chunk, key chunk) pair is either all visible (an earlier key
-chunk), causal on its diagonal (the same chunk) or empty (a later one), so no mask is ever built:
+A local chunk's queries, cut at the document starts inside it (`CPBatch.segments`), fall into
+pieces of one document each. A piece of rows [a, b) of chunk c whose document starts at s sees the
+keys [s, cL + b) of the global sequence, and those keys are causal to it bottom-right aligned: the
+piece's last query sees every key of the range, its first the range less b - a - 1. Per piece and
+key chunk that is all visible (an earlier key chunk, clipped at s), causal on the diagonal (the same
+chunk: square) or empty, so no mask is ever built; unpacked rows are the one-piece case (s = 0).
 
-- `allgather_dense`: the all-gathered K/V in global order, then per local chunk c one SDPA call of its
-  L queries against the (c + 1) L keys before and in it with a lower-right causal mask
+- `allgather_dense`: the all-gathered K/V in global order, then per piece one SDPA call of its
+  queries against the keys [s, cL + b) with a lower-right causal mask
   (`torch.nn.attention.bias.causal_lower_right`: FlashAttention on CUDA, no mask in memory).
-- `ring_dense`: the ring of `attention.py` with each block on the flash kernel's own forward (output
-  and log-sum-exp) and backward (from the merged output and log-sum-exp, as FlashAttention's backward
-  takes them): `aten._scaled_dot_product_flash_attention[_backward]` on CUDA, its CPU twin
-  `..._for_cpu[_backward]` elsewhere. Partial outputs merge in fp32; dQ, dK, dV accumulate in fp32.
+- `ring_dense`: the ring of `attention.py` with each (piece, key chunk) block on the flash kernel's
+  own forward (output and log-sum-exp) and backward (from the merged output and log-sum-exp, as
+  FlashAttention's backward takes them): `aten._scaled_dot_product_flash_attention[_backward]` on
+  CUDA, its CPU twin `..._for_cpu[_backward]` elsewhere. Partial outputs merge in fp32 (a query's
+  log-sum-exp starts at -inf: its first block sets it); dQ, dK, dV accumulate in fp32.
   Backward: the K/V blocks travel the ring again (the next one in flight during each step's
   compute) and each block's dK/dV accumulator travels with it, arriving at its owner after CP steps:
   the exchange of the forward, with the gradients riding it back home.
 
 Key/value heads are repeated to the query heads on the receiving rank (the wire carries K heads);
 dK/dV sum over each group. Inputs keep their dtype (bf16 in training); the kernels accumulate in fp32.
+A packed row costs one kernel call per piece: many short documents mean many small calls (varlen
+kernels would take them in one).
 """
 from __future__ import annotations
 
@@ -30,9 +37,10 @@ from bumblebee.primitives.context_parallel.layout import CPBatch, layout_index, 
 HALF = (torch.bfloat16, torch.float16)
 
 
-def usable(q: torch.Tensor, batch: CPBatch) -> bool:
-    """Whether the fused path serves: unpacked rows, and on CUDA a 16-bit dtype (flash's)."""
-    return not batch.packed and (q.device.type != "cuda" or q.dtype in HALF)
+def ring_usable(q: torch.Tensor) -> bool:
+    """Whether the ring's blocks run on the flash op for q: any dtype on CPU, 16-bit on CUDA (flash's).
+    The all-gather is always fused (SDPA takes every dtype)."""
+    return q.device.type != "cuda" or q.dtype in HALF
 
 
 def _expand(t, groups):
@@ -51,9 +59,11 @@ def allgather_dense(q, k, v, *, scale, batch: CPBatch):
     k_all, v_all = (_expand(gather(t, batch.group, dim=2).index_select(2, order), G) for t in (k, v))
     outs = []
     for i, c in enumerate(rank_chunks(batch.rank, batch.cp)):
-        hi = (c + 1) * L
-        outs.append(F.scaled_dot_product_attention(q[:, :, i * L:(i + 1) * L], k_all[:, :, :hi], v_all[:, :, :hi],
-                                                   attn_mask=causal_lower_right(L, hi), scale=scale))
+        for a, b, start in batch.segments(i):
+            hi = c * L + b
+            outs.append(F.scaled_dot_product_attention(
+                q[:, :, i * L + a:i * L + b], k_all[:, :, start:hi], v_all[:, :, start:hi],
+                attn_mask=causal_lower_right(b - a, hi - start), scale=scale))
     return torch.cat(outs, dim=2)
 
 
@@ -76,41 +86,55 @@ def block_backward(do, q, k, v, o, lse, causal: bool, scale: float, aux):
                                                                              scale=scale)
 
 
-def _pairs(batch: CPBatch, src: int):
-    """(query slot, key slot, causal) of this rank's chunks against rank `src`'s with any visible key."""
-    return [(i, j, ck == cq) for i, cq in enumerate(rank_chunks(batch.rank, batch.cp))
-            for j, ck in enumerate(rank_chunks(src, batch.cp)) if ck <= cq]
+def blocks(batch: CPBatch, src: int) -> list[tuple]:
+    """(query slot i, key slot j, rows a:b of chunk i, key rows ka:kb of chunk j, causal) of every
+    block of this rank's pieces against rank `src`'s chunks with a visible key."""
+    L, out = batch.chunk, []
+    for i, cq in enumerate(rank_chunks(batch.rank, batch.cp)):
+        pieces = batch.segments(i)
+        for j, ck in enumerate(rank_chunks(src, batch.cp)):
+            for a, b, start in pieces:
+                if ck == cq:  # the piece against its own rows: square, causal
+                    out.append((i, j, a, b, a, b, True))
+                elif ck < cq and start < (ck + 1) * L:  # an earlier chunk, clipped at the document start
+                    out.append((i, j, a, b, max(start - ck * L, 0), L, False))
+    return out
 
 
 def _halves(t, L):
     return [t[:, :, :L], t[:, :, L:]]
 
 
+def _rows(t, a, b):
+    return t[:, :, a:b].contiguous()
+
+
 class _RingDense(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, scale, batch):
         L, cp, rank, G = batch.chunk, batch.cp, batch.rank, q.shape[1] // k.shape[1]
-        qs = [t.contiguous() for t in _halves(q, L)]
-        o, lse, aux = [None, None], [None, None], None
-        kv = [k, v]
+        acc = torch.promote_types(q.dtype, torch.float32)  # fp32 accumulators (float64 inputs: float64)
+        qs = _halves(q, L)
+        o = [q.new_zeros(t.shape, dtype=acc) for t in qs]
+        lse = [q.new_full(t.shape[:3], float("-inf"), dtype=acc) for t in qs]
+        kv, aux = [k, v], []
         for s in range(cp):
             pending = ring_shift(kv, batch.group) if s < cp - 1 else None  # the next block in flight
             ks, vs = (_halves(_expand(t, G), L) for t in kv)
-            for i, j, causal in _pairs(batch, (rank - s) % cp):
-                ob, lb, a = block_forward(qs[i], ks[j].contiguous(), vs[j].contiguous(), causal, scale)
-                aux = a if aux is None else aux
-                if o[i] is None:
-                    o[i], lse[i] = to_acc(ob), lb
-                else:  # log-sum-exp merge in fp32
-                    new = torch.logaddexp(lse[i], lb)
-                    o[i] = o[i] * (lse[i] - new).exp()[..., None] + to_acc(ob) * (lb - new).exp()[..., None]
-                    lse[i] = new
+            for i, j, a, b, ka, kb, causal in blocks(batch, (rank - s) % cp):
+                ob, lb, x = block_forward(_rows(qs[i], a, b), _rows(ks[j], ka, kb), _rows(vs[j], ka, kb), causal,
+                                          scale)
+                aux.append(x)
+                new = torch.logaddexp(lse[i][:, :, a:b], lb)  # log-sum-exp merge in fp32
+                o[i][:, :, a:b] = (o[i][:, :, a:b] * (lse[i][:, :, a:b] - new).exp()[..., None]
+                                   + to_acc(ob) * (lb - new).exp()[..., None])
+                lse[i][:, :, a:b] = new
             if pending is not None:
                 bufs, reqs = pending
                 for r in reqs:
                     r.wait()
                 kv = bufs
-        out = torch.cat(o, dim=2).to(q.dtype)  # every query sees itself: both halves are set
+        out = torch.cat(o, dim=2).to(q.dtype)  # every query sees itself: every row is set
         ctx.save_for_backward(q, k, v, out, torch.cat(lse, dim=2))
         ctx.scale, ctx.batch, ctx.aux = scale, batch, aux
         return out
@@ -118,10 +142,9 @@ class _RingDense(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do):
         q, k, v, out, lse = ctx.saved_tensors
-        batch, scale, aux = ctx.batch, ctx.scale, ctx.aux
+        batch, scale, aux = ctx.batch, ctx.scale, iter(ctx.aux)  # the blocks come in the forward's order
         L, cp, rank, G = batch.chunk, batch.cp, batch.rank, q.shape[1] // k.shape[1]
-        qs, os_, dos = ([t.contiguous() for t in _halves(x, L)] for x in (q, out, do.to(q.dtype)))
-        lses = [lse[:, :, :L].contiguous(), lse[:, :, L:].contiguous()]
+        qs, os_, dos, lses = (_halves(x, L) for x in (q, out, do.to(q.dtype), lse))
         acc = torch.promote_types(q.dtype, torch.float32)  # fp32 accumulators (float64 inputs: float64)
         dq = [torch.zeros_like(t, dtype=acc) for t in qs]
         kv = [k, v]
@@ -130,12 +153,13 @@ class _RingDense(torch.autograd.Function):
             prefetch = ring_shift(kv, batch.group, tag=1) if s < cp - 1 else None
             ks, vs = (_halves(_expand(t, G), L) for t in kv)
             dk, dv = _halves(dkv[0].clone(), L), _halves(dkv[1].clone(), L)
-            for i, j, causal in _pairs(batch, (rank - s) % cp):
-                gq, gk, gv = block_backward(dos[i], qs[i], ks[j].contiguous(), vs[j].contiguous(), os_[i], lses[i],
-                                            causal, scale, aux)
-                dq[i] = dq[i] + to_acc(gq)
-                dk[j] = dk[j] + _fold(to_acc(gk), G)
-                dv[j] = dv[j] + _fold(to_acc(gv), G)
+            for i, j, a, b, ka, kb, causal in blocks(batch, (rank - s) % cp):
+                gq, gk, gv = block_backward(_rows(dos[i], a, b), _rows(qs[i], a, b), _rows(ks[j], ka, kb),
+                                            _rows(vs[j], ka, kb), _rows(os_[i], a, b),
+                                            lses[i][:, :, a:b].contiguous(), causal, scale, next(aux))
+                dq[i][:, :, a:b] += to_acc(gq)
+                dk[j][:, :, ka:kb] += _fold(to_acc(gk), G)
+                dv[j][:, :, ka:kb] += _fold(to_acc(gv), G)
             # the block's gradients follow it: after the last step they arrive at their owner
             dkv, reqs = [torch.cat(dk, dim=2), torch.cat(dv, dim=2)], []
             if cp > 1:

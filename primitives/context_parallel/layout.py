@@ -124,6 +124,13 @@ class CPBatch:
     def chunk_index(self, i: int) -> torch.Tensor:
         return self.index[i * self.chunk:(i + 1) * self.chunk]
 
+    def segments(self, i: int) -> list[tuple[int, int, int]]:
+        """Local chunk i cut at its document starts: (a, b, start) per piece, its query rows [a, b) in
+        the chunk and the global start of their one document (unpacked: one piece, start 0)."""
+        c, L = rank_chunks(self.rank, self.cp)[i], self.chunk
+        bounds = sorted({0, L, *self.cuts[i]})
+        return [(a, b, self.lo[i] if a == 0 else c * L + a) for a, b in zip(bounds, bounds[1:])]
+
 
 def make_batch(group, T: int, cu_seqlens=None, device=None) -> CPBatch:
     """The CPBatch of this rank for rows of T global tokens (cu_seqlens over them: B = 1 packed)."""

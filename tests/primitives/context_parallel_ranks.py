@@ -16,6 +16,7 @@ from tests.limits import PROCESS_GROUP_TIMEOUT
 from tests.ranks import leave_group
 
 EPS32 = torch.finfo(torch.float32).eps
+EPS64 = torch.finfo(torch.float64).eps
 
 
 def _port() -> int:
@@ -53,3 +54,10 @@ def error(got: torch.Tensor, want64: torch.Tensor, fp32: torch.Tensor) -> tuple[
 def within(errors: dict) -> list[str]:
     """The names of the checks outside the rule, with their numbers."""
     return [f"{name}: {e} > 4 x {r} + {floor}" for name, (e, r, floor) in errors.items() if not e <= 4 * r + floor]
+
+
+def error64(got: torch.Tensor, want64: torch.Tensor, fp32: torch.Tensor) -> tuple[float, float, float]:
+    """`error` for a float64 run against the float64 reference: PyTorch's own float64 error taken as
+    the fp32 run's scaled by eps64 / eps32 (the same operations' rounding, one precision down)."""
+    e, r, floor = error(got, want64, fp32)
+    return e, r * EPS64 / EPS32, floor * EPS64 / EPS32

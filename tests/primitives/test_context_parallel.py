@@ -1,13 +1,18 @@
 """Context parallelism against the same layer on the full sequence on one rank (fp32, gloo, CPU).
 
-Layout (no ranks): shard / unshard, positions, targets shifted on the full sequence, bad input.
-Layers at CP = 2 and 4 (one spawn of 4 ranks): causal GQA attention (ratios 1, 4, 8; all-gather and ring;
-unpacked with B = 2, and packed with one-token documents and documents that do not divide by 2 x CP,
-span chunks and ranks), and gated DeltaNet (state passing across 2 x CP chunks, a chunk longer than
-the rule's 64-token block, conv halo, packed), and MLA (with and without a query LoRA, all-gather of
-the latent and RoPE key, packed). Every rank's outputs and input gradients at its own
-positions, and the sum of its parameter gradients over ranks, lie within 4x the fp32 single-rank
-layer's own error against float64 plus 8 ulps; input gradients off the rank's positions are zero.
+Layout (no ranks): shard / unshard, positions, targets shifted on the full sequence, bad input; the
+dispatch (one process): packed rows run the fused kernels, one flash block per document piece.
+Layers at CP = 2 and 4 (one spawn of 4 ranks): causal GQA attention (ratios 1, 4, 8; all-gather and
+ring on the fused kernels in fp32 and float64, the ring's masked form in fp32; unpacked with B = 2,
+and packed with one-token documents, documents that do not divide by 2 x CP, start on chunk edges,
+span chunks and ranks), the exchanges between projections (weight gradients; packed), gated
+DeltaNet (state passing across 2 x CP chunks, a chunk longer than the rule's 64-token block, conv
+halo, packed), and MLA (with and without a query LoRA, all-gather of the latent and RoPE key,
+packed). Every rank's outputs and input gradients at its own positions, and the sum of its
+parameter gradients over ranks, lie within 4x the fp32 single-rank layer's own error against
+float64 plus 8 ulps (float64 runs: the same scaled by eps64 / eps32); input gradients off the
+rank's positions are zero. The attention reference takes its softmax in float64 (the eager twin,
+the fp32 run, in fp32).
 """
 from __future__ import annotations
 
@@ -19,12 +24,14 @@ from bumblebee.baselines.attention import eager_attention
 from bumblebee.baselines.linear_attention import ChunkedGatedDeltaNet
 from bumblebee.baselines.mla import NaiveMLA
 from bumblebee.primitives.context_parallel import layout
-from bumblebee.primitives.context_parallel.attention import EXCHANGES
+from bumblebee.primitives.context_parallel.attention import EXCHANGES, masked_ring
 from bumblebee.primitives.context_parallel.gdn import gdn_forward
 from bumblebee.primitives.context_parallel.mla import mla_forward
-from tests.primitives.context_parallel_ranks import error, spawn, within
+from tests.primitives.context_parallel_ranks import error, error64, spawn, within
 
 PACKED = torch.tensor([0, 5, 6, 30, 31, 48])  # one-token documents at 5 and 30; 48 tokens
+# documents starting on chunk edges (12 at CP = 2 and 4), a one-token one there, one at the row's end
+PACKED_EDGES = torch.tensor([0, 12, 13, 25, 47, 48])
 LONG = torch.tensor([0, 1, 100, 288])  # chunks of 72 (CP = 2) or 36 (CP = 4) tokens
 
 
@@ -84,6 +91,41 @@ def test_bad_layout_input_names_the_argument():
         layout.make_batch(None, 8, torch.tensor([0, 3, 7]))
     with pytest.raises(ValueError, match="CPBatch"):
         EXCHANGES["allgather"](*(torch.zeros(1, 2, 8, 4) for _ in range(3)), scale=1.0, batch=None)
+
+
+# ---- which path runs (one process, CP = 1) ---------------------------------------------------
+
+def test_fused_paths_take_packed_rows(monkeypatch):
+    """Packed rows run the fused kernels: the dispatch says so, the masked forms (`_mask`, `_Ring`) are
+    never called, and the ring's flash blocks are one per (document piece, key chunk) with a visible key."""
+    from types import SimpleNamespace
+
+    from bumblebee.primitives.context_parallel import attention, flash
+    for dtype in (torch.float32, torch.float64, torch.bfloat16):  # on CPU: every dtype
+        q = torch.zeros(1, dtype=dtype)
+        assert attention.fused(q, "ring") and attention.fused(q, "allgather")
+    for dtype, want in ((torch.float32, False), (torch.bfloat16, True)):  # flash on CUDA takes 16-bit only
+        fake = SimpleNamespace(device=torch.device("cuda"), dtype=dtype)
+        assert attention.fused(fake, "ring") is want and attention.fused(fake, "allgather")
+
+    def refuse(*_, **__):
+        raise AssertionError("the masked path ran")
+    monkeypatch.setattr(attention, "_mask", refuse)
+    monkeypatch.setattr(attention._Ring, "apply", refuse)
+    rows, block_forward = [], flash.block_forward
+    monkeypatch.setattr(flash, "block_forward", lambda q, *a: rows.append(q.shape[2]) or block_forward(q, *a))
+    batch = layout.make_batch(None, 48, PACKED)  # chunks [0, 24) and [24, 48) on the one rank
+    for dtype in (torch.float32, torch.float64):
+        q, k, v, w = (t.to(dtype) for t in _inputs([(1, 4, 48, 8), (1, 2, 48, 8), (1, 2, 48, 8), (1, 4, 48, 8)], 1))
+        want = _grads_of(lambda *t: _reference(*t, scale=0.3, cu_seqlens=PACKED), (q, k, v), w)
+        for exchange in EXCHANGES.values():
+            got = _grads_of(lambda *t: exchange(*t, scale=0.3, batch=batch), (q, k, v), w)
+            tol = 64 * torch.finfo(dtype).eps
+            for a, b in zip([got[0], *got[1]], [want[0], *want[1]]):
+                assert (a - b).abs().max() <= tol * b.abs().max()
+    # per dtype: chunk 0's pieces 0:5, 5:6, 6:24 (causal), chunk 1's first piece (document 6..29)
+    # against chunk 0's keys 6:24, then chunk 1's pieces 24:30, 30:31, 31:48 (causal)
+    assert rows == [5, 1, 18, 6, 6, 1, 17] * 2
 
 
 # ---- the memory estimator's cp size (tools/memory.py) -----------------------------------------
@@ -153,31 +195,90 @@ def _grads_of(fn, leaves, w):
     return out.detach(), [t.grad for t in leaves]
 
 
+def _reference(q, k, v, *, scale, cu_seqlens):
+    """Causal GQA attention with the whole softmax in the inputs' dtype (float64: the float64
+    reference; the eager twin takes its softmax in fp32)."""
+    T, G = q.shape[2], q.shape[1] // k.shape[1]
+    starts = layout.doc_starts(cu_seqlens, T, q.device)
+    pos = torch.arange(T)
+    s = q @ k.repeat_interleave(G, 1).transpose(-1, -2) * scale
+    s = s.masked_fill(~((pos[None, :] <= pos[:, None]) & (pos[None, :] >= starts[:, None])), float("-inf"))
+    return torch.softmax(s, -1) @ v.repeat_interleave(G, 1)
+
+
+def _attend_full(cu):
+    """The single-rank attention: the float64 reference, and in fp32 the eager twin (PyTorch's own error)."""
+    def attend(q, k, v, scale):
+        fn = _reference if q.dtype == torch.float64 else eager_attention
+        return fn(q, k, v, scale=scale, cu_seqlens=cu)
+    return attend
+
+
 def _attention_checks(group, errors, off, refs):
+    """Every exchange (fp32 and float64 inputs; the ring's masked form in fp32) on q, k, v against the
+    single-rank attention: outputs, input gradients at this rank's positions, zero gradient off them."""
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
     H, D, T = 8, 8, 48
+    paths = {**EXCHANGES, "masked_ring": masked_ring}
     for kv in (8, 2, 1):  # GQA ratios 1, 4, 8
-        for cu in (None, PACKED):
+        for cu in (None, PACKED, PACKED_EDGES):
             B = 2 if cu is None else 1
             q, k, v, w = _inputs([(B, H, T, D), (B, kv, T, D), (B, kv, T, D), (B, H, T, D)], seed=kv)
-            ref = lambda *t: eager_attention(*t, scale=0.3, cu_seqlens=cu)  # noqa: E731
-            key = f"attention kv={kv} packed={cu is not None}"
+            ref = lambda *t: _attend_full(cu)(*t, scale=0.3)  # noqa: E731
+            key = f"attention kv={kv} packed={_name(cu)}"
             if key not in refs:  # the single-rank runs do not depend on CP: once per process
                 refs[key] = (*_grads_of(ref, (q, k, v), w), *_grads_of(ref, [t.float() for t in (q, k, v)], w))
             o64, g64, o32, g32 = refs[key]
             batch = layout.make_batch(group, T, cu)
             idx = batch.index
-            for name, exchange in EXCHANGES.items():
-                def cp_fn(*full):
-                    return exchange(*(layout.shard(t, cp, rank, dim=2) for t in full), scale=0.3, batch=batch)
-                o, grads = _grads_of(cp_fn, [t.float() for t in (q, k, v)], layout.shard(w, cp, rank, dim=2))
-                case = f"attention {name} kv={kv} packed={cu is not None}"
-                errors[f"{case} out"] = error(o, o64[:, :, idx], o32[:, :, idx])
-                for n, g, a, b in zip("qkv", grads, g64, g32):
-                    errors[f"{case} d{n}"] = error(g[:, :, idx], a[:, :, idx], b[:, :, idx])
-                    g = g.clone()
-                    g[:, :, idx] = 0
-                    off[f"{case} d{n}"] = g.abs().max().item()
+            for name, exchange in paths.items():
+                for dtype in (torch.float32, torch.float64):
+                    if name == "masked_ring" and dtype == torch.float64:
+                        continue  # float64 is the fused paths' case (the masked one computes as before)
+                    def cp_fn(*full):
+                        return exchange(*(layout.shard(t, cp, rank, dim=2) for t in full), scale=0.3, batch=batch)
+                    o, grads = _grads_of(cp_fn, [t.to(dtype) for t in (q, k, v)], layout.shard(w, cp, rank, dim=2))
+                    assert o.dtype == dtype
+                    rule = error if dtype == torch.float32 else error64
+                    case = f"attention {name} {dtype} kv={kv} packed={_name(cu)}"
+                    errors[f"{case} out"] = rule(o, o64[:, :, idx], o32[:, :, idx])
+                    for n, g, a, b in zip("qkv", grads, g64, g32):
+                        errors[f"{case} d{n}"] = rule(g[:, :, idx], a[:, :, idx], b[:, :, idx])
+                        g = g.clone()
+                        g[:, :, idx] = 0
+                        off[f"{case} d{n}"] = g.abs().max().item()
+
+
+class _Projected(torch.nn.Module):
+    """Attention between projections (q, k, v, o; GQA 4 / 2), so weight gradients are checked too."""
+
+    def __init__(self, dim=32, heads=4, kv_heads=2, head_dim=8):
+        super().__init__()
+        self.shape = (heads, kv_heads, head_dim)
+        self.q, self.o = torch.nn.Linear(dim, heads * head_dim), torch.nn.Linear(heads * head_dim, dim)
+        self.kv = torch.nn.Linear(dim, 2 * kv_heads * head_dim)
+
+    def forward(self, x_BTD, attend):
+        (H, K, D), (B, T, _) = self.shape, x_BTD.shape
+        q = self.q(x_BTD).view(B, T, H, D).transpose(1, 2)
+        k, v = self.kv(x_BTD).view(B, T, 2 * K, D).transpose(1, 2).split(K, dim=1)
+        return self.o(attend(q, k, v, 0.3).transpose(1, 2).reshape(B, T, H * D))
+
+
+def _projected_checks(group, errors, off, refs):
+    """Both exchanges inside a projected layer, packed: outputs, input and weight gradients."""
+    for cu in (PACKED, PACKED_EDGES):
+        batch = layout.make_batch(group, 48, cu)
+        for name, exchange in EXCHANGES.items():
+            torch.manual_seed(11)
+            _module_checks(group, errors, off, refs, f"projected {name} packed={_name(cu)}", _twins(_Projected),
+                           lambda layer, t: layer(t, _attend_full(cu)),
+                           lambda layer, t: layer(t, lambda q, k, v, s: exchange(q, k, v, scale=s, batch=batch)),
+                           *_inputs([(1, 48, 32), (1, 48, 32)], seed=12), batch.index)
+
+
+def _name(cu):
+    return "no" if cu is None else "-".join(map(str, cu.tolist()))
 
 
 def _module_checks(group, errors, off, refs, case, layers, full, local, x, w, idx):
@@ -255,6 +356,7 @@ def layers(world):
     for cp, group in ((4, world), (2, pairs[dist.get_rank() // 2])):
         errors, off = {}, {}
         _attention_checks(group, errors, off, refs)
+        _projected_checks(group, errors, off, refs)
         _gdn_checks(group, errors, off, refs)
         _mla_checks(group, errors, off, refs)
         out[cp] = {"errors": errors, "off": off}

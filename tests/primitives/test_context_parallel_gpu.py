@@ -2,7 +2,7 @@
 
 - the fused ring's blocks (`flash.block_forward` / `block_backward`, PyTorch's flash kernel) and the
   ring itself at CP = 1 (the same block schedule, no exchange) against float64 attention;
-- the all-gather's lower-right causal path at CP = 1;
+- the all-gather's lower-right causal path at CP = 1, unpacked and packed (per document piece);
 - gated DeltaNet's `fla_rule` (fla's kernel with an entering state, its final state and their
   gradients) against `torch_rule` (the torch chunked rule), unpacked and packed, and the whole
   cp rule on fla against it.
@@ -22,12 +22,16 @@ pytestmark = pytest.mark.gpu
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-def _attention_ref(q, k, v, scale, causal):
+def _attention_ref(q, k, v, scale, causal, cu_seqlens=None):
     G = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(G, 1), v.repeat_interleave(G, 1)
     s = q @ k.transpose(-1, -2) * scale
     if causal:
-        s = s.masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril(), float("-inf"))
+        allowed = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril()
+        if cu_seqlens is not None:  # block-diagonal: each query's own document only
+            starts = layout.doc_starts(cu_seqlens, s.shape[-1], s.device)
+            allowed &= starts[None, :] == starts[:, None]
+        s = s.masked_fill(~allowed, float("-inf"))
     return torch.softmax(s, -1) @ v, torch.logsumexp(s, -1)
 
 
@@ -62,16 +66,22 @@ def test_flash_block_forward_and_backward(causal, D):
 
 
 @cuda
+@pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("exchange", ["allgather", "ring"])
-def test_fused_paths_at_cp1_equal_causal_attention(exchange):
+def test_fused_paths_at_cp1_equal_causal_attention(exchange, packed):
+    """Packed: a one-token document, one ending on the chunk edge (1024), one shorter than a chunk."""
     T, H, K, D = 2048, 8, 2, 128
+    cu = torch.tensor([0, 1, 700, 1024, 1500, 2048]) if packed else None
     g = torch.Generator(device="cuda").manual_seed(1)
     q, k, v, w = (torch.randn(1, h, T, D, device="cuda", generator=g) for h in (H, K, K, H))
-    batch = layout.make_batch(None, T, None, "cuda")
+    batch = layout.make_batch(None, T, cu, "cuda")
     fn = flash.allgather_dense if exchange == "allgather" else flash.ring_dense
     got = _grads(lambda *t: fn(*t, scale=D ** -0.5, batch=batch), [t.bfloat16() for t in (q, k, v)], w)
-    ref = _grads(lambda *t: _attention_ref(*t, D ** -0.5, True)[0], [t.double() for t in (q, k, v)], w.double())
-    plain = _grads(lambda *t: F.scaled_dot_product_attention(*t, is_causal=True, scale=D ** -0.5, enable_gqa=True),
+    ref = _grads(lambda *t: _attention_ref(*t, D ** -0.5, True, cu)[0], [t.double() for t in (q, k, v)], w.double())
+    pos, starts = torch.arange(T, device="cuda"), batch.all_starts  # SDPA as a user calls it, in bf16
+    mask = dict(attn_mask=(pos[None] <= pos[:, None]) & (starts[None] == starts[:, None])) if packed else \
+        dict(is_causal=True)
+    plain = _grads(lambda *t: F.scaled_dot_product_attention(*t, scale=D ** -0.5, enable_gqa=True, **mask),
                    [t.bfloat16() for t in (q, k, v)], w)
     _close(got, ref, plain)
 
