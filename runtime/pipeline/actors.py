@@ -156,7 +156,8 @@ class Trainer:
         else:  # p2p: the channel's group holds the trainer's ranks (a subgroup of their own) and the producers
             channel.attach(self.rank)
             self.group = getattr(self.channel, "trainer_group", None)
-        self.rt, self.ref = build_runtime(self.model_config, self.cfg, group=self.group, device=self.device)
+        self.rt, self.ref = build_runtime(self.model_config, self.cfg, group=self.group, device=self.device,
+                                          ep_mesh=getattr(self.channel, "ep_mesh", None))
 
     def publish(self) -> int:
         if self.world > 1:

@@ -93,9 +93,6 @@ class PipelineConfig:
         if self.weights == "p2p" and self.restarts:
             raise ValueError("restarts must be 0 with weights='p2p': a dead rank breaks the transfer's group "
                              "(the object_store channel survives restarts)")
-        if self.weights == "p2p" and self.expert_parallel > 1:
-            raise ValueError("expert_parallel must be 1 with weights='p2p': the experts' mesh is made over the "
-                             "default group, which the channel's group extends to the producers")
         if self.trainer_ranks % self.expert_parallel:
             raise ValueError(f"expert_parallel must divide trainer_ranks, got expert_parallel={self.expert_parallel} "
                              f"with trainer_ranks={self.trainer_ranks}")

@@ -54,7 +54,8 @@ class Pipeline:
             from bumblebee.runtime.pipeline.weights_p2p import P2PChannel
             address = get(self.trainer.address.remote(), cfg.call_timeout_s, "the trainer's address")
             self.channel = P2PChannel(cfg.producers, address, cfg.weight_timeout_s, trainers=cfg.trainer_ranks,
-                                      trainer_timeout_s=cfg.take_timeout_s + 2 * cfg.call_timeout_s)
+                                      trainer_timeout_s=cfg.take_timeout_s + 2 * cfg.call_timeout_s,
+                                      expert_parallel=cfg.expert_parallel)
         address = None
         if cfg.trainer_ranks > 1 and cfg.weights != "p2p":  # the trainer's ranks' own group, at rank 0's address
             address = get(self.trainer.address.remote(), cfg.call_timeout_s, "the trainer's address")

@@ -15,13 +15,14 @@ from bumblebee.runtime.pipeline.engine import rollout
 from bumblebee.runtime.pipeline.samples import Group, informative, to_batch
 
 
-def build_runtime(model_config: dict, cfg: PipelineConfig, group=None, device="cpu"):
+def build_runtime(model_config: dict, cfg: PipelineConfig, group=None, device="cpu", ep_mesh=None):
     """(Runtime of the policy, Runtime of the reference or None): the model on `device` under
     `cfg.state_sharding` on `group` (the trainer's own ranks), or on a one-rank group (gloo, and NCCL
     for CUDA), created here when none exists (the trainer actor's own process). With
-    `cfg.expert_parallel` = EP > 1 each rank keeps E / EP experts (`shard_experts` on an
-    (efsdp, ep) mesh over `group`, which must then be the default group: its subgroups are made
-    by every rank of it) and the MoE dispatch is "all_to_all" unless `cfg.impl` names "chunked".
+    `cfg.expert_parallel` = EP > 1 each rank keeps E / EP experts (`shard_experts` on the (efsdp, ep)
+    mesh `ep_mesh` over the ranks of `group`, `expert_mesh`'s; without one it is made here over
+    `group`, which must then be the default group: its subgroups are made by every rank of it) and
+    the MoE dispatch is "all_to_all" unless `cfg.impl` names "chunked".
     On CUDA the caller's current device must be `device` (the mesh takes the current one)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -42,19 +43,48 @@ def build_runtime(model_config: dict, cfg: PipelineConfig, group=None, device="c
         if impl["moe_dispatch"] not in ("all_to_all", "chunked"):
             raise ValueError(f"expert_parallel={ep} needs impl['moe_dispatch'] 'all_to_all' or 'chunked', "
                              f"got {impl['moe_dispatch']!r}")
-        if mesh.size() % ep or (group is not None and dist.get_world_size() != mesh.size()):
+        if ep_mesh is not None:
+            if ep_mesh.mesh_dim_names != ("efsdp", "ep") or ep_mesh["ep"].size() != ep or \
+                    sorted(ep_mesh.mesh.flatten().tolist()) != sorted(mesh.mesh.flatten().tolist()):
+                raise ValueError(f"ep_mesh must be an (efsdp, ep) mesh with ep = expert_parallel = {ep} over the "
+                                 f"trainer's ranks {mesh.mesh.flatten().tolist()}, got {ep_mesh}")
+        elif mesh.size() % ep or (group is not None and dist.get_world_size() != mesh.size()):
             raise ValueError(f"expert_parallel={ep} needs the trainer's ranks ({mesh.size()}) to be a multiple of "
-                             f"it and to make up the whole default group ({dist.get_world_size()} ranks)")
+                             f"it and, without an ep_mesh, to make up the whole default group "
+                             f"({dist.get_world_size()} ranks)")
     model = models.build(model_config, impl=impl, seed=cfg.seed, device=device)
     kw = {}
     if ep > 1:
         from bumblebee.parallelize import shard_experts
-        kw["ep_mesh"] = init_device_mesh(device.type, (mesh.size() // ep, ep), mesh_dim_names=("efsdp", "ep"))
+        kw["ep_mesh"] = ep_mesh or init_device_mesh(device.type, (mesh.size() // ep, ep),
+                                                    mesh_dim_names=("efsdp", "ep"))
         shard_experts(model, kw["ep_mesh"]["ep"].get_group())
     state = registry.resolve("state_sharding", cfg.state_sharding)(model, mesh, lr=cfg.lr, mixed_precision="fp32",
                                                                    grad_clip=cfg.grad_clip, **kw)
     ref = Runtime(models.build(model_config, seed=cfg.seed, device=device)) if cfg.objective.kl_coef else None
     return Runtime(model, state), ref
+
+
+def expert_mesh(trainers: int, ep: int, *, timeout=None, device_type: str = "cpu"):
+    """The trainer's (efsdp, ep) mesh over global ranks 0..trainers-1 (ep groups: runs of `ep`
+    consecutive ranks, as `init_device_mesh` lays them out) in a default group that may hold more
+    ranks (the p2p channel's producers). Every rank of the default group calls it, in the same order
+    of group creation (`new_group` is world-wide); a rank outside the trainer's gets None. The groups
+    wait at most `timeout` (a timedelta; None: torch's default)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    if not (isinstance(ep, int) and ep > 0 and trainers % ep == 0):
+        raise ValueError(f"ep must be an int > 0 dividing trainers={trainers}, got {ep!r}")
+    ranks = torch.arange(trainers).view(trainers // ep, ep)
+    me, mine = dist.get_rank(), []
+    for along in (ranks.t(), ranks):  # efsdp groups (the columns), then ep groups (the rows)
+        for members in along.tolist():
+            g = dist.new_group(members, timeout=timeout)
+            if me in members:
+                mine.append(g)
+    if not mine:
+        return None
+    return DeviceMesh.from_group(mine, device_type, mesh=ranks, mesh_dim_names=("efsdp", "ep"))
 
 
 def synchronous_run(cfg: PipelineConfig, model_config: dict, task, engine) -> list[dict]:

@@ -5,8 +5,10 @@ in the primitive's async mode: `publish` snapshots the rank's own shards (`expor
 no gather) and returns, a producer's `poll` fetches the newest version all trainer ranks hold into
 its engine's parameters, each slice from the rank holding it, in place, as one transaction. The
 trainer's FSDP2/ZeRO-1 mesh is a group of its own over its ranks (the primitive's service thread
-uses the link's). A rank that dies breaks the group: this channel does not survive a producer
-restart (the object-store channel does)."""
+uses the link's); with `expert_parallel` > 1 its (efsdp, ep) mesh is made of subgroups too, by
+every rank of the channel (`trainer.expert_mesh`), and each rank's shards hold its own experts. A
+rank that dies breaks the group: this channel does not survive a producer restart (the
+object-store channel does)."""
 from __future__ import annotations
 
 import datetime
@@ -23,7 +25,8 @@ class P2PChannel:
     address: str  # "host:port" of the trainer's rendezvous
     timeout_s: float
     trainers: int = 1  # the trainer's ranks (each sends its own shards)
-    trainer_timeout_s: float | None = None  # the trainer ranks' own subgroup's limit (default timeout_s)
+    trainer_timeout_s: float | None = None  # the trainer ranks' own subgroups' limit (default timeout_s)
+    expert_parallel: int = 1  # the trainer's experts split over this many of its ranks (an (efsdp, ep) mesh)
 
     def attach(self, rank: int, engine=None) -> None:
         """Join the group (every rank at once: the driver starts all attaches before waiting): trainer
@@ -44,6 +47,10 @@ class P2PChannel:
         limit = datetime.timedelta(seconds=self.trainer_timeout_s or self.timeout_s)
         # every rank makes every group, in one order
         self.trainer_group = dist.new_group(list(trainer_ranks), timeout=limit)
+        self.ep_mesh = None  # the trainer ranks' (efsdp, ep) mesh; None on producers and without EP
+        if self.expert_parallel > 1:
+            from bumblebee.runtime.pipeline.trainer import expert_mesh
+            self.ep_mesh = expert_mesh(t, self.expert_parallel, timeout=limit)
         groups = {i: dist.new_group([*trainer_ranks, t + i - 1]) for i in range(1, self.producers + 1)}
         transfer = registry.resolve("weight_transfer", P2PTransfer(mode="async", timeout_s=self.timeout_s))
         links = {i: Link(trainer_ranks, (t + i - 1,), group=g, name=f"producer{i}") for i, g in groups.items()}

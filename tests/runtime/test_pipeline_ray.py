@@ -2,7 +2,7 @@
 eta = 1 while a producer is killed mid-run (every prompt trained exactly once) and stalled waits
 raise PipelineTimeout; eta = 0 makes the plain synchronous loop's updates with weights sent by the
 transfer primitive, with the trainer over two ranks (FSDP2 inside its actors), with both, and for an
-MoE model with its experts split over the trainer's ranks.
+MoE model with its experts split over the trainer's ranks (with either weight channel).
 Skipped without Ray (the `rl` extra)."""
 from __future__ import annotations
 
@@ -85,11 +85,13 @@ def test_learns_asynchronously_with_a_producer_killed(local_ray, tmp_path):
     assert len((tmp_path / "run.jsonl").read_text().splitlines()) == STEPS
 
 
-def _equals_the_synchronous_loop(cfg, model=CONFIG, abs_tol=1e-8):
+def _equals_the_synchronous_loop(cfg, model=CONFIG, abs_tol=1e-8, after=None):
+    """The run's log (and `after(pipeline)`'s answer, asked before the actors end, when given)."""
     from bumblebee.runtime.pipeline.engine import TransformersEngine
     from bumblebee.runtime.pipeline.trainer import synchronous_run
     with Pipeline(cfg, model, TASK) as p:
         piped = p.run(on_step=None)
+        extra = after(p) if after is not None else None
     threads, had_group = torch.get_num_threads(), dist.is_initialized()
     torch.set_num_threads(cfg.threads)  # as the actors run: one reduction order
     try:
@@ -105,7 +107,7 @@ def _equals_the_synchronous_loop(cfg, model=CONFIG, abs_tol=1e-8):
         for key in ("loss", "entropy", "behave_kl"):
             assert a[key] == pytest.approx(b[key], rel=1e-5, abs=abs_tol, nan_ok=True), key  # nan: nothing kept
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
-    return piped
+    return piped if after is None else (piped, extra)
 
 
 def test_eta_zero_through_the_transfer_primitive_equals_the_synchronous_loop(local_ray):
@@ -145,6 +147,38 @@ def test_an_moe_trainer_with_experts_over_two_ranks_makes_the_one_rank_updates(l
                                             trainer_ranks=2, expert_parallel=2, trainer_cpus=0.5, producer_cpus=0.5),
                                        moe, abs_tol=1e-6)
     assert sum(m["groups_kept"] for m in log) >= 2, [m["groups_kept"] for m in log]  # steps that trained
+
+
+def test_an_moe_trainer_with_experts_over_two_ranks_sends_its_shards_through_the_transfer_primitive(local_ray):
+    """EP = 2 over the p2p channel: the trainer's (efsdp, ep) mesh is made of subgroups of the
+    channel's group (which holds the producer too), each rank sends its own experts' and FSDP2 rows'
+    shards; the samples and updates are the one-rank plain loop's (the tolerance of the object-store
+    case above), and after the run the producer's engine, on the last version, holds bitwise what
+    the broadcast path (the trainer's gathered export into load_weights) gives a fresh engine."""
+    from bumblebee.runtime.pipeline.engine import TransformersEngine
+    moe = {**models.NAMED["qwen3-moe-tiny"], "vocab_size": 16, "bos_token_id": TASK.bos_id,
+           "pad_token_id": TASK.pad_id, "eos_token_id": None, "router_aux_loss_coef": 0.0}
+    cfg = _cfg(steps=3, eta=0, groups_per_step=8, group_size=8, groups_per_call=8, weights="p2p", restarts=0,
+               trainer_ranks=2, expert_parallel=2, trainer_cpus=0.5, producer_cpus=0.5)
+
+    def after(p):
+        def last_version(producer):  # the run ends before the producer takes the last update
+            version = producer.channel.wait_newer(producer.engine, 60.0)
+            return version, {n: t.detach().clone() for n, t in producer.engine.model.named_parameters()}
+
+        def gathered(trainer):  # every trainer rank takes part in the gathers
+            return {n: t.clone() for n, t in trainer.rt.export_weights(dtype=torch.float32)}
+        exports = ray.get([t.__ray_call__.remote(gathered) for t in p.trainers], timeout=120)
+        return ray.get(p.producers[0].__ray_call__.remote(last_version), timeout=120), exports[0]
+
+    log, ((version, got), export) = _equals_the_synchronous_loop(cfg, moe, abs_tol=1e-6, after=after)
+    assert sum(m["groups_kept"] for m in log) >= 2, [m["groups_kept"] for m in log]  # steps that trained
+    broadcast = TransformersEngine(moe, pad_token_id=TASK.pad_id)
+    broadcast.load_weights(export.items(), version)
+    want = dict(broadcast.model.named_parameters())
+    assert version == cfg.steps and got.keys() == want.keys() and any("experts" in n for n in got)
+    for name, t in want.items():
+        assert torch.equal(got[name], t), name
 
 
 def test_a_start_that_cannot_finish_raises(local_ray):
