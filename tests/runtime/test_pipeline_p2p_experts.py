@@ -142,3 +142,18 @@ def test_expert_parallel_trainer_sends_its_shards_bitwise(ranks, sharding, tmp_p
         assert torch.equal(trainers[0]["full"][0][name], w0[name]), name
         update = (w1[name] - w0[name]).norm()
         assert (w2[name] - w1[name]).norm() <= 1e-3 * update + 1e-7, (name, float(update))
+
+
+def test_the_expert_mesh_and_build_runtime_check_their_arguments():
+    from bumblebee.runtime.pipeline.trainer import build_runtime, expert_mesh
+    with pytest.raises(ValueError, match="ep must be an int > 0 dividing trainers=3"):
+        expert_mesh(3, 2)  # checked before any group is made
+    with pytest.raises(ValueError, match="ep must be an int > 0"):
+        expert_mesh(2, 0)
+    had_group = dist.is_initialized()
+    try:  # a one-rank trainer cannot take an EP = 2 mesh (nor make one)
+        with pytest.raises(ValueError, match="expert_parallel=2 needs the trainer's ranks"):
+            build_runtime(MOE, dataclasses.replace(_cfg(2, 2, "fsdp2"), trainer_ranks=2))
+    finally:
+        if dist.is_initialized() and not had_group:
+            dist.destroy_process_group()
