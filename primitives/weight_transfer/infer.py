@@ -22,8 +22,9 @@ import math
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
-from bumblebee.primitives.weight_transfer.boxes import Box
+from bumblebee.primitives.weight_transfer.boxes import Box, view
 from bumblebee.primitives.weight_transfer.spec import Piece, ReceiverSpec, digest, dtype_name, dtype_of
+from bumblebee.primitives.weight_transfer.trace import Trace, Untraceable, clashing
 
 
 class LayoutError(ValueError):
@@ -95,43 +96,141 @@ class LayoutCache:
         self.hits = self.misses = 0
 
 
+class _Saved:
+    """Targets cloned the first time inference is about to write them, restored at the end: a
+    traced inference writes only what its representatives' check touches, not the whole engine."""
+
+    def __init__(self, targets: dict):
+        self.targets, self.orig = targets, {}
+
+    def save(self, names) -> None:
+        for n in names:
+            if n not in self.orig:
+                self.orig[n] = self.targets[n].detach().clone()
+
+    def restore(self) -> None:
+        for n, t in self.orig.items():
+            self.targets[n].copy_(t)
+
+
 @torch.no_grad()
 def infer_layout(load_weights, targets: dict, manifest, *, key: str = "", cache: LayoutCache | None = None,
-                 verify: bool = True, seed: int = 0, given: ReceiverSpec | None = None) -> ReceiverSpec:
+                 verify: bool = True, seed: int = 0, given: ReceiverSpec | None = None,
+                 trace: bool = True) -> ReceiverSpec:
     """The `ReceiverSpec` of `load_weights` writing into `targets` ({name: tensor}: the engine's
     parameters), for the HF tensors of `manifest` (((name, shape, dtype name), ...)). `key` names
     what else decides the layout and is not in the targets' shapes (the engine's TP/EP rank).
-    `given`: a spec written by hand from the engine's sharding rules, checked like a cached one
-    (one loader call on random tensors) instead of probed: the probe passes cost several loader
-    calls plus a host-side fit over every element, minutes at 30B scale. The targets are restored
-    afterwards."""
+    `trace`: read the layout off one loader call on meta probes (`trace.py`), value-probe only the
+    tensors the trace cannot follow, and check one representative per signature bitwise (the
+    module docstring's argument); False: value-probe every tensor and check every tensor (the
+    reference path, minutes at 30B scale). `given`: a spec written by hand from the engine's
+    sharding rules, checked by one loader call on random tensors for the whole manifest instead of
+    probed. The targets are restored afterwards."""
+    if not isinstance(trace, bool) or not isinstance(verify, bool):
+        raise ValueError(f"infer_layout: trace and verify must be bools; got trace={trace!r} verify={verify!r}")
     targets = dict(targets)
     lk = _layout_key(load_weights, targets, manifest, key)
-    backup = {n: t.detach().clone() for n, t in targets.items()}
+    saved = _Saved(targets)
     try:
         if given is not None:
             if tuple(given.manifest) != tuple(manifest):
                 raise LayoutError("the given spec was written for another manifest (names, shapes, dtypes or order)")
+            saved.save(targets)
             check(given, load_weights, targets, seed=seed)
             return given
         if cache is not None and lk in cache.specs:
             spec = cache.specs[lk]
             try:
-                check(spec, load_weights, targets, seed=seed)
+                _recheck(spec, load_weights, targets, saved, seed=seed, trace=trace)
                 cache.hits += 1
                 return spec
             except LayoutError:
                 del cache.specs[lk]
-        spec = _probe(load_weights, targets, manifest)
-        if verify:
-            check(spec, load_weights, targets, seed=seed)
+        spec = _infer(load_weights, targets, manifest, saved, verify=verify, seed=seed, trace=trace)
         if cache is not None:
             cache.misses += 1
             cache.specs[lk] = spec
         return spec
     finally:
-        for n, t in targets.items():
-            t.copy_(backup[n])
+        saved.restore()
+
+
+def _infer(load_weights, targets, manifest, saved, *, verify, seed, trace) -> ReceiverSpec:
+    if trace:
+        try:
+            tr = Trace(targets, manifest, _ALLOWED, LayoutError).run(load_weights)
+            spec = _from_trace(tr, load_weights, targets, manifest, saved)
+            if verify:
+                reps = set(_representatives(tr))
+                saved.save({p.target for p in spec.pieces if p.hf_name in reps})
+                check(spec, load_weights, targets, seed=seed, only=reps)
+            return spec
+        except Untraceable:
+            pass  # value probes for everything below
+    saved.save(targets)
+    spec = _probe(load_weights, targets, manifest)
+    if verify:
+        check(spec, load_weights, targets, seed=seed)
+    return spec
+
+
+def _from_trace(tr, load_weights, targets, manifest, saved) -> ReceiverSpec:
+    """The traced pieces, plus value probes (one loader call per digit, on these tensors only)
+    for the tensors the trace could not follow."""
+    pieces = [p for i, ps in tr.pieces.items() if i not in tr.impure for p in ps]
+    if tr.impure:
+        saved.save(targets)  # the value passes zero every target
+        pieces += _probe(load_weights, targets, tuple(manifest[i] for i in sorted(tr.impure)), partial=True).pieces
+        if clashing(pieces, targets):
+            raise Untraceable("value-probed and traced tensors write one target element")
+    return _assemble(manifest, targets, pieces)
+
+
+def _representatives(tr) -> list[str]:
+    """The first tensor of each trace signature, and every value-probed tensor."""
+    seen, out = set(), []
+    for i, (name, _, _) in enumerate(tr.manifest):
+        sig = tr.signature(i)
+        if i in tr.impure or sig not in seen:
+            seen.add(sig)
+            out.append(name)
+    return out
+
+
+def _recheck(spec, load_weights, targets, saved, *, seed, trace) -> None:
+    """LayoutError unless a cached `spec` still holds: traced tensors must trace to its pieces,
+    representatives and value-probed tensors must replay the loader bitwise. Without a trace (or
+    when the loader cannot be traced): one loader call on random tensors for the whole manifest."""
+    if trace:
+        try:
+            tr = Trace(targets, spec.manifest, _ALLOWED, LayoutError).run(load_weights)
+        except Untraceable:
+            tr = None
+        if tr is not None:
+            spec.check_targets(targets)
+            have: dict = {}
+            for p in spec.pieces:
+                have.setdefault(p.hf_name, []).append(p)
+            for i, (name, _, _) in enumerate(spec.manifest):
+                if i not in tr.impure and sorted(tr.pieces[i], key=repr) != sorted(have.get(name, []), key=repr):
+                    raise LayoutError(f"{name!r}: the loader now writes it elsewhere than the cached spec says")
+            reps = set(_representatives(tr))
+            saved.save({p.target for p in spec.pieces if p.hf_name in reps})
+            check(spec, load_weights, targets, seed=seed, only=reps)
+            return
+    saved.save(targets)
+    check(spec, load_weights, targets, seed=seed)
+
+
+def _assemble(manifest, targets, pieces) -> ReceiverSpec:
+    unwritten = sorted(set(targets) - {p.target for p in pieces}, key=list(targets).index)
+    if unwritten:
+        raise LayoutError(f"targets {unwritten[:3]} receive nothing from the manifest: a tensor the senders do "
+                          "not send, or tensors the loader does not load (leave those out of targets)")
+    order = {m[0]: i for i, m in enumerate(manifest)}
+    pieces = sorted(pieces, key=lambda p: (order[p.hf_name], p.box, p.target, p.offset))
+    tspec = tuple((n, tuple(t.shape), tuple(t.stride()), dtype_name(t.dtype)) for n, t in targets.items())
+    return ReceiverSpec(tuple(manifest), tspec, tuple(pieces))
 
 
 def _probes(manifest, bases, shift: int, bits: int):
@@ -143,7 +242,7 @@ def _probes(manifest, bases, shift: int, bits: int):
         yield name, p
 
 
-def _probe(load_weights, targets, manifest) -> ReceiverSpec:
+def _probe(load_weights, targets, manifest, partial: bool = False) -> ReceiverSpec:
     sizes = [math.prod(shape) for _, shape, _ in manifest]
     bases = [0] + list(torch.tensor(sizes, dtype=torch.int64).cumsum(0)[:-1].tolist()) if sizes else []
     total = sum(sizes)
@@ -168,7 +267,7 @@ def _probe(load_weights, targets, manifest) -> ReceiverSpec:
                 raise LayoutError(f"target {n!r}: the loader writes different elements on each call")
             ids[n] += (d - 1).clamp_min(0) << (p * bits)
     unwritten = [n for n in targets if not bool(written[n].any())]
-    if unwritten:
+    if unwritten and not partial:
         raise LayoutError(f"targets {unwritten[:3]} receive nothing from the manifest: a tensor the senders do "
                           "not send, or tensors the loader does not load (leave those out of targets)")
     names = [m[0] for m in manifest]
@@ -312,20 +411,31 @@ def _random(manifest, gen):
 
 
 @torch.no_grad()
-def check(spec: ReceiverSpec, load_weights, targets: dict, *, seed: int = 0) -> None:
+def check(spec: ReceiverSpec, load_weights, targets: dict, *, seed: int = 0, only=None) -> None:
     """LayoutError unless replaying `spec` on random HF tensors gives, bit for bit, what
-    `load_weights` makes of them (both onto the same prior target values)."""
+    `load_weights` makes of them (both onto the same prior target values). `only`: HF names; the
+    loader then gets those tensors alone and the targets their pieces write are compared."""
     spec.check_targets(targets)
-    before = {n: t.detach().clone() for n, t in targets.items()}
+    manifest, pieces, names = spec.manifest, spec.pieces, list(targets)
+    if only is not None:
+        only = set(only)
+        manifest = tuple(m for m in manifest if m[0] in only)
+        pieces = tuple(p for p in pieces if p.hf_name in only)
+        names = list(dict.fromkeys(p.target for p in pieces))
+    if any(targets[n].device.type == "meta" for n in names):
+        raise ValueError("checking a layout needs targets that hold values; meta targets: pass verify=False")
+    before = {n: targets[n].detach().clone() for n in names}
     device = next(iter(targets.values())).device if targets else torch.device("cpu")
-    device = device if device.type in ("cpu", "cuda") else torch.device("cpu")  # meta targets: host draws
-    full = dict(_random(spec.manifest, torch.Generator(device=device).manual_seed(seed)))
+    device = device if device.type in ("cpu", "cuda") else torch.device("cpu")
+    full = dict(_random(manifest, torch.Generator(device=device).manual_seed(seed)))
     load_weights(iter(full.items()))
-    real = {n: t.detach().clone() for n, t in targets.items()}
-    for n, t in targets.items():
-        t.copy_(before[n])
-    spec.apply(full, targets)
-    for n, t in targets.items():
+    real = {n: targets[n].detach().clone() for n in names}
+    for n in names:
+        targets[n].copy_(before[n])
+    for p in pieces:
+        p.dest(targets[p.target]).copy_(view(full[p.hf_name], p.box))
+    for n in names:
+        t = targets[n]
         a, b = _bits(real[n]), _bits(t.detach())
         if not torch.equal(a, b):
             i = int((a != b).nonzero()[0])
