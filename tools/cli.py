@@ -1,5 +1,6 @@
 """Command line: `bumblebee list`, `bumblebee pair --model M --slot S --a X --b Y [--json PATH]`,
-`bumblebee results [SLOT] [--file PATH] [--dir DIR] [--history]`, `bumblebee rl --config FILE`.
+`bumblebee results [SLOT] [--file PATH] [--dir DIR] [--history]`, `bumblebee rl --config FILE`,
+`bumblebee recipe MODEL --gpus N --seq-len T [--gpu h100|h200] [--cp N] [--json PATH]`.
 
 Arguments are parsed before torch or any model code is imported (`--help` and refusals come at
 once), so the help names the models and slots from the lists below; a test keeps them equal to
@@ -13,6 +14,7 @@ import sys
 MODELS = ("qwen3-tiny", "qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b", "qwen3-moe-tiny", "qwen3-30b-a3b",
           "qwen3-235b-a22b", "deepseek-v3-tiny", "deepseek-v3", "qwen3.5-tiny", "qwen3.5-moe-tiny",
           "qwen3.5-hub-tiny", "qwen3.5-moe-hub-tiny", "qwen3.5-35b-a3b")
+GPUS = ("h100", "h200")  # tools/recipe.py GPU_MEMORY's keys
 SLOTS = ("attention", "cross_entropy", "linear_attention", "mla", "moe_dispatch", "mtp", "router", "state_sharding",
          "weight_transfer")
 
@@ -24,14 +26,27 @@ def _swap(text: str) -> tuple[str, str]:
     return slot, name
 
 
-def _positive_int(text: str) -> int:
+def _number(text: str, convert, ok, kind: str, bound: str):
+    """An argparse type: `text` converted, refused unless ok(value), the message naming the bound."""
     try:
-        value = int(text)
+        value = convert(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+        raise argparse.ArgumentTypeError(f"expected {kind} {bound}, got {text!r}") from None
+    if not ok(value):
+        raise argparse.ArgumentTypeError(f"must be {bound}, got {value}")
     return value
+
+
+def _positive_int(text: str) -> int:
+    return _number(text, int, lambda v: v >= 1, "an integer", ">= 1")
+
+
+def _positive_float(text: str) -> float:
+    return _number(text, float, lambda v: v > 0, "a number", "> 0")
+
+
+def _fraction(text: str) -> float:
+    return _number(text, float, lambda v: 0 <= v < 1, "a fraction", "in [0, 1)")
 
 
 def _check_writable(path: str) -> str | None:
@@ -131,7 +146,43 @@ def parser() -> argparse.ArgumentParser:
     rl.add_argument("--log", default=None, metavar="PATH", help="the JSONL log (overrides the file's log)")
     rl.add_argument("--plot", default=None, metavar="PATH",
                     help="the PNG of reward and idle fractions (overrides the file's; default: the log's name .png)")
+    rc = sub.add_parser("recipe", help="the long-context recipe's layout (CP, EP, FSDP2, recompute) checked against "
+                                       "the memory estimator", formatter_class=_HelpFormatter, epilog=RECIPE_EPILOG,
+                        description=RECIPE_DESCRIPTION)
+    rc.add_argument("model", metavar="MODEL", help=f"a named model ({', '.join(MODELS)}) or an HF config folder")
+    rc.add_argument("--gpus", type=_positive_int, required=True, metavar="N", help="GPUs of the run")
+    rc.add_argument("--seq-len", type=_positive_int, required=True, metavar="T", help="tokens a sequence")
+    rc.add_argument("--gpu", default="h100", choices=GPUS, help="the GPU, for its memory")
+    rc.add_argument("--gpu-memory", type=_positive_float, default=None, metavar="GIB",
+                    help="GiB a GPU (instead of --gpu's)")
+    rc.add_argument("--headroom", type=_fraction, default=0.1, metavar="F",
+                    help="fraction of GPU memory left to the CUDA context, NCCL buffers and fragmentation")
+    rc.add_argument("--cp", type=_positive_int, default=None, metavar="N",
+                    help="check this CP size alone instead of choosing one")
+    rc.add_argument("--ep", type=_positive_int, default=None, metavar="N",
+                    help="this EP instead of the rule's (MoE models)")
+    rc.add_argument("--tokens-per-gpu", type=_positive_int, default=32768, metavar="N",
+                    help="the rule's most tokens of a sequence a GPU holds")
+    rc.add_argument("--mixed-precision", default="bf16", choices=("bf16", "fp32"), help="compute dtype")
+    rc.add_argument("--json", default=None, metavar="PATH", help="also write the recipe as JSON to PATH")
     return top
+
+
+RECIPE_DESCRIPTION = """Choose the layout the long-context recipe prescribes for a model on N GPUs at one
+sequence length: CP so that a GPU holds at most ~32K tokens of a sequence, EP for the MoE weights,
+FSDP2 over every GPU, full recompute, linear cross-entropy; each candidate is checked with the memory
+estimator (python -m bumblebee.tools.memory), and where the rule's does not fit, the ring exchange,
+nothing kept through the recompute and other CP sizes are tried. Prints the candidates, the verdict
+and the Python that builds the layout (skills/context-parallel/SKILL.md)."""
+
+RECIPE_EPILOG = """example:
+  bumblebee recipe qwen3.5-35b-a3b --gpus 16 --seq-len 131072 --gpu h100
+  bumblebee recipe qwen3-30b-a3b --gpus 8 --seq-len 131072 --cp 2 --json r.json   # check CP = 2 alone
+
+exit status:
+  0  the recipe fits
+  2  refused: an unknown model, a bad argument
+  3  no layout fits (or the forced --cp does not): the longest length that fits is printed"""
 
 
 RL_EPILOG = """example:
@@ -145,7 +196,7 @@ exit status:
 def main(argv: list[str] | None = None) -> int:
     top = parser()
     args = top.parse_args(argv)
-    if args.cmd == "pair" and args.json and (why := _check_writable(args.json)):
+    if args.cmd in ("pair", "recipe") and args.json and (why := _check_writable(args.json)):
         top.error(f"--json {args.json}: cannot write there ({why})")
 
     if args.cmd == "results":
@@ -156,6 +207,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"bumblebee results: {e}", file=sys.stderr)
             return 2
         return 0
+    if args.cmd == "recipe":
+        return _recipe(args)
     if args.cmd == "rl":
         from bumblebee.runtime.pipeline.launch import launch
         return launch(args.config, log=args.log, plot_path=args.plot)
@@ -187,6 +240,28 @@ def main(argv: list[str] | None = None) -> int:
               f"nothing was compared", file=sys.stderr)
         return SAME_CODE_EXIT
     return 0
+
+
+def _recipe(args) -> int:
+    import json
+
+    from bumblebee.tools import recipe
+    try:
+        r = recipe.plan(args.model, gpus=args.gpus, seq_len=args.seq_len, gpu=args.gpu, gpu_memory_gib=args.gpu_memory,
+                        headroom=args.headroom, cp=args.cp, ep=args.ep, max_tokens_per_gpu=args.tokens_per_gpu,
+                        mixed_precision=args.mixed_precision)
+    except ValueError as e:
+        print(f"bumblebee recipe: {e}", file=sys.stderr)
+        return 2
+    print(r.table())
+    if r.snippet():
+        print()
+        print(r.snippet())
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(r.to_dict(), f, indent=1)
+        print(f"wrote {args.json}")
+    return 0 if r.fits else 3
 
 
 if __name__ == "__main__":

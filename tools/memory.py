@@ -65,6 +65,8 @@ keeps fp32 copies.
 from __future__ import annotations
 
 import argparse
+import functools
+import json
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -147,8 +149,15 @@ class Estimate:
 
 
 def _model_on_meta(config):
+    """(the model on the meta device, its config); built once per config (the estimator only reads
+    them, and a recipe search estimates one model at many layouts and lengths)."""
+    return _meta_build(config if isinstance(config, str) else ("json", json.dumps(config, sort_keys=True)))
+
+
+@functools.lru_cache(maxsize=4)
+def _meta_build(key):
     from bumblebee import models  # lazy: the core does not need the models to import
-    hf = models._hf_config(config)
+    hf = models._hf_config(key if isinstance(key, str) else json.loads(key[1]))
     cls = models._model_class(hf)
     cfg = cls.config_class.from_hf(hf)
     with torch.device("meta"):

@@ -10,7 +10,7 @@ from bumblebee import registry
 ROOT = Path(__file__).resolve().parents[2]
 SKILLS = sorted((ROOT / "skills").glob("*/SKILL.md"))
 PATH_RE = re.compile(r"`((?:\.ci/|[\w-]+/)[\w./-]*\.(?:py|md|json|png|toml|txt)|\.ci/run)(?::(\d+)(?:-(\d+))?)?`")
-COMMANDS = {"list", "pair", "results"}
+COMMANDS = {"list", "pair", "results", "recipe"}
 
 
 def front_matter(text: str) -> dict:
