@@ -173,19 +173,37 @@ def data_mesh(m):
     return m["dp", "cp"]._flatten("dp_cp")
 
 
+def expert_mesh(m, ep: int, over: str = "cp"):
+    """The (efsdp, ep) mesh over the ranks of a (dp, cp) mesh `m`, for state sharding's `ep_mesh`
+    (`shard_experts(model, expert_mesh(...)["ep"].get_group())` first): groups of `ep` ranks adjacent
+    along `over` ("cp": inside a sequence's cp group first; "dp": across the dp rows first) hold the
+    same E / ep experts. Any grouping is exact: the dispatch's backward sums every rank's tokens into
+    the experts of its ep group and state sharding averages the rest over efsdp."""
+    from torch.distributed.device_mesh import DeviceMesh
+    if over not in ("cp", "dp"):
+        raise ValueError(f"over must be 'cp' or 'dp', got {over!r}")
+    ranks = m.mesh if over == "cp" else m.mesh.transpose(0, 1)
+    if not isinstance(ep, int) or ep < 1 or ranks.numel() % ep:
+        raise ValueError(f"ep must be a positive int dividing the mesh's {ranks.numel()} ranks, got {ep!r}")
+    return DeviceMesh(m.device_type, ranks.reshape(-1, ep), mesh_dim_names=("efsdp", "ep"))
+
+
 @torch.no_grad()
 def sync_grads(model: nn.Module, cp_group) -> None:
     """Sum every replicated parameter's gradient over the cp group (no FSDP). Experts sharded over
     the cp group itself (`bumblebee.parallelize.shard_experts(model, cp_group)`) already hold the
     gradient of every cp rank's tokens (the dispatch's backward brings it) and are left alone;
-    experts sharded over another group are refused (their reduction spans other ranks)."""
+    experts sharded over another group are refused: their gradients need a sum over the ranks that
+    hold the same experts, which a sum over the cp group does not reach."""
     experts = set()
     for m in model.modules():
         if getattr(m, "ep_group", None) is None:
             continue
         if m.ep_group is not cp_group:
-            raise ValueError("sync_grads: experts sharded over a group other than the cp group need a reduction "
-                             "over the ranks holding the same experts; use state sharding with ep_mesh")
+            raise ValueError("sync_grads: experts sharded over a group other than the cp group (ep group != cp "
+                             "group) need their gradients summed over the ranks holding the same experts, beyond "
+                             "this sum over cp; shard the state instead: state_sharding over data_mesh(mesh) with "
+                             "ep_mesh=expert_mesh(mesh, ep, over=...) (primitives/context_parallel/model.py)")
         experts.update(id(getattr(m, name)) for name in m.expert_parallel_params)
     for p in model.parameters():
         if p.grad is not None and id(p) not in experts:

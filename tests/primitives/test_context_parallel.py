@@ -360,8 +360,9 @@ def layers(world):
         _gdn_checks(group, errors, off, refs)
         _mla_checks(group, errors, off, refs)
         out[cp] = {"errors": errors, "off": off}
-    from tests.primitives.test_context_parallel_model import fsdp_dp2_cp2  # a model case on the same 4 ranks
+    from tests.primitives.test_context_parallel_model import fsdp_dp2_cp2, fsdp_ep  # models on the same 4 ranks
     out["dp2_cp2"] = fsdp_dp2_cp2(world)
+    out["ep"] = fsdp_ep(world)
     return out
 
 
@@ -376,6 +377,17 @@ def test_fsdp2_over_dp2_cp2_equals_one_rank(four_ranks):
     for rank, result in enumerate(four_ranks):
         assert len(result["dp2_cp2"]) > 5
         assert within(result["dp2_cp2"]) == [], f"rank {rank}"
+
+
+@pytest.mark.parametrize("ep", ["dp", "cp"])
+def test_fsdp2_with_ep_mesh_beside_cp_equals_one_rank(ep, four_ranks):
+    """Qwen3-MoE (load-balancing loss on) under FSDP2 over (dp = 2, cp = 2) with `ep_mesh`, experts
+    split over 2 ranks along dp or along cp, over three AdamW steps: losses, grad norms, weights
+    (tests/primitives/test_context_parallel_model.py `fsdp_ep`)."""
+    for rank, result in enumerate(four_ranks):
+        mine = {k: v for k, v in result["ep"].items() if k.startswith(f"dp2_cp2 ep over {ep} ")}
+        assert len(mine) > 5 and any("experts" in k for k in mine)
+        assert within(mine) == [], f"rank {rank}"
 
 
 @pytest.mark.parametrize("cp", [2, 4])

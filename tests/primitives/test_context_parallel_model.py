@@ -7,7 +7,8 @@ RoPE key, MoE, MTP, aux-free router biases moved by the loads of every cp rank's
 with its load-balancing loss over the whole batch's tokens; experts split over the cp ranks (EP =
 CP = 2, all-to-all dispatch) for Qwen3-MoE and DeepSeek-V3; FSDP2 over the (dp = 1, cp = 2) mesh
 with full recompute for Qwen3 (packed) and Qwen3.5 (the ring), and over (dp = 2, cp = 2) for Qwen3
-(`fsdp_dp2_cp2`, run in the 4-rank spawn of test_context_parallel.py); Qwen3.5-MoE in float64 on
+(`fsdp_dp2_cp2`) and for Qwen3-MoE with `ep_mesh` (EP = 2 along dp or along cp, `fsdp_ep`; both run
+in the 4-rank spawn of test_context_parallel.py, grad norms checked too); Qwen3.5-MoE in float64 on
 both sides (equal to float64 rounding: the cp paths compute in the inputs' precision). Each step's
 loss (the ranks' shares summed) and the final weights lie within the fp32 single-rank run's own
 error against float64 (4x plus 8 ulps for losses, 8x per tensor for weights); the single-rank run
@@ -149,44 +150,82 @@ def models_at_cp2(group):
 def fsdp_dp2_cp2(world):
     """Qwen3 under FSDP2 over the (dp = 2, cp = 2) mesh of 4 ranks (run inside the 4-rank spawn of
     tests/primitives/test_context_parallel.py): each dp pair shards its own row of a [2, 32] batch;
-    against one rank on the whole batch (equal target counts: the mean of the rows' means is the
-    batch mean). Returns the errors as `models_at_cp2` does."""
-    name, B, T = "qwen3-tiny", 2, 32
-    refs = [_train_rows(name, B, T, dtype) for dtype in (torch.float64, torch.float32)]
+    against one rank on the whole batch (the mean of the rows' mean losses). Returns the errors as
+    `models_at_cp2` does."""
+    return _dp2_cp2("qwen3-tiny", _shared_refs("qwen3-tiny", 2, 32))
+
+
+MOE_AUX = {**models.NAMED["qwen3-moe-tiny"], "output_router_logits": True}
+
+
+def fsdp_ep(world):
+    """Qwen3-MoE (its load-balancing loss on) under FSDP2 over the (dp = 2, cp = 2) mesh with
+    `ep_mesh` (efsdp = 2, ep = 2, all-to-all dispatch): experts split over the dp ranks (each expert
+    pair held by ranks of different cp groups and sequences) and over the cp ranks; run inside the
+    4-rank spawn of tests/primitives/test_context_parallel.py."""
+    refs = _shared_refs(MOE_AUX, 2, 32)
+    return {**_dp2_cp2(MOE_AUX, refs, ep="dp"), **_dp2_cp2(MOE_AUX, refs, ep="cp")}
+
+
+def _shared_refs(name, B, T):
+    """The single-rank runs `_train_rows` in float64 (rank 0) and fp32 (rank 1), shared with every rank."""
+    rank = dist.get_rank()
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, _train_rows(name, B, T, (torch.float64, torch.float32)[rank]) if rank < 2 else None)
+    return parts[:2]
+
+
+def _dp2_cp2(name, refs, ep=None):
+    """FSDP2 over the (dp = 2, cp = 2) mesh, each dp pair its own row of a [2, 32] batch, over three
+    AdamW steps, against one rank on the whole batch (`refs`): losses, grad norms and the final weights.
+    ep: split the experts over ep = 2 ranks along the mesh's "dp" or "cp" dimension (`cp_model.expert_mesh`)."""
+    B, T = 2, 32
     mesh = cp_model.mesh("cpu", 2, 2)
     group, row = mesh["cp"].get_group(), mesh.get_local_rank("dp")
-    model = cp_model.apply(models.build(name, None, seed=0, dtype=torch.float32), group)
-    state = registry.resolve("state_sharding", "fsdp2")(model, cp_model.data_mesh(mesh), mixed_precision="fp32", **HP)
-    losses = []
+    model = models.build(name, {"moe_dispatch": "all_to_all"} if ep else None, seed=0, dtype=torch.float32)
+    kw = {}
+    if ep:
+        kw["ep_mesh"] = cp_model.expert_mesh(mesh, 2, over=ep)
+        shard_experts(model, kw["ep_mesh"]["ep"].get_group())
+    model = cp_model.apply(model, group)
+    state = registry.resolve("state_sharding", "fsdp2")(model, cp_model.data_mesh(mesh), mixed_precision="fp32",
+                                                        **kw, **HP)
+    losses, norms = [], []
     for ids in _batches(model.config.vocab_size, B, T):
         loss = cp_model.loss(model, layout.shard_batch(ids[row:row + 1], None, group), grads="mean")
         loss.backward()
-        assert state.step()[0]
+        ok, norm, _ = state.step()
+        assert ok
         state.zero_grad()
         total = loss.detach() / (2 * 2)  # the share times CP, over CP, averaged over the dp rows
         dist.all_reduce(total)
         losses.append(total)
+        norms.append(norm)
     weights = state.full_state_dict(torch.float32)
-    (l64, w64), (l32, w32) = refs
-    errors = {"dp2_cp2 losses": error(torch.stack(losses), l64, l32)}
+    (l64, n64, w64), (l32, n32, w32) = refs
+    case = "dp2_cp2" + (f" ep over {ep}" if ep else "")
+    errors = {f"{case} losses": error(torch.stack(losses), l64, l32),
+              f"{case} grad norms": error(torch.tensor(norms), n64, n32)}
     for k in w64:
         e, r, _ = error(weights[k], w64[k], w32[k])
-        errors[f"dp2_cp2 {k}"] = (e, 2 * r, 8 * EPS32 * w64[k].abs().max().item())
+        errors[f"{case} {k}"] = (e, 2 * r, 8 * EPS32 * w64[k].abs().max().item())
     return errors
 
 
 def _train_rows(name, B, T, dtype):
-    """One rank on the whole [B, T] batches: (losses, weights)."""
+    """One rank on the whole [B, T] batches, each row its own forward (as each dp rank runs its own;
+    the load-balancing loss is per row), the loss their mean: (losses, grad norms, weights)."""
     model = models.build(name, None, seed=0, dtype=dtype)
     opt = torch.optim.AdamW(model.parameters(), **HP)
-    losses = []
+    losses, norms = [], []
     for ids in _batches(model.config.vocab_size, B, T):
-        loss = model(ids, labels=ids).loss
+        loss = sum(model(ids[r:r + 1], labels=ids[r:r + 1]).loss for r in range(B)) / B
         loss.backward()
+        norms.append(torch.stack([p.grad.double().norm() for p in model.parameters() if p.grad is not None]).norm())
         opt.step()
         opt.zero_grad()
         losses.append(loss.detach())
-    return torch.stack(losses), {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return torch.stack(losses), torch.stack(norms), {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 @pytest.fixture(scope="module")
@@ -208,3 +247,20 @@ def test_apply_refuses_a_second_time():
         cp_model.apply(model, None)
     with pytest.raises(ValueError, match="exchange"):
         cp_model.ContextParallel(exchange="a2a")
+
+
+def test_sync_grads_refuses_experts_over_another_group_and_expert_mesh_bad_input():
+    """Experts split over a group other than the cp group need state sharding with `ep_mesh`
+    (`test_fsdp2_with_ep_mesh_beside_cp_equals_one_rank`): sync_grads says so before any collective."""
+    from types import SimpleNamespace
+    model = models.build("qwen3-moe-tiny")
+    for m in model.modules():
+        if getattr(m, "expert_parallel_params", None):
+            m.ep_group = object()  # some group other than the cp group (None here)
+    with pytest.raises(ValueError, match=r"ep group != cp group.*ep_mesh=expert_mesh"):
+        cp_model.sync_grads(model, None)
+    mesh = SimpleNamespace(mesh=torch.arange(4).view(2, 2), device_type="cpu")
+    with pytest.raises(ValueError, match="ep must be a positive int dividing the mesh's 4 ranks"):
+        cp_model.expert_mesh(mesh, 3)
+    with pytest.raises(ValueError, match="over must be 'cp' or 'dp'"):
+        cp_model.expert_mesh(mesh, 2, over="ep")
