@@ -1,55 +1,84 @@
-"""Multi-head latent attention over a context-parallel shard: all-gather of the latent and RoPE key.
+"""Multi-head latent attention over a context-parallel shard: the latent (or the heads) on the wire.
 
-Per token MLA's keys and values come from the normalized latent c [r] and one shared rope key [R]
-(r + R = 576 numbers in DeepSeek-V3) where the expanded heads are H x (nope + R + v) (128 x 448 =
-57344): so the ranks all-gather c and the roped key (differentiable; reduce-scatter backward) and
-each rank expands K/V from the gathered latent with `kv_b_proj` for the keys its chunks need, 100x
-fewer bytes on the wire than gathering the heads, for the cost of repeating the expansion matmul
-on every rank. Queries stay local; masks as in `attention.py`. fp32 math on this path (float64 inputs: float64).
+Per token MLA's keys and values come from the normalized latent c [r] and one shared roped key [R]:
+r + R = 576 numbers in DeepSeek-V3, where the expanded heads are H x (qk + v) = 128 x (192 + 128) =
+40960. Two exchanges, chosen per layer by the numbers each puts on the wire per token
+(`wire_numbers`, `choose`; `ContextParallel.mla_exchange` forces one):
+
+- `latent`: one differentiable all-gather of [c | roped k] (reduce-scatter of its gradient in the
+  backward, `comm.py`); each rank expands with `kv_b_proj` only the keys its chunks can see (global
+  positions [lo, (c1 + 1) L): lo its chunks' earliest document start, c1 its later chunk), then
+  runs one SDPA call per piece of a chunk (its rows of one document, `CPBatch.segments`) against the
+  keys it sees with a lower-right causal mask (`flash.attend_gathered`: fused kernels, no mask in
+  memory). 71x fewer bytes than the heads for DeepSeek-V3, for repeating the expansion matmul of
+  the keys on every rank.
+- `heads`: each rank expands its own tokens' K/V and `attention.allgather_attention` gathers them
+  (the cheaper wire only for few heads over a wide latent).
+
+The latent path stays in the activations' dtype (bf16 on the wire, into kv_b_proj and SDPA, which
+accumulates in fp32); each piece is one call over all its keys, so nothing is merged.
+Shape legend: B batch, H heads, T global tokens, L chunk length, S keys a rank expands.
 """
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from bumblebee.norms import to_acc
-from bumblebee.primitives.context_parallel.attention import _mask, check_batch
+from bumblebee.primitives.context_parallel import flash
+from bumblebee.primitives.context_parallel.attention import allgather_attention, check_batch
 from bumblebee.primitives.context_parallel.comm import gather
 from bumblebee.primitives.context_parallel.layout import layout_index, rank_chunks
 from bumblebee.primitives.mla import rope_pairs
 
+EXCHANGES = ("auto", "latent", "heads")
 
-def mla_forward(layer, x_BTD, cos, sin, cu_seqlens):
+
+def wire_numbers(layer) -> dict[str, int]:
+    """Numbers per token each exchange all-gathers (and reduce-scatters back), in the same dtype:
+    latent [c | roped k]; heads K [H, qk] and V [H, v]."""
+    return {"latent": layer.kv_lora_rank + layer.rope_dim, "heads": layer.n_heads * (layer.qk_dim + layer.v_dim)}
+
+
+def choose(layer, exchange: str) -> str:
+    """The exchange a layer runs: `exchange` unless "auto", then whichever moves fewer bytes."""
+    if exchange not in EXCHANGES:
+        raise ValueError(f"exchange must be one of {', '.join(map(repr, EXCHANGES))}; got {exchange!r}")
+    if exchange != "auto":
+        return exchange
+    n = wire_numbers(layer)
+    return "latent" if n["latent"] <= n["heads"] else "heads"
+
+
+def _expand(layer, latent_BSX):
+    """[c | roped k] [B, S, r + R] -> k [B, H, S, qk], v [B, H, S, v] (kv_b_proj, the rope key shared)."""
+    B, S, _ = latent_BSX.shape
+    H, nope = layer.n_heads, layer.nope
+    c, k_rope = latent_BSX.split([layer.kv_lora_rank, layer.rope_dim], dim=-1)
+    k_nope, v = layer.kv_b_proj(c).view(B, S, H, nope + layer.v_dim).split([nope, layer.v_dim], dim=-1)
+    k = torch.cat((k_nope, k_rope[:, :, None].expand(B, S, H, layer.rope_dim)), dim=-1)
+    return k.transpose(1, 2), v.transpose(1, 2)
+
+
+def mla_forward(layer, x_BTD, cos, sin, cu_seqlens, exchange: str = "auto"):
     """An MLA layer (the `mla` slot's parameters, `common/mla_projections.py`) on this rank's chunks;
-    cos/sin [B, 2L, R] from the tokens' global positions."""
+    cos/sin [B, 2L, R] from the tokens' global positions; `exchange` one of `EXCHANGES`."""
     batch = check_batch(cu_seqlens, x_BTD.transpose(1, 2))
     B, T2, _ = x_BTD.shape
-    H, L, nope, R = layer.n_heads, batch.chunk, layer.nope, layer.rope_dim
+    H, R = layer.n_heads, layer.rope_dim
     if layer.q_lora_rank is None:
         q = layer.q_proj(x_BTD)
     else:
         q = layer.q_b_proj(layer.q_a_layernorm(layer.q_a_proj(x_BTD)))
-    q_nope, q_rope = q.view(B, T2, H, layer.qk_dim).split([nope, R], dim=-1)
+    q_nope, q_rope = q.view(B, T2, H, layer.qk_dim).split([layer.nope, R], dim=-1)
     q = torch.cat((q_nope, rope_pairs(q_rope, cos, sin, layer.rope_interleave)), dim=-1).transpose(1, 2)
     c_kv, k_rope = layer.kv_a_proj_with_mqa(x_BTD).split([layer.kv_lora_rank, R], dim=-1)
     k_rope = rope_pairs(k_rope[:, :, None], cos, sin, layer.rope_interleave)[:, :, 0]
-    order = torch.argsort(layout_index(batch.T, batch.cp, x_BTD.device))
-    latent = gather(torch.cat((layer.kv_a_layernorm(c_kv), k_rope), dim=-1), batch.group, dim=1)
-    latent = latent.index_select(1, order)  # [B, T, r + R] in global order
-    lo = min(batch.lo)
-    hi = (max(rank_chunks(batch.rank, batch.cp)) + 1) * L
-    c_all, kr_all = latent[:, lo:hi].split([layer.kv_lora_rank, R], dim=-1)
-    kv = layer.kv_b_proj(c_all).view(B, hi - lo, H, nope + layer.v_dim)
-    k_nope, v = kv.split([nope, layer.v_dim], dim=-1)
-    k = torch.cat((k_nope, kr_all[:, :, None].expand(B, hi - lo, H, R)), dim=-1).transpose(1, 2)
-    v = v.transpose(1, 2)
-    pos = torch.arange(batch.T, device=x_BTD.device)
-    outs = []
-    for i, c in enumerate(rank_chunks(batch.rank, batch.cp)):
-        a, b = batch.lo[i] - lo, (c + 1) * L - lo
-        mask = _mask(batch.chunk_index(i), batch.starts[i * L:(i + 1) * L], pos[lo + a:lo + b])
-        o = F.scaled_dot_product_attention(to_acc(q[:, :, i * L:(i + 1) * L]), to_acc(k[:, :, a:b]),
-                                           to_acc(v[:, :, a:b]), attn_mask=mask, scale=layer.softmax_scale)
-        outs.append(o.to(x_BTD.dtype))
-    o = torch.cat(outs, dim=2).transpose(1, 2).reshape(B, T2, H * layer.v_dim)
-    return layer.o_proj(o)
+    latent = torch.cat((layer.kv_a_layernorm(c_kv).to(c_kv.dtype), k_rope.to(c_kv.dtype)), dim=-1)  # [B, 2L, r + R]
+    if choose(layer, exchange) == "heads":
+        o = allgather_attention(q, *_expand(layer, latent), scale=layer.softmax_scale, batch=batch)
+    else:
+        lo = min(batch.lo)  # packed: no query of this rank sees a key before its chunks' first document
+        hi = (max(rank_chunks(batch.rank, batch.cp)) + 1) * batch.chunk
+        order = torch.argsort(layout_index(batch.T, batch.cp, x_BTD.device))  # layout -> global order
+        keys = gather(latent, batch.group, dim=1).index_select(1, order[lo:hi])  # [B, hi - lo, r + R]
+        o = flash.attend_gathered(q, *_expand(layer, keys), scale=layer.softmax_scale, batch=batch, lo=lo)
+    return layer.o_proj(o.transpose(1, 2).reshape(B, T2, H * layer.v_dim))

@@ -31,7 +31,7 @@ from bumblebee.options import check_choice, option
 from bumblebee.primitives.context_parallel.attention import EXCHANGES, check_batch
 from bumblebee.primitives.context_parallel.gdn import gdn_forward
 from bumblebee.primitives.context_parallel.layout import Shard
-from bumblebee.primitives.context_parallel.mla import mla_forward
+from bumblebee.primitives.context_parallel.mla import EXCHANGES as MLA_EXCHANGES, mla_forward
 
 
 @dataclass(frozen=True)
@@ -41,9 +41,14 @@ class ContextParallel:
     exchange: str = option("allgather", "how attention layers get the other ranks' keys and values: "
                            "allgather (one all-gather of K/V, reduce-scatter backward) or ring (blocks "
                            "passed around the ring, overlapped with compute; fp32 log-sum-exp merging)")
+    mla_exchange: str = option("auto", "what MLA layers all-gather: latent (the normalized latent and roped "
+                               "key, r + R numbers a token; K/V expanded by kv_b_proj on every rank), heads "
+                               "(the expanded K/V, H x (qk + v) a token), or auto (whichever moves fewer bytes: "
+                               "latent for DeepSeek-V3, 71x fewer)")
 
     def __post_init__(self):
         check_choice(self, "exchange", tuple(EXCHANGES))
+        check_choice(self, "mla_exchange", MLA_EXCHANGES)
 
 
 class CPAttend:
@@ -76,7 +81,7 @@ def apply(model: nn.Module, cp_group, config: ContextParallel | None = None) -> 
         if _is_gdn(m):
             m.forward = functools.partial(gdn_forward, m)
         elif _is_mla(m):
-            m.forward = functools.partial(mla_forward, m)
+            m.forward = functools.partial(mla_forward, m, exchange=config.mla_exchange)
         elif hasattr(m, "attend"):
             m.attend = CPAttend(config)
     model.cp_group, model.cp_config = cp_group, config

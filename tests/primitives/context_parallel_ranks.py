@@ -43,12 +43,36 @@ def spawn(world: int, module: str, scenario: str, out: Path) -> list:
     return [torch.load(out / f"{scenario}-{world}-{r}.pt", weights_only=False) for r in range(world)]
 
 
+def cp_groups(world) -> list[tuple[int, object]]:
+    """(CP, group) of this rank in a 4-rank spawn: CP = 4 over all, then CP = 2 over ranks {0, 1} or
+    {2, 3} (every rank creates every group, as new_group requires)."""
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    return [(4, world), (2, pairs[dist.get_rank() // 2])]
+
+
 def error(got: torch.Tensor, want64: torch.Tensor, fp32: torch.Tensor) -> tuple[float, float, float]:
     """(max |got - want64|, the fp32 single-rank run's own max error, 8 ulps of the reference's max):
     a check passes when the first is within 4x the second plus the third (`within`)."""
     want64 = want64.double()
     return ((got.double() - want64).abs().max().item(), (fp32.double() - want64).abs().max().item(),
             8 * EPS32 * want64.abs().max().item())
+
+
+def compare_module(errors: dict, off: dict, case: str, rule, group, idx, got, ref64, ref32) -> None:
+    """Record a module's cp run against its single-rank runs, each (output, input gradient, {name:
+    parameter gradient}) over [B, T, ...]: output and input gradient at this rank's positions idx by
+    `rule` (`error`, `error64`), the input gradient off them in `off`, parameter gradients summed
+    over the group."""
+    (o, gx, grads), (o64, gx64, p64), (o32, gx32, p32) = got, ref64, ref32
+    errors[f"{case} out"] = rule(o, o64[:, idx], o32[:, idx])
+    errors[f"{case} dx"] = rule(gx[:, idx], gx64[:, idx], gx32[:, idx])
+    rest = gx.clone()
+    rest[:, idx] = 0
+    off[f"{case} dx"] = rest.abs().max().item()
+    for n, g in grads.items():
+        g = g.clone()
+        dist.all_reduce(g, group=group)
+        errors[f"{case} d{n}"] = rule(g, p64[n], p32[n])
 
 
 def within(errors: dict) -> list[str]:

@@ -7,8 +7,8 @@ ring on the fused kernels in fp32 and float64, the ring's masked form in fp32; u
 and packed with one-token documents, documents that do not divide by 2 x CP, start on chunk edges,
 span chunks and ranks), the exchanges between projections (weight gradients; packed), gated
 DeltaNet (state passing across 2 x CP chunks, a chunk longer than the rule's 64-token block, conv
-halo, packed), and MLA (with and without a query LoRA, all-gather of the latent and RoPE key,
-packed). Every rank's outputs and input gradients at its own positions, and the sum of its
+halo, packed); MLA in test_context_parallel_mla.py. Every rank's outputs and input gradients
+at its own positions, and the sum of its
 parameter gradients over ranks, lie within 4x the fp32 single-rank layer's own error against
 float64 plus 8 ulps (float64 runs: the same scaled by eps64 / eps32); input gradients off the
 rank's positions are zero. The attention reference takes its softmax in float64 (the eager twin,
@@ -22,12 +22,10 @@ import torch.distributed as dist
 
 from bumblebee.baselines.attention import eager_attention
 from bumblebee.baselines.linear_attention import ChunkedGatedDeltaNet
-from bumblebee.baselines.mla import NaiveMLA
 from bumblebee.primitives.context_parallel import layout
 from bumblebee.primitives.context_parallel.attention import EXCHANGES, masked_ring
 from bumblebee.primitives.context_parallel.gdn import gdn_forward
-from bumblebee.primitives.context_parallel.mla import mla_forward
-from tests.primitives.context_parallel_ranks import error, error64, spawn, within
+from tests.primitives.context_parallel_ranks import compare_module, cp_groups, error, error64, spawn, within
 
 PACKED = torch.tensor([0, 5, 6, 30, 31, 48])  # one-token documents at 5 and 30; 48 tokens
 # documents starting on chunk edges (12 at CP = 2 and 4), a one-token one there, one at the row's end
@@ -160,7 +158,7 @@ def test_estimator_divides_sequence_terms_by_cp_and_adds_the_exchange():
 
 
 def test_estimator_cp_lowers_the_peak_of_attention_families():
-    """GQA and hybrid models; MLA's cp path expands every key's heads (fp32) on every rank, so its
+    """GQA and hybrid models; MLA's cp path expands every key's heads on every rank, so its
     exchange grows with the whole sequence faster than its share shrinks (the skill's pitfall)."""
     from bumblebee.tools import memory
     for name, layers in (("qwen3-30b-a3b", 4), ("qwen3.5-35b-a3b", 4), ("qwen3-8b", 4)):
@@ -295,15 +293,8 @@ def _module_checks(group, errors, off, refs, case, layers, full, local, x, w, id
         layer32.zero_grad()
     o64, (gx64,), o32, (gx32,), p64, p32 = refs[case]
     o, (gx,) = _grads_of(lambda t: local(layer32, layout.shard(t, cp, rank)), [x.float()], layout.shard(w, cp, rank))
-    errors[f"{case} out"] = error(o, o64[:, idx], o32[:, idx])
-    errors[f"{case} dx"] = error(gx[:, idx], gx64[:, idx], gx32[:, idx])
-    gx = gx.clone()
-    gx[:, idx] = 0
-    off[f"{case} dx"] = gx.abs().max().item()
-    for n, p in layer32.named_parameters():
-        total = p.grad.clone()
-        dist.all_reduce(total, group=group)
-        errors[f"{case} d{n}"] = error(total, p64[n], p32[n])
+    compare_module(errors, off, case, error, group, idx, (o, gx, {n: p.grad for n, p in layer32.named_parameters()}),
+                   (o64, gx64, p64), (o32, gx32, p32))
 
 
 def _twins(cls, *args, **kw):
@@ -324,41 +315,14 @@ def _gdn_checks(group, errors, off, refs):
                        *_inputs([(B, T, 32), (B, T, 32)], seed=T), batch.index)
 
 
-def _rope_tables(positions_BT, R):
-    freqs = positions_BT[..., None].double() / 10000 ** (torch.arange(0, R, 2, dtype=torch.float64) / R)
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos(), emb.sin()
-
-
-def _mla_checks(group, errors, off, refs):
-    T = 48
-    for q_lora, cu in ((24, None), (None, PACKED)):
-        B = 2 if cu is None else 1
-        torch.manual_seed(3)
-        dims = dict(q_lora_rank=q_lora, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8)
-        batch = layout.make_batch(group, T, cu)
-        idx = batch.index
-        cos, sin = _rope_tables((torch.arange(T) - batch.all_starts).expand(B, T), 4)
-
-        def full(layer, t):
-            return layer(t, cos.to(t.dtype), sin.to(t.dtype), cu_seqlens=cu)
-
-        def local(layer, t):
-            return mla_forward(layer, t, cos[:, idx].float(), sin[:, idx].float(), batch)
-        _module_checks(group, errors, off, refs, f"mla q_lora={q_lora} packed={cu is not None}",
-                       _twins(NaiveMLA, 32, 4, **dims), full, local, *_inputs([(B, T, 32), (B, T, 32)], seed=5), idx)
-
-
 def layers(world):
     """CP = 4 over the 4 ranks, then CP = 2 over ranks {0, 1} and {2, 3} (one spawn for both)."""
-    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank creates every group
     out, refs = {}, {}
-    for cp, group in ((4, world), (2, pairs[dist.get_rank() // 2])):
+    for cp, group in cp_groups(world):
         errors, off = {}, {}
         _attention_checks(group, errors, off, refs)
         _projected_checks(group, errors, off, refs)
         _gdn_checks(group, errors, off, refs)
-        _mla_checks(group, errors, off, refs)
         out[cp] = {"errors": errors, "off": off}
     from tests.primitives.test_context_parallel_model import fsdp_dp2_cp2, fsdp_ep  # models on the same 4 ranks
     out["dp2_cp2"] = fsdp_dp2_cp2(world)
