@@ -3,6 +3,8 @@
 - the fused ring's blocks (`flash.block_forward` / `block_backward`, PyTorch's flash kernel) and the
   ring itself at CP = 1 (the same block schedule, no exchange) against float64 attention;
 - the all-gather's lower-right causal path at CP = 1, unpacked and packed (per document piece);
+- MLA's cp forward at CP = 1, both exchanges (DeepSeek-V3's head dims, q/k 192 and v 128), against
+  the `mla` slot's layer;
 - gated DeltaNet's `fla_rule` (fla's kernel with an entering state, its final state and their
   gradients) against `torch_rule` (the torch chunked rule), unpacked and packed, and the whole
   cp rule on fla against it.
@@ -139,3 +141,36 @@ def test_cp_rule_on_fla_equals_torch(packed):
         outs.append([o] + [t.grad for t in leaves])
     for a, b in zip(*outs):
         assert _rel(a, b) < 5e-3
+
+
+@cuda
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("exchange", ["latent", "heads"])
+def test_mla_at_cp1_equals_the_mla_layer(exchange, packed):
+    """MLA's cp forward at CP = 1 in bf16 (DeepSeek-V3's head dims: q/k 192, v 128, on SDPA with a
+    lower-right causal mask per piece) against the `mla` slot's layer in float64; its own bf16 run
+    gives the error scale. Output, input gradient and kv_b_proj's gradient."""
+    from bumblebee.primitives.context_parallel.mla import mla_forward
+    from bumblebee.primitives.mla import FlashMLA, FlashMLAConfig
+    T, dim = 1024, 256
+    cu = torch.tensor([0, 1, 300, 512, 700, 1024]) if packed else None
+    torch.manual_seed(0)
+    ref = FlashMLA(FlashMLAConfig(fa4="off", fused_rope=False), dim, 8, q_lora_rank=None, kv_lora_rank=512,
+                   qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128).cuda().double()
+    batch = layout.make_batch(None, T, cu, "cuda")
+    pos = (torch.arange(T, device="cuda") - batch.all_starts)[None].double()
+    freqs = pos[..., None] / 10000 ** (torch.arange(0, 64, 2, device="cuda", dtype=torch.float64) / 64)
+    cos, sin = torch.cat((freqs, freqs), -1).cos(), torch.cat((freqs, freqs), -1).sin()
+    g = torch.Generator(device="cuda").manual_seed(2)
+    x, w = (torch.randn(1, T, dim, device="cuda", generator=g) for _ in range(2))
+
+    def run(fn, dtype):
+        layer = FlashMLA(ref.options, dim, 8, q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128,
+                         qk_rope_head_dim=64, v_head_dim=128).cuda().to(dtype)
+        layer.load_state_dict(ref.state_dict())
+        out = _grads(lambda t: fn(layer, t, cos.to(dtype), sin.to(dtype)), [x.to(dtype)], w.to(dtype))
+        return out + [layer.kv_b_proj.weight.grad.float()]
+
+    got = run(lambda m, t, c, s: mla_forward(m, t, c, s, batch, exchange=exchange), torch.bfloat16)
+    full = lambda m, t, c, s: m(t, c, s, cu_seqlens=cu)  # noqa: E731
+    _close(got, run(full, torch.float64), run(full, torch.bfloat16))
