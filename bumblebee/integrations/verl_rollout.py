@@ -116,7 +116,7 @@ class HFReplica(RolloutReplica):
         actor = ray.remote(HFServer).options(name=_server_name(self.replica_rank), num_cpus=0.01,
                                              max_concurrency=1, get_if_exists=True)
         server = actor.remote(self.model_config, self.config.response_length,
-                              seed=1000 + self.replica_rank)
+                              seed=self.config.seed + self.replica_rank)  # verl's rollout.seed (default 42)
         await server.wake_up.remote()  # the model is loaded
         self.servers = [server]
         self._server_handle = server
