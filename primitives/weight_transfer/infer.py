@@ -1,18 +1,39 @@
 """Receiver layout inference from the engine's own `load_weights(iterable of (hf_name, full tensor))`.
 
-The loader runs on probe tensors whose values are digits of each element's global index (every HF
-tensor's elements numbered one after another, plus one so that 0 marks "not written"). A digit is
-a small integer, exact in every float dtype involved (8 bits a pass for bfloat16, 11 for float16,
-24 for float32), so copies, slicing, stacking, transposes and casts between float dtypes all keep
-it; a few passes give the whole index. Reading the targets back gives, for every element, which
-element of which HF tensor landed there; runs of those are fitted as strided boxes (`_fit`).
+Default path (`trace=True`): the loader runs once on meta probes under a torch function mode
+(`trace.py`): every copy from a view of a probe into a view of a target is read off the two
+views' storage offsets and strides as a `Piece`; no element is touched, so it costs seconds at 30B
+scale and the targets may live on meta. Tensors the trace cannot follow (a copy out of a new
+storage such as cat or a cast) are value-probed alone (below); a loader the trace cannot follow at
+all (a fill of a target, a failure on meta) is value-probed whole.
 
-While the loader runs, the probes are a tensor subclass that admits only data movement: any other
-operation on a probe (a scale, an add of two inputs, a quantization) raises `LayoutError` naming
-the HF tensor and the operation. The spec is then verified: a real `load_weights` call on random
-tensors must give, bit for bit, what replaying the spec gives. Specs are cached by a digest of the
-manifest, the targets' layout, the loader's code and the caller's key; a cache hit is verified
-again (one loader call), so a changed layout is never served from a stale entry.
+Verification of a traced spec is complete for everything the loader does through torch: the mode
+sees every torch call it makes, on probes and on targets; any operation that computes on a probe
+is refused on the spot, naming the tensor and the operation, whichever layer it hides in; any
+write into a target other than a copy from a probe leaves the trace. Tensors whose traced
+operations agree in everything but storage offsets (names, shapes, strides, dtypes, the order of
+calls; in practice: every layer, every expert of one projection) ran the same torch code, and the
+pieces are read off each one's own offsets by the same rule; so one representative per such
+signature is checked bitwise against a real `load_weights` call on random values (with every
+value-probed tensor), which confirms the rule and the absence of effects the trace cannot see for
+that code. What the argument leaves out: writes that bypass torch (ctypes on `data_ptr`, numpy
+on a view taken before the call) made for some tensors only; `trace=False` checks every tensor.
+
+Reference path (`trace=False`) and the value probes: the loader runs on probe tensors whose values
+are digits of each element's global index (every HF tensor's elements numbered one after another,
+plus one so that 0 marks "not written"). A digit is a small integer, exact in every float dtype
+involved (8 bits a pass for bfloat16, 11 for float16, 24 for float32), so copies, slicing,
+stacking, transposes and casts between float dtypes all keep it; a few passes give the whole
+index. Reading the targets back gives, for every element, which element of which HF tensor landed
+there; runs of those are fitted as strided boxes (`_fit`). While the loader runs, the probes are a
+tensor subclass that admits only data movement: any other operation on a probe raises
+`LayoutError` naming the HF tensor and the operation. The spec is then checked against a real
+`load_weights` call on random tensors for the whole manifest.
+
+Specs are cached by a digest of the manifest, the targets' layout, the loader's code and the
+caller's key; a cache hit is verified again (the trace compared piece by piece plus the
+representatives' check, or the full check), so a changed layout is never served from a stale
+entry. The targets are restored after inference (only those it wrote are copied aside).
 """
 from __future__ import annotations
 
@@ -163,7 +184,7 @@ def _infer(load_weights, targets, manifest, saved, *, verify, seed, trace) -> Re
             if verify:
                 reps = set(_representatives(tr))
                 saved.save({p.target for p in spec.pieces if p.hf_name in reps})
-                check(spec, load_weights, targets, seed=seed, only=reps)
+                check(spec, load_weights, targets, seed=seed, only=reps, before=saved.orig)
             return spec
         except Untraceable:
             pass  # value probes for everything below
@@ -216,7 +237,7 @@ def _recheck(spec, load_weights, targets, saved, *, seed, trace) -> None:
                     raise LayoutError(f"{name!r}: the loader now writes it elsewhere than the cached spec says")
             reps = set(_representatives(tr))
             saved.save({p.target for p in spec.pieces if p.hf_name in reps})
-            check(spec, load_weights, targets, seed=seed, only=reps)
+            check(spec, load_weights, targets, seed=seed, only=reps, before=saved.orig)
             return
     saved.save(targets)
     check(spec, load_weights, targets, seed=seed)
@@ -397,11 +418,11 @@ def _fit(multi: torch.Tensor, dst: torch.Tensor, sorted_: bool = False) -> list[
     return out
 
 
-def _random(manifest, gen):
-    """Random HF tensors on the generator's device (the targets': a GPU draws a 30B slice in
-    milliseconds where one host thread takes minutes)."""
-    device = gen.device
-    for name, shape, dt in manifest:
+def _random(manifest, device, seed):
+    """Random HF tensors on `device` (the targets': a GPU draws a 30B slice in milliseconds where
+    one host thread takes minutes), one generator per tensor so that any one can be drawn again."""
+    for i, (name, shape, dt) in enumerate(manifest):
+        gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + i)
         dtype = dtype_of(dt)
         if dtype.is_floating_point:
             draw = dtype if dtype in (torch.float32, torch.float64) else torch.float32
@@ -411,10 +432,15 @@ def _random(manifest, gen):
 
 
 @torch.no_grad()
-def check(spec: ReceiverSpec, load_weights, targets: dict, *, seed: int = 0, only=None) -> None:
+def check(spec: ReceiverSpec, load_weights, targets: dict, *, seed: int = 0, only=None, before=None) -> None:
     """LayoutError unless replaying `spec` on random HF tensors gives, bit for bit, what
     `load_weights` makes of them (both onto the same prior target values). `only`: HF names; the
-    loader then gets those tensors alone and the targets their pieces write are compared."""
+    loader then gets those tensors alone and the targets their pieces write are compared.
+    `before`: copies of those targets' prior values, when the caller holds them already.
+
+    No second copy of the targets: after the real call every piece's destination is compared with
+    its source (drawn again from its own generator) and then given back its prior values, so a
+    target must end equal to its prior values everywhere (what no piece covers was never written)."""
     spec.check_targets(targets)
     manifest, pieces, names = spec.manifest, spec.pieces, list(targets)
     if only is not None:
@@ -424,24 +450,30 @@ def check(spec: ReceiverSpec, load_weights, targets: dict, *, seed: int = 0, onl
         names = list(dict.fromkeys(p.target for p in pieces))
     if any(targets[n].device.type == "meta" for n in names):
         raise ValueError("checking a layout needs targets that hold values; meta targets: pass verify=False")
-    before = {n: targets[n].detach().clone() for n in names}
+    if before is None:
+        before = {n: targets[n].detach().clone() for n in names}
     device = next(iter(targets.values())).device if targets else torch.device("cpu")
     device = device if device.type in ("cpu", "cuda") else torch.device("cpu")
-    full = dict(_random(manifest, torch.Generator(device=device).manual_seed(seed)))
-    load_weights(iter(full.items()))
-    real = {n: targets[n].detach().clone() for n in names}
-    for n in names:
-        targets[n].copy_(before[n])
+    load_weights(_random(manifest, device, seed))
+    by_name: dict = {}
     for p in pieces:
-        p.dest(targets[p.target]).copy_(view(full[p.hf_name], p.box))
+        by_name.setdefault(p.hf_name, []).append(p)
+    for name, w in _random(manifest, device, seed):
+        for p in by_name.get(name, ()):
+            dst = p.dest(targets[p.target])
+            want = view(w, p.box).to(dst.dtype)
+            if not torch.equal(_bits(dst), _bits(want)):
+                i = int((_bits(dst) != _bits(want)).nonzero()[0])
+                raise LayoutError(f"target {p.target!r}: replaying the spec differs from load_weights at element {i} "
+                                  f"of {name!r}'s piece ({want.reshape(-1)[i].item()!r} vs "
+                                  f"{dst.reshape(-1)[i].item()!r}): the loader does more than move values")
+            dst.copy_(p.dest(before[p.target]))
     for n in names:
-        t = targets[n]
-        a, b = _bits(real[n]), _bits(t.detach())
+        a, b = _bits(before[n]), _bits(targets[n].detach())
         if not torch.equal(a, b):
             i = int((a != b).nonzero()[0])
-            raise LayoutError(f"target {n!r}: replaying the spec differs from load_weights at element {i} "
-                              f"({t.reshape(-1)[i].item()!r} vs {real[n].reshape(-1)[i].item()!r}): the loader "
-                              "does more than move values")
+            raise LayoutError(f"target {n!r}: load_weights writes element {i}, which the spec leaves alone: the "
+                              "loader does more than move values")
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
