@@ -21,6 +21,7 @@ ray = pytest.importorskip("ray", reason="the RL pipeline needs Ray: pip install 
 from bumblebee import models  # noqa: E402
 from bumblebee.runtime.pipeline import (CopyDigits, Objective, Pipeline, PipelineConfig, PipelineTimeout,  # noqa: E402
                                         Sampling)
+from tests.limits import SUBPROCESS_TIMEOUT_S  # noqa: E402
 
 TASK = CopyDigits(length=2)
 CONFIG = {**models.NAMED["qwen3-tiny"], "vocab_size": 16, "bos_token_id": TASK.bos_id, "pad_token_id": TASK.pad_id,
@@ -163,13 +164,13 @@ def test_an_moe_trainer_with_experts_over_two_ranks_sends_its_shards_through_the
 
     def after(p):
         def last_version(producer):  # the run ends before the producer takes the last update
-            version = producer.channel.wait_newer(producer.engine, 60.0)
+            version = producer.channel.wait_newer(producer.engine, float(SUBPROCESS_TIMEOUT_S))
             return version, {n: t.detach().clone() for n, t in producer.engine.model.named_parameters()}
 
         def gathered(trainer):  # every trainer rank takes part in the gathers
             return {n: t.clone() for n, t in trainer.rt.export_weights(dtype=torch.float32)}
-        exports = ray.get([t.__ray_call__.remote(gathered) for t in p.trainers], timeout=120)
-        return ray.get(p.producers[0].__ray_call__.remote(last_version), timeout=120), exports[0]
+        exports = ray.get([t.__ray_call__.remote(gathered) for t in p.trainers], timeout=SUBPROCESS_TIMEOUT_S)
+        return ray.get(p.producers[0].__ray_call__.remote(last_version), timeout=SUBPROCESS_TIMEOUT_S), exports[0]
 
     log, ((version, got), export) = _equals_the_synchronous_loop(cfg, moe, abs_tol=1e-6, after=after)
     assert sum(m["groups_kept"] for m in log) >= 2, [m["groups_kept"] for m in log]  # steps that trained
