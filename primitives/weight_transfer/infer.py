@@ -157,7 +157,7 @@ def infer_layout(load_weights, targets: dict, manifest, *, key: str = "", cache:
             if tuple(given.manifest) != tuple(manifest):
                 raise LayoutError("the given spec was written for another manifest (names, shapes, dtypes or order)")
             saved.save(targets)
-            check(given, load_weights, targets, seed=seed)
+            check(given, load_weights, targets, seed=seed, before=saved.orig)
             return given
         if cache is not None and lk in cache.specs:
             spec = cache.specs[lk]
@@ -190,8 +190,9 @@ def _infer(load_weights, targets, manifest, saved, *, verify, seed, trace) -> Re
             pass  # value probes for everything below
     saved.save(targets)
     spec = _probe(load_weights, targets, manifest)
+    saved.restore()  # the check compares against the prior values
     if verify:
-        check(spec, load_weights, targets, seed=seed)
+        check(spec, load_weights, targets, seed=seed, before=saved.orig)
     return spec
 
 
@@ -202,6 +203,7 @@ def _from_trace(tr, load_weights, targets, manifest, saved) -> ReceiverSpec:
     if tr.impure:
         saved.save(targets)  # the value passes zero every target
         pieces += _probe(load_weights, targets, tuple(manifest[i] for i in sorted(tr.impure)), partial=True).pieces
+        saved.restore()  # the check compares against the prior values
         if clashing(pieces, targets):
             raise Untraceable("value-probed and traced tensors write one target element")
     return _assemble(manifest, targets, pieces)
@@ -240,7 +242,7 @@ def _recheck(spec, load_weights, targets, saved, *, seed, trace) -> None:
             check(spec, load_weights, targets, seed=seed, only=reps, before=saved.orig)
             return
     saved.save(targets)
-    check(spec, load_weights, targets, seed=seed)
+    check(spec, load_weights, targets, seed=seed, before=saved.orig)
 
 
 def _assemble(manifest, targets, pieces) -> ReceiverSpec:

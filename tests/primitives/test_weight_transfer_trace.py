@@ -115,10 +115,14 @@ class _Stacking(VllmStyleEngine):
 def test_untraceable_tensors_are_value_probed():
     man = _manifest("qwen3-tiny")
     eng = _Stacking(man, models.NAMED["qwen3-tiny"])
+    for t in eng.params.values():
+        t.normal_()  # prior values the checks must compare against and give back
+    before = {k: v.clone() for k, v in eng.params.items()}
     calls = []
     fast = infer_layout(_counted(eng.load_weights, calls), eng.params, man)
     n_fast = len(calls)
-    assert fast == infer_layout(eng.load_weights, eng.params, man, trace=False, verify=False)
+    assert fast == infer_layout(eng.load_weights, eng.params, man, trace=False)  # checked too
+    assert all(torch.equal(before[k], v) for k, v in eng.params.items())
     tr = Trace(eng.params, man, _ALLOWED, LayoutError).run(eng.load_weights)
     assert {man[i][0] for i in tr.impure} == {n for n, *_ in man if ".gate_proj." in n or ".up_proj." in n}
     assert n_fast == 3  # the trace, one digit pass (this subset's indices fit fp32's 24 bits), the check
