@@ -58,7 +58,7 @@ each rank holds seq_len / cp of its tokens, so every per-token activation term d
 stays the ranks the state is sharded over (FSDP2 over the whole (dp, cp) mesh: dp x cp of them). Per
 attention layer the exchange adds what grows with the whole sequence (`_cp_attention`): all-gather
 keeps the gathered K/V repeated to the query heads for the fused kernel and, in the backward, their
-gradients (MLA: the gathered latent and every key's expanded K/V, in the activations' dtype); the ring
+gradients (MLA: the gathered latent, and one key chunk's expanded K/V at a time); the ring
 only blocks of T / cp. The DeltaNet rule carries Dk more value columns (`_cp_deltanet`), and its conv
 keeps fp32 copies.
 """
@@ -597,18 +597,20 @@ def _cp_attention(cfg, family: str, b: int, par: Parallel) -> int:
     """Bytes of one attention layer's context-parallel exchange at its backward (0 at cp = 1).
     all-gather (primitives/context_parallel/flash.py): the gathered K/V [T, K, dh] (folded gradients
     too), repeated to the query heads [T, H, dh] for the fused kernel, and their gradients, T the whole
-    sequence; MLA (primitives/context_parallel/mla.py, its default latent exchange): the gathered
-    latent and rope key, kv_b_proj's K/V for every key and the assembled K/V (the activations'
-    dtype) SDPA takes, and their gradients. ring: two K/V blocks of
+    sequence; MLA (primitives/context_parallel/mla_blocks.py, its default latent exchange): the
+    gathered latent and rope key (saved) and their fp32 gradient, one key chunk (T / (2 cp)) expanded at
+    a time (kv_b_proj's output, k and v padded to one head size, their fp32 gradients) and the local
+    tokens' fp32 merged output. ring: two K/V blocks of
     T / cp in flight, the held one repeated to H heads, and fp32 dK/dV accumulators (held, in flight)."""
     if par.cp == 1:
         return 0
     T = par.micro_batch * par.seq_len
     H = cfg.num_attention_heads
     if family == "mla":
-        r, R, qk = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
-        per_key = b * (r + R) + b * H * (cfg.qk_nope_head_dim + cfg.v_head_dim) + 2 * b * H * (qk + cfg.v_head_dim)
-        return T * per_key
+        r, R, v = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.v_head_dim
+        qk = cfg.qk_nope_head_dim + R
+        chunk_key = H * (b * (cfg.qk_nope_head_dim + v) + 2 * b * max(qk, v) + 4 * (qk + v))
+        return T * (b + 4) * (r + R) + T // (2 * par.cp) * chunk_key + T // par.cp * 4 * H * v
     K, dh = cfg.num_key_value_heads, cfg.head_dim
     if par.cp_exchange == "allgather":
         return T * b * (2 * K * dh + 4 * H * dh)

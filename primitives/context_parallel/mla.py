@@ -6,27 +6,28 @@ r + R = 576 numbers in DeepSeek-V3, where the expanded heads are H x (qk + v) = 
 (`wire_numbers`, `choose`; `ContextParallel.mla_exchange` forces one):
 
 - `latent`: one differentiable all-gather of [c | roped k] (reduce-scatter of its gradient in the
-  backward, `comm.py`); each rank expands with `kv_b_proj` only the keys its chunks can see (global
-  positions [lo, (c1 + 1) L): lo its chunks' earliest document start, c1 its later chunk), then
-  runs one SDPA call per piece of a chunk (its rows of one document, `CPBatch.segments`) against the
-  keys it sees with a lower-right causal mask (`flash.attend_gathered`: fused kernels, no mask in
-  memory). 71x fewer bytes than the heads for DeepSeek-V3, for repeating the expansion matmul of
-  the keys on every rank.
+  backward, `comm.py`); each rank attends to the keys its chunks can see (global positions
+  [lo, (c1 + 1) L): lo its chunks' earliest document start, c1 its later chunk) one key chunk at a
+  time (`mla_blocks.py`): the chunk's latent expanded with `kv_b_proj`, its (piece, key chunk)
+  blocks attended with an online fp32 log-sum-exp merge, and the expansion recomputed per chunk in
+  the backward, so a rank keeps the gathered latent [S, r + R] and O(local tokens), never the
+  expanded K/V of all S keys. 71x fewer bytes than the heads for DeepSeek-V3, for repeating the
+  expansion matmul of the keys on every rank (twice: forward and backward).
 - `heads`: each rank expands its own tokens' K/V and `attention.allgather_attention` gathers them
   (the cheaper wire only for few heads over a wide latent).
 
-The latent path stays in the activations' dtype (bf16 on the wire, into kv_b_proj and SDPA, which
-accumulates in fp32); each piece is one call over all its keys, so nothing is merged.
+The latent path stays in the activations' dtype on the wire and into kv_b_proj; its attention
+blocks compute in fp32 (float64 inputs: float64), as the merge needs.
 Shape legend: B batch, H heads, T global tokens, L chunk length, S keys a rank expands.
 """
 from __future__ import annotations
 
 import torch
 
-from bumblebee.primitives.context_parallel import flash
 from bumblebee.primitives.context_parallel.attention import allgather_attention, check_batch
 from bumblebee.primitives.context_parallel.comm import gather
 from bumblebee.primitives.context_parallel.layout import layout_index, rank_chunks
+from bumblebee.primitives.context_parallel.mla_blocks import expand, latent_attention
 from bumblebee.primitives.mla import rope_pairs
 
 EXCHANGES = ("auto", "latent", "heads")
@@ -50,12 +51,8 @@ def choose(layer, exchange: str) -> str:
 
 def _expand(layer, latent_BSX):
     """[c | roped k] [B, S, r + R] -> k [B, H, S, qk], v [B, H, S, v] (kv_b_proj, the rope key shared)."""
-    B, S, _ = latent_BSX.shape
-    H, nope = layer.n_heads, layer.nope
-    c, k_rope = latent_BSX.split([layer.kv_lora_rank, layer.rope_dim], dim=-1)
-    k_nope, v = layer.kv_b_proj(c).view(B, S, H, nope + layer.v_dim).split([nope, layer.v_dim], dim=-1)
-    k = torch.cat((k_nope, k_rope[:, :, None].expand(B, S, H, layer.rope_dim)), dim=-1)
-    return k.transpose(1, 2), v.transpose(1, 2)
+    dims = (layer.n_heads, layer.nope, layer.v_dim, layer.kv_lora_rank, layer.rope_dim)
+    return expand(latent_BSX, layer.kv_b_proj.weight, layer.kv_b_proj.bias, dims)
 
 
 def mla_forward(layer, x_BTD, cos, sin, cu_seqlens, exchange: str = "auto"):
@@ -80,5 +77,5 @@ def mla_forward(layer, x_BTD, cos, sin, cu_seqlens, exchange: str = "auto"):
         hi = (max(rank_chunks(batch.rank, batch.cp)) + 1) * batch.chunk
         order = torch.argsort(layout_index(batch.T, batch.cp, x_BTD.device))  # layout -> global order
         keys = gather(latent, batch.group, dim=1).index_select(1, order[lo:hi])  # [B, hi - lo, r + R]
-        o = flash.attend_gathered(q, *_expand(layer, keys), scale=layer.softmax_scale, batch=batch, lo=lo)
+        o = latent_attention(layer, q, keys, batch=batch, lo=lo)
     return layer.o_proj(o.transpose(1, 2).reshape(B, T2, H * layer.v_dim))

@@ -158,10 +158,10 @@ def test_estimator_divides_sequence_terms_by_cp_and_adds_the_exchange():
 
 
 def test_estimator_cp_lowers_the_peak_of_attention_families():
-    """GQA and hybrid models; MLA's cp path expands every key's heads on every rank, so its
-    exchange grows with the whole sequence faster than its share shrinks (the skill's pitfall)."""
+    """GQA, hybrid and MLA models (MLA's latent exchange keeps the gathered latent and expands one key
+    chunk at a time, so its buffers shrink with cp like the rest)."""
     from bumblebee.tools import memory
-    for name, layers in (("qwen3-30b-a3b", 4), ("qwen3.5-35b-a3b", 4), ("qwen3-8b", 4)):
+    for name, layers in (("qwen3-30b-a3b", 4), ("qwen3.5-35b-a3b", 4), ("qwen3-8b", 4), ("deepseek-v3", 4)):
         peaks = [memory.estimate(_slice(name, layers), memory.Parallel(dp=4, cp=cp, seq_len=131072)).peak
                  for cp in (1, 2, 4)]
         assert peaks[0] > peaks[1] > peaks[2], (name, peaks)

@@ -2,7 +2,7 @@
 
 The layer has DeepSeek-V3-tiny's dimensions; the single-rank layer is the `mla` slot's default
 (`FlashMLA`, one SDPA call over the whole sequence, per document when packed). At CP = 4 and CP = 2,
-for both exchanges (`latent`: the all-gathered latent and roped key expanded on every rank; `heads`:
+for both exchanges (`latent`: the all-gathered latent and roped key, expanded a key chunk at a time; `heads`:
 the all-gathered expanded K/V), unpacked (B = 2) and packed (documents of 1 and 5 tokens, shorter
 than one chunk; with and without a query LoRA), in fp32 and float64: every rank's output and input
 gradient at its positions, and every parameter gradient summed over the ranks, within 4x the fp32
@@ -10,7 +10,9 @@ single-rank layer's own error against float64 plus 8 ulps (float64: that scaled 
 
 The wire: with DeepSeek-V3's own attention dimensions, the tensors handed to the collectives (forward
 all-gathers, backward reductions) are counted: the latent exchange moves far fewer bytes than the
-heads and `auto` picks it; a bf16 layer's exchanges are bf16 both ways.
+heads and `auto` picks it; a bf16 layer's exchanges are bf16 both ways. The saved-for-backward bytes
+of the latent exchange (counted by saved_tensors_hooks) grow with T by the gathered latent only: no
+key's expanded K/V is kept (`mla_blocks.py` recomputes them per key chunk in the backward).
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from bumblebee import models
-from bumblebee.primitives.context_parallel import layout
+from bumblebee.primitives.context_parallel import flash, layout
 from bumblebee.primitives.context_parallel.mla import choose, mla_forward, wire_numbers
 from bumblebee.primitives.context_parallel.model import ContextParallel
 from bumblebee.primitives.mla import FlashMLA, FlashMLAConfig
@@ -138,12 +140,45 @@ def _wire(group, name: str, dtype, dim=None):
     return logs
 
 
+def _saved_bytes(fn, params) -> int:
+    """Bytes of the storages fn's autograd graph saves for the backward (saved_tensors_hooks on every
+    saved tensor, custom Functions' included), each storage once, parameters left out."""
+    skip = {p.untyped_storage().data_ptr() for p in params}
+    seen = {}
+
+    def pack(t):
+        s = t.untyped_storage()
+        if s.data_ptr() not in skip:  # a saved tensor is kept alive by the graph: its pointer is unique
+            seen[s.data_ptr()] = s.nbytes()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    out.float().square().sum().backward()  # the graph runs with what it saved
+    return sum(seen.values())
+
+
+def _saved(group, local: int = 8) -> dict:
+    """Saved-for-backward bytes of an fp32 layer with DeepSeek-V3's attention dimensions (model width
+    16, no query LoRA) on T = local x CP tokens, this rank holding `local` of them, per exchange."""
+    cp = dist.get_world_size(group)
+    dims = {**_dims("deepseek-v3", q_lora=None), "dim": 16}
+    torch.manual_seed(0)
+    layer = _layer(dims)
+    T = local * cp
+    batch = layout.make_batch(group, T)
+    cos, sin = (t[:, batch.index].float() for t in _rope(torch.arange(T)[None], dims["qk_rope_head_dim"]))
+    x = torch.randn(1, local, dims["dim"], requires_grad=True)
+    return {exchange: _saved_bytes(lambda: mla_forward(layer, x, cos, sin, batch, exchange=exchange),
+                                   list(layer.parameters()))
+            for exchange in ("latent", "heads")}
+
+
 def scenario(world):
     """CP = 4 over the 4 ranks, then CP = 2 over ranks {0, 1} and {2, 3} (one spawn for both)."""
     out, refs = {}, {}
     for cp, group in cp_groups(world):
         out[cp] = {**_checks(group, refs), "wire": _wire(group, "deepseek-v3", torch.float32, dim=16),
-                   "wire_bf16": _wire(group, "deepseek-v3-tiny", torch.bfloat16)}
+                   "wire_bf16": _wire(group, "deepseek-v3-tiny", torch.bfloat16), "saved": _saved(group)}
     return out
 
 
@@ -179,6 +214,26 @@ def test_exchange_keeps_the_activation_dtype(cp, four_ranks):
             assert len(log) >= 2 and {dtype for _, dtype, _ in log} == {torch.bfloat16}, (rank, name, log)
 
 
+@pytest.mark.parametrize("fused", [True, False])
+def test_latent_blocks_at_cp1_equal_the_layer_in_float64(fused, monkeypatch):
+    """Both block paths of the latent exchange (flash's op, and the torch scores CUDA runs in fp32,
+    forced here) on one rank, packed: output, input and parameter gradients equal the mla layer's."""
+    monkeypatch.setattr(flash, "ring_usable", lambda q: fused)
+    dims = _dims("deepseek-v3-tiny")
+    batch = layout.make_batch(None, T, PACKED)
+    cos, sin = _rope((torch.arange(T) - batch.all_starts)[None], dims["qk_rope_head_dim"])
+    torch.manual_seed(3)
+    layer = _layer(dims, torch.float64)
+    x, w = torch.randn(2, 1, T, dims["dim"], dtype=torch.float64)
+    want = _run(layer, lambda m, t: m(t, cos, sin, cu_seqlens=PACKED), x, w)
+    idx = batch.index
+    got = _run(layer, lambda m, t: mla_forward(m, t[:, idx], cos[:, idx], sin[:, idx], batch, exchange="latent"),
+               x, w[:, idx])
+    torch.testing.assert_close(got[0], want[0][:, idx], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(got[1], want[1], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(got[2], want[2], rtol=1e-12, atol=1e-12)
+
+
 def test_choose_picks_the_smaller_wire_and_refuses_unknown_names():
     big = _layer(_dims("deepseek-v3-tiny"))  # 4 heads x (24 + 16) = 160 numbers a token vs 32 + 8
     assert wire_numbers(big) == {"latent": 40, "heads": 160} and choose(big, "auto") == "latent"
@@ -189,3 +244,19 @@ def test_choose_picks_the_smaller_wire_and_refuses_unknown_names():
         choose(big, "ring")
     with pytest.raises(ValueError, match="mla_exchange"):
         ContextParallel(mla_exchange="expanded")
+
+
+def test_latent_saves_the_gathered_latent_not_the_expanded_keys(four_ranks):
+    """Rank 0 (its later chunk the last: it sees every key) holds 8 tokens at CP = 2 (T = 16) and at
+    CP = 4 (T = 32). Counted from the tensors the graph saves: the latent exchange grows by about the
+    gathered latent (r + R numbers a key, and its gather index), far below one key's expanded K/V
+    (H x (qk + v)), which the heads exchange does keep; at CP = 4 it saves well under the heads-expanded
+    K/V of all T keys."""
+    cfg = models.NAMED["deepseek-v3"]
+    latent = 4 * (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"])  # fp32 bytes a key
+    heads = 4 * cfg["num_attention_heads"] * (cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"] + cfg["v_head_dim"])
+    small, big = four_ranks[0][2]["saved"], four_ranks[0][4]["saved"]
+    per_key = {name: (big[name] - small[name]) / 16 for name in big}
+    assert 0 < per_key["latent"] < min(2 * latent, heads / 50), per_key
+    assert per_key["heads"] >= heads, per_key
+    assert big["latent"] < 0.5 * 32 * heads, (big, 32 * heads)
