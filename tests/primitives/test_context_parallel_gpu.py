@@ -147,9 +147,10 @@ def test_cp_rule_on_fla_equals_torch(packed):
 @pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("exchange", ["latent", "heads"])
 def test_mla_at_cp1_equals_the_mla_layer(exchange, packed):
-    """MLA's cp forward at CP = 1 in bf16 (DeepSeek-V3's head dims: q/k 192, v 128, on SDPA with a
-    lower-right causal mask per piece) against the `mla` slot's layer in float64; its own bf16 run
-    gives the error scale. Output, input gradient and kv_b_proj's gradient."""
+    """MLA's cp forward at CP = 1 in bf16 (DeepSeek-V3's head dims: q/k 192, v 128; latent: flash blocks
+    with v zero-padded to 192, heads: SDPA with a lower-right causal mask per piece) against the `mla`
+    slot's layer in float64; its own bf16 run gives the error scale. Output, input gradient and kv_b_proj's
+    gradient."""
     from bumblebee.primitives.context_parallel.mla import mla_forward
     from bumblebee.primitives.mla import FlashMLA, FlashMLAConfig
     T, dim = 1024, 256
