@@ -134,7 +134,10 @@ class TrainState:
             # the global view of an expert tensor: split over ep first (rank k holds experts
             # [k*E/ep, (k+1)*E/ep)), then each block over efsdp; one checkpoint then serves any layout
             ranks = ep_mesh.mesh.transpose(ep_mesh.mesh_dim_names.index("ep"), 0).contiguous()
-            self.expert_view = DeviceMesh(ep_mesh.device_type, ranks, mesh_dim_names=("ep", "efsdp"))
+            # over ep_mesh's own groups: new ones would wait torch's default 30 minutes whatever the
+            # caller's groups were given (the export's gathers run on these)
+            self.expert_view = DeviceMesh.from_group([ep_mesh["ep"].get_group(), ep_mesh["efsdp"].get_group()],
+                                                     ep_mesh.device_type, mesh=ranks, mesh_dim_names=("ep", "efsdp"))
 
     def shard_group(self, name: str):
         """(process group, size, rank) over which parameter `name` is sharded."""

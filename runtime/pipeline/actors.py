@@ -141,17 +141,12 @@ class Trainer:
     def attach(self, channel, address: str | None = None) -> None:
         """Join the weight channel (rank 0), or first the trainer ranks' group at `address` (every rank
         at once), then build the policy on the trainer's own group."""
-        import datetime
-
         import torch.distributed as dist
 
-        from bumblebee.runtime.pipeline.trainer import build_runtime
+        from bumblebee.runtime.pipeline.trainer import build_runtime, join_trainer_ranks
         self.channel = channel
         if self.world > 1 and self.cfg.weights != "p2p":  # a step's ranks wait on rank 0's take: the limit covers it
-            limit = datetime.timedelta(seconds=self.cfg.take_timeout_s + 2 * self.cfg.call_timeout_s)
-            backend = "gloo" if self.device.type == "cpu" else "cpu:gloo,cuda:nccl"
-            dist.init_process_group(backend, init_method=f"tcp://{address}", rank=self.rank, world_size=self.world,
-                                    timeout=limit)
+            join_trainer_ranks(self.cfg, address, self.rank, self.device)
             self.group = dist.group.WORLD
         else:  # p2p: the channel's group holds the trainer's ranks (a subgroup of their own) and the producers
             channel.attach(self.rank)
@@ -179,18 +174,19 @@ class Trainer:
         return got
 
     def step(self, ticket: int) -> dict:
-        from bumblebee.runtime.pipeline.trainer import grpo_step
+        from bumblebee.runtime.pipeline.trainer import collective_limit, grpo_step
         if ticket != self.version:
             raise ValueError(f"step {ticket} asked of the trainer at version {self.version}: steps run in order")
-        t0 = time.monotonic()
-        groups, producer_idle = self._take(ticket)
-        t1 = time.monotonic()
-        m = grpo_step(self.rt, groups, self.cfg.objective, version=self.version, pad_id=self.pad_id, ref=self.ref,
-                      rank=self.rank, world=self.world, group=self.group)
-        self.version += 1
-        t2 = time.monotonic()
-        self.publish()
-        t3 = time.monotonic()
+        with collective_limit(self.cfg, f"trainer rank {self.rank}, step {ticket}"):
+            t0 = time.monotonic()
+            groups, producer_idle = self._take(ticket)
+            t1 = time.monotonic()
+            m = grpo_step(self.rt, groups, self.cfg.objective, version=self.version, pad_id=self.pad_id,
+                          ref=self.ref, rank=self.rank, world=self.world, group=self.group)
+            self.version += 1
+            t2 = time.monotonic()
+            self.publish()
+            t3 = time.monotonic()
         return {**m, "wait_s": t1 - t0, "train_s": t2 - t1, "publish_s": t3 - t2,
                 "tokens_per_s": m["tokens"] / max(t3 - t0, 1e-9), "producer_idle": producer_idle,
                 "trainer_idle": (t1 - t0) / max(t3 - t0, 1e-9), "group_ids": [g.group for g in groups]}

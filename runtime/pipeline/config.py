@@ -108,6 +108,13 @@ class PipelineConfig:
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
 
+    @property
+    def trainer_timeout_s(self) -> float:
+        """How long a trainer rank waits in a collective of any group the pipeline makes over the
+        trainer's ranks (the trainer ranks' own, its (efsdp, ep) mesh's): a step's ranks wait on rank
+        0's take of the step's groups, then on one remote call either side of it."""
+        return self.take_timeout_s + 2 * self.call_timeout_s
+
 
 def _positive(name, value):
     if not (isinstance(value, int) and value > 0):

@@ -54,7 +54,7 @@ class Pipeline:
             from bumblebee.runtime.pipeline.weights_p2p import P2PChannel
             address = get(self.trainer.address.remote(), cfg.call_timeout_s, "the trainer's address")
             self.channel = P2PChannel(cfg.producers, address, cfg.weight_timeout_s, trainers=cfg.trainer_ranks,
-                                      trainer_timeout_s=cfg.take_timeout_s + 2 * cfg.call_timeout_s,
+                                      trainer_timeout_s=cfg.trainer_timeout_s,
                                       expert_parallel=cfg.expert_parallel)
         address = None
         if cfg.trainer_ranks > 1 and cfg.weights != "p2p":  # the trainer's ranks' own group, at rank 0's address
@@ -99,7 +99,7 @@ class Pipeline:
                 ref = refs[0]
                 while True:  # wait for the step, handling producers that end meanwhile
                     ready, _ = ray.wait([ref, *self.runs], num_returns=1,
-                                        timeout=cfg.take_timeout_s + 2 * cfg.call_timeout_s)
+                                        timeout=cfg.trainer_timeout_s)
                     if not ready:
                         raise PipelineTimeout(f"step {step}: no answer from the trainer or producers")
                     if ready[0] == ref:

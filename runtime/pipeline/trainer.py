@@ -3,14 +3,16 @@ synchronous loop): dynamic sampling, group-normalized advantages, the proximal p
 the capped behaviour weight, DAPO's clip-higher surrogate with token-mean aggregation, the step."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import datetime
 
 import torch
 
 from bumblebee.runtime import losses
 from bumblebee.runtime.batching import Batch
 from bumblebee.runtime.pipeline.admission import Admission, Lease
-from bumblebee.runtime.pipeline.config import Objective, PipelineConfig
+from bumblebee.runtime.pipeline.config import Objective, PipelineConfig, PipelineTimeout
 from bumblebee.runtime.pipeline.engine import rollout
 from bumblebee.runtime.pipeline.samples import Group, informative, to_batch
 
@@ -20,12 +22,13 @@ def build_runtime(model_config: dict, cfg: PipelineConfig, group=None, device="c
     `cfg.state_sharding` on `group` (the trainer's own ranks), or on a one-rank group (gloo, and NCCL
     for CUDA), created here when none exists (the trainer actor's own process). With
     `cfg.expert_parallel` = EP > 1 each rank keeps E / EP experts (`shard_experts` on the (efsdp, ep)
-    mesh `ep_mesh` over the ranks of `group`, `expert_mesh`'s; without one it is made here over
-    `group`, which must then be the default group: its subgroups are made by every rank of it) and
-    the MoE dispatch is "all_to_all" unless `cfg.impl` names "chunked".
+    mesh `ep_mesh` over the ranks of `group`, `trainer_expert_mesh`'s; without one it is made here
+    over `group`, which must then be the default group: its subgroups are made by every rank of it)
+    and the MoE dispatch is "all_to_all" unless `cfg.impl` names "chunked". Every group made here
+    waits at most `cfg.trainer_timeout_s` (torch's own default is 30 minutes).
     On CUDA the caller's current device must be `device` (the mesh takes the current one)."""
     import torch.distributed as dist
-    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+    from torch.distributed.device_mesh import DeviceMesh
 
     from bumblebee import models, registry
     from bumblebee.runtime import Runtime
@@ -35,8 +38,12 @@ def build_runtime(model_config: dict, cfg: PipelineConfig, group=None, device="c
     else:
         if not dist.is_initialized():  # one rank: an in-memory store, no port to find
             backend = "gloo" if device.type == "cpu" else "cpu:gloo,cuda:nccl"
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-        mesh = init_device_mesh(device.type, (1,), mesh_dim_names=("dp",))
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+                                    timeout=datetime.timedelta(seconds=cfg.trainer_timeout_s))
+        if dist.get_world_size() != 1:
+            raise ValueError(f"group=None builds a one-rank trainer; the default group has {dist.get_world_size()} "
+                             f"ranks: pass the trainer's group")
+        mesh = DeviceMesh.from_group(dist.group.WORLD, device.type, mesh_dim_names=("dp",))
     impl, ep = dict(cfg.impl), cfg.expert_parallel
     if ep > 1:
         impl.setdefault("moe_dispatch", "all_to_all")
@@ -56,8 +63,9 @@ def build_runtime(model_config: dict, cfg: PipelineConfig, group=None, device="c
     kw = {}
     if ep > 1:
         from bumblebee.parallelize import shard_experts
-        kw["ep_mesh"] = ep_mesh or init_device_mesh(device.type, (mesh.size() // ep, ep),
-                                                    mesh_dim_names=("efsdp", "ep"))
+        # not init_device_mesh: its subgroups would wait torch's default 30 minutes on a stalled rank
+        kw["ep_mesh"] = ep_mesh or trainer_expert_mesh(mesh.size(), ep, device_type=device.type,
+                                                       timeout=datetime.timedelta(seconds=cfg.trainer_timeout_s))
         shard_experts(model, kw["ep_mesh"]["ep"].get_group())
     state = registry.resolve("state_sharding", cfg.state_sharding)(model, mesh, lr=cfg.lr, mixed_precision="fp32",
                                                                    grad_clip=cfg.grad_clip, **kw)
@@ -65,12 +73,37 @@ def build_runtime(model_config: dict, cfg: PipelineConfig, group=None, device="c
     return Runtime(model, state), ref
 
 
-def expert_mesh(trainers: int, ep: int, *, timeout=None, device_type: str = "cpu"):
+def join_trainer_ranks(cfg: PipelineConfig, address: str, rank: int, device) -> None:
+    """Trainer rank `rank` of `cfg.trainer_ranks` joins their default group at `address` ("host:port"
+    of rank 0), gloo (and NCCL for CUDA), waiting at most `cfg.trainer_timeout_s` in any collective."""
+    import torch.distributed as dist
+    backend = "gloo" if torch.device(device).type == "cpu" else "cpu:gloo,cuda:nccl"
+    dist.init_process_group(backend, init_method=f"tcp://{address}", rank=rank, world_size=cfg.trainer_ranks,
+                            timeout=datetime.timedelta(seconds=cfg.trainer_timeout_s))
+
+
+@contextlib.contextmanager
+def collective_limit(cfg: PipelineConfig, what: str):
+    """Raise a collective's timeout on the trainer's groups (gloo: a RuntimeError "Timed out ...",
+    which names neither the group nor the option) as a PipelineTimeout naming `what` and the limit."""
+    try:
+        yield
+    except RuntimeError as e:
+        if "timed out" not in str(e).lower():
+            raise
+        raise PipelineTimeout(f"{what}: a collective of the trainer's ranks waited past trainer_timeout_s = "
+                              f"{cfg.trainer_timeout_s:g} s (take_timeout_s + 2 * call_timeout_s): a peer rank "
+                              f"stalled or died ({e})") from e
+
+
+def trainer_expert_mesh(trainers: int, ep: int, *, timeout=None, device_type: str = "cpu"):
     """The trainer's (efsdp, ep) mesh over global ranks 0..trainers-1 (ep groups: runs of `ep`
     consecutive ranks, as `init_device_mesh` lays them out) in a default group that may hold more
     ranks (the p2p channel's producers). Every rank of the default group calls it, in the same order
     of group creation (`new_group` is world-wide); a rank outside the trainer's gets None. The groups
-    wait at most `timeout` (a timedelta; None: torch's default)."""
+    wait at most `timeout` (a timedelta; None: torch's default, 30 minutes, whatever the default
+    group's). Not primitives/context_parallel's `expert_mesh`: that one regroups the ranks of a
+    (dp, cp) mesh spanning the whole default group, with torch's default wait."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
     if not (isinstance(ep, int) and ep > 0 and trainers % ep == 0):

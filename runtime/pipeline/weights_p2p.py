@@ -6,7 +6,7 @@ no gather) and returns, a producer's `poll` fetches the newest version all train
 its engine's parameters, each slice from the rank holding it, in place, as one transaction. The
 trainer's FSDP2/ZeRO-1 mesh is a group of its own over its ranks (the primitive's service thread
 uses the link's); with `expert_parallel` > 1 its (efsdp, ep) mesh is made of subgroups too, by
-every rank of the channel (`trainer.expert_mesh`), and each rank's shards hold its own experts. A
+every rank of the channel (`trainer.trainer_expert_mesh`), and each rank's shards hold its own experts. A
 rank that dies breaks the group: this channel does not survive a producer restart (the
 object-store channel does)."""
 from __future__ import annotations
@@ -49,9 +49,11 @@ class P2PChannel:
         self.trainer_group = dist.new_group(list(trainer_ranks), timeout=limit)
         self.ep_mesh = None  # the trainer ranks' (efsdp, ep) mesh; None on producers and without EP
         if self.expert_parallel > 1:
-            from bumblebee.runtime.pipeline.trainer import expert_mesh
-            self.ep_mesh = expert_mesh(t, self.expert_parallel, timeout=limit)
-        groups = {i: dist.new_group([*trainer_ranks, t + i - 1]) for i in range(1, self.producers + 1)}
+            from bumblebee.runtime.pipeline.trainer import trainer_expert_mesh
+            self.ep_mesh = trainer_expert_mesh(t, self.expert_parallel, timeout=limit)
+        # the links' groups wait as long as the transfer does (new_group's default is 30 minutes)
+        groups = {i: dist.new_group([*trainer_ranks, t + i - 1], timeout=datetime.timedelta(seconds=self.timeout_s))
+                  for i in range(1, self.producers + 1)}
         transfer = registry.resolve("weight_transfer", P2PTransfer(mode="async", timeout_s=self.timeout_s))
         links = {i: Link(trainer_ranks, (t + i - 1,), group=g, name=f"producer{i}") for i, g in groups.items()}
         if engine is None:

@@ -9,6 +9,7 @@ processes, no Ray (the Ray pipeline over p2p with EP: tests/runtime/test_pipelin
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import os
 import socket
 import sys
@@ -21,9 +22,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from bumblebee.runtime.pipeline import Objective, PipelineConfig
+from tests.limits import SUBPROCESS_TIMEOUT_S
 from tests.runtime.test_pipeline_trainer_ranks import KEYS, MOE, _groups
 
 STEPS = ((0, 1), (1, 3), (2, 4))  # (step, informative groups): at step 0 rank 1 holds no kept group
+# the channel's groups' limit and the trainer ranks' own groups' (told apart)
+LIMITS = (SUBPROCESS_TIMEOUT_S, SUBPROCESS_TIMEOUT_S + 1)
 
 
 def _cfg(trainers: int, ep: int, sharding: str) -> PipelineConfig:
@@ -38,14 +42,18 @@ def _rank(rank: int, trainers: int, address: str, sharding: str, out: str) -> No
     from bumblebee.runtime.pipeline.engine import TransformersEngine
     from bumblebee.runtime.pipeline.trainer import build_runtime, grpo_step
     from bumblebee.runtime.pipeline.weights_p2p import P2PChannel
-    from tests.limits import SUBPROCESS_TIMEOUT_S
+    from torch.distributed.distributed_c10d import _world
+
+    from tests.runtime.test_pipeline_group_timeouts import _timeout
     torch.set_num_threads(1)
     cfg = _cfg(trainers, 2, sharding)
-    channel = P2PChannel(1, address, SUBPROCESS_TIMEOUT_S, trainers=trainers, expert_parallel=2)
+    channel = P2PChannel(1, address, LIMITS[0], trainers=trainers, trainer_timeout_s=LIMITS[1], expert_parallel=2)
     result = {}
     if rank < trainers:
         channel.attach(rank)
         assert channel.ep_mesh is not None and channel.ep_mesh["ep"].size() == 2
+        own = (channel.trainer_group, channel.ep_mesh["efsdp"].get_group(), channel.ep_mesh["ep"].get_group())
+        result["limits"] = {_timeout(g) for g in own}, {_timeout(g) for g in _world.pg_names}
         rt, ref = build_runtime(MOE, cfg, group=channel.trainer_group, ep_mesh=channel.ep_mesh)
         result["split"] = [m.num_local_experts for m in rt.model.modules() if hasattr(m, "num_local_experts")]
         full, log = [], []
@@ -130,7 +138,8 @@ def test_expert_parallel_trainer_sends_its_shards_bitwise(ranks, sharding, tmp_p
         for name, t in want.items():
             assert torch.equal(got[name], t), (version, name)
     # the training is the one-rank loop's (as EP over the default group: metrics, then update norms)
-    for t in trainers:
+    for t in trainers:  # no group of the channel waits torch's default 30 minutes
+        assert t["limits"] == ({datetime.timedelta(seconds=LIMITS[1])}, {datetime.timedelta(seconds=s) for s in LIMITS})
         assert t["split"] == [4, 4]  # each rank holds half of each layer's experts (EP = 2)
         for a, b in zip(t["log"], one_log):
             for key in KEYS:
@@ -144,12 +153,12 @@ def test_expert_parallel_trainer_sends_its_shards_bitwise(ranks, sharding, tmp_p
         assert (w2[name] - w1[name]).norm() <= 1e-3 * update + 1e-7, (name, float(update))
 
 
-def test_the_expert_mesh_and_build_runtime_check_their_arguments():
-    from bumblebee.runtime.pipeline.trainer import build_runtime, expert_mesh
+def test_the_trainer_expert_mesh_and_build_runtime_check_their_arguments():
+    from bumblebee.runtime.pipeline.trainer import build_runtime, trainer_expert_mesh
     with pytest.raises(ValueError, match="ep must be an int > 0 dividing trainers=3"):
-        expert_mesh(3, 2)  # checked before any group is made
+        trainer_expert_mesh(3, 2)  # checked before any group is made
     with pytest.raises(ValueError, match="ep must be an int > 0"):
-        expert_mesh(2, 0)
+        trainer_expert_mesh(2, 0)
     had_group = dist.is_initialized()
     try:  # a one-rank trainer cannot take an EP = 2 mesh (nor make one)
         with pytest.raises(ValueError, match="expert_parallel=2 needs the trainer's ranks"):
