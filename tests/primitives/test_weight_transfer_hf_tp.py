@@ -53,12 +53,13 @@ def tp2(ctx):
     full = torch.load(f"{path}/full.pt")
     man = manifest_of((n, t.shape, t.dtype) for n, t in full.items())
     spec = infer_layout(rec.load_weights, rec.params, man, key=f"hf-tp{ctx.rank}/2")  # checked by a real call
+    same = spec == infer_layout(rec.load_weights, rec.params, man, trace=False, verify=False)  # the value probes'
     with torch.no_grad():
         for t in rec.params.values():
             t.normal_()  # poison, then replay the spec from the checkpoint
     spec.apply(full, rec.params)
     replayed = {n: t.detach().clone() for n, t in rec.params.items()}
-    return {"loaded": loaded, "replayed": replayed, "placements": rec.placements,
+    return {"loaded": loaded, "replayed": replayed, "placements": rec.placements, "traced_equals_probed": same,
             "pieces": {p.hf_name: (p.box, p.target) for p in spec.pieces}}
 
 
@@ -76,6 +77,7 @@ def test_transformers_tp_plan_layout_is_inferred_and_replays_from_pretrained(tmp
     a = "model.layers.0.self_attn"
     for rank, res in enumerate(r):
         assert res["placements"][f"{a}.q_proj.weight"] == ("Shard(dim=0)",)  # the plan ran: DTensor shards
+        assert res["traced_equals_probed"], rank
         for n, t in res["loaded"].items():
             assert torch.equal(res["replayed"][n], t), (rank, n)
         q, o = full[f"{a}.q_proj.weight"].shape, full[f"{a}.o_proj.weight"].shape
