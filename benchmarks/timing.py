@@ -137,6 +137,15 @@ class Stopwatch:
         return time.perf_counter() - self._t0
 
 
+def host_seconds(fn):
+    """(fn's result, wall seconds, this process's CPU seconds) of one call, on the host clocks: work that runs
+    only on the host (layout inference, planning), where the CPU time says how much of the wall was this
+    process's own."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    out = fn()
+    return out, time.perf_counter() - wall, time.process_time() - cpu
+
+
 def check_measured(benchmark=None, record=None, positive=("median_ms",), nonnegative=()) -> None:
     """Assert that a benchmark case measured what it reports: pytest-benchmark's timings (when
     `benchmark` ran) are finite and > 0; in `record`, each `positive` field is a finite number > 0

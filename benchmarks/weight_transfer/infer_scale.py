@@ -26,7 +26,6 @@ import json
 import resource
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -49,6 +48,7 @@ def _rss_gib() -> float:
 def one(case: dict) -> dict:
     """Build the engine and time one infer_layout call (in this process)."""
     from bench import meta_manifest
+    from timing import host_seconds
     from bumblebee.primitives.weight_transfer import LayoutError, infer_layout
     from bumblebee.primitives.weight_transfer.infer import _ALLOWED, _representatives
     from bumblebee.primitives.weight_transfer.trace import Trace
@@ -67,9 +67,8 @@ def one(case: dict) -> dict:
     eng = Engine(manifest, hf, tp_rank=case["tp"] - 1, tp_size=case["tp"], dtype=torch.bfloat16,
                  device="meta" if case["params"] == "meta" else "cpu")
     rss0 = _rss_gib()
-    wall, cpu = time.perf_counter(), time.process_time()
-    spec = infer_layout(eng.load_weights, eng.params, manifest, verify=case["verify"], trace=case["path"] == "trace")
-    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    spec, wall, cpu = host_seconds(lambda: infer_layout(eng.load_weights, eng.params, manifest, verify=case["verify"],
+                                                         trace=case["path"] == "trace"))
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     out = {**case, "wall_s": round(wall, 2), "cpu_s": round(cpu, 2), "peak_rss_gib": round(peak, 2),
            "rss_before_gib": round(rss0, 2), "hf_tensors": len(manifest),
