@@ -84,6 +84,15 @@ def _block_forward(q, k, v, mask, scale):
     return (p @ v) / l.clamp_min(torch.finfo(l.dtype).tiny), (l.log() + m)[..., 0]
 
 
+def _block_backward(q, k, v, do, lse, delta, mask, scale):
+    """One block's attention backward from the merged rows' log-sum-exp and delta = rowsum(dO * O)
+    (FlashAttention's recurrence): (dq, dk, dv) of the block, fp32; dk, dv not yet summed over the
+    query heads that share a key head (q [..., G, n, D] against k, v [..., 1, m, D])."""
+    p = (_scores(q, k, mask, scale) - lse[..., None]).exp()
+    ds = p * (do @ v.transpose(-1, -2) - delta[..., None])
+    return ds @ k * scale, ds.transpose(-1, -2) @ q * scale, p.transpose(-1, -2) @ do
+
+
 def _merge(o, lse, o_b, lse_b):
     new = torch.logaddexp(lse, lse_b)
     w, w_b = (lse - new).exp(), (lse_b - new).exp()
@@ -128,8 +137,8 @@ class _Ring(torch.autograd.Function):
         K, L, cp, rank = k.shape[1], batch.chunk, batch.cp, batch.rank
         qg = _split(to_acc(q).view(B, K, H // K, T2, D), L)
         dog = to_acc(do).reshape(o.shape)
-        delta = _split((dog * o).sum(-1, keepdim=True), L)
-        dog, lse = _split(dog, L), [lse[..., :L], lse[..., L:]]
+        delta = (dog * o).sum(-1)
+        dog, lse, delta = _split(dog, L), [lse[..., :L], lse[..., L:]], [delta[..., :L], delta[..., L:]]
         dq = [torch.zeros_like(t) for t in qg]
         kv = [to_acc(k)[:, :, None], to_acc(v)[:, :, None]]
         dkv = [torch.zeros_like(kv[0]), torch.zeros_like(kv[1])]  # dK, dV of the held block
@@ -139,11 +148,10 @@ class _Ring(torch.autograd.Function):
             ks, vs = _split(kv[0], L), _split(kv[1], L)
             dk, dv = _split(dkv[0].clone(), L), _split(dkv[1].clone(), L)
             for i, j, mask in _pairs(batch, src):
-                p = (_scores(qg[i], ks[j], mask, scale) - lse[i][..., None]).exp()
-                dv[j] = dv[j] + (p.transpose(-1, -2) @ dog[i]).sum(2, keepdim=True)
-                ds = p * (dog[i] @ vs[j].transpose(-1, -2) - delta[i])
-                dq[i] = dq[i] + ds @ ks[j] * scale
-                dk[j] = dk[j] + (ds.transpose(-1, -2) @ qg[i]).sum(2, keepdim=True) * scale
+                gq, gk, gv = _block_backward(qg[i], ks[j], vs[j], dog[i], lse[i], delta[i], mask, scale)
+                dq[i] = dq[i] + gq
+                dk[j] = dk[j] + gk.sum(2, keepdim=True)
+                dv[j] = dv[j] + gv.sum(2, keepdim=True)
             # the block's gradients follow it; after the last step they arrive at their owner
             dkv, reqs = ring_shift([torch.cat(dk, dim=-2), torch.cat(dv, dim=-2)], batch.group, tag=2)
             if prefetch is not None:

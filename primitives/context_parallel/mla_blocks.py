@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from bumblebee.norms import to_acc
 from bumblebee.primitives.context_parallel import flash
-from bumblebee.primitives.context_parallel.attention import _block_forward, _merge, _scores
+from bumblebee.primitives.context_parallel.attention import _block_backward, _block_forward, _merge
 from bumblebee.primitives.context_parallel.layout import CPBatch, rank_chunks
 
 
@@ -138,12 +138,11 @@ class _LatentBlocks(torch.autograd.Function):
                     dv[:, :, ks] += to_acc(gv)[..., :vd]
                     continue
                 mask = _visible(rows.stop - rows.start, ks.stop - ks.start, e[5], q.device)
-                qb, dob = qa[:, :, rows], do[:, :, rows]
-                p = (_scores(qb, ka[:, :, ks], mask, scale) - lse[:, :, rows, None]).exp()
-                dv[:, :, ks] += p.transpose(-1, -2) @ dob
-                ds = p * (dob @ va[:, :, ks].transpose(-1, -2) - delta[:, :, rows, None])
-                dq[:, :, rows] += ds @ ka[:, :, ks] * scale
-                dk[:, :, ks] += ds.transpose(-1, -2) @ qb * scale
+                gq, gk, gv = _block_backward(qa[:, :, rows], ka[:, :, ks], va[:, :, ks], do[:, :, rows],
+                                             lse[:, :, rows], delta[:, :, rows], mask, scale)
+                dq[:, :, rows] += gq
+                dk[:, :, ks] += gk
+                dv[:, :, ks] += gv
             grads = torch.autograd.grad((k, v), [lat, *ps], (dk.to(k.dtype), dv.to(v.dtype)))
             dkeys[:, span] += to_acc(grads[0])
             for acc, g in zip(dparams, grads[1:]):
