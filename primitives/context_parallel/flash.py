@@ -57,19 +57,13 @@ def allgather_dense(q, k, v, *, scale, batch: CPBatch):
     G = q.shape[1] // k.shape[1]
     order = torch.argsort(layout_index(batch.T, batch.cp, q.device))
     k_all, v_all = (_expand(gather(t, batch.group, dim=2).index_select(2, order), G) for t in (k, v))
-    return attend_gathered(q, k_all, v_all, scale=scale, batch=batch)
-
-
-def attend_gathered(q, k_all, v_all, *, scale, batch: CPBatch, lo: int = 0):
-    """q [B, H, 2L, D] of this rank against k_all, v_all [B, H, S, .], the keys at global positions
-    lo, lo + 1, ... (all its pieces see): per piece one lower-right causal SDPA call -> [B, H, 2L, .]."""
     L = batch.chunk
-    outs = []
+    outs = []  # per piece one lower-right causal SDPA call against the keys of its document up to itself
     for i, c in enumerate(rank_chunks(batch.rank, batch.cp)):
         for a, b, start in batch.segments(i):
             hi = c * L + b
             outs.append(F.scaled_dot_product_attention(
-                q[:, :, i * L + a:i * L + b], k_all[:, :, start - lo:hi - lo], v_all[:, :, start - lo:hi - lo],
+                q[:, :, i * L + a:i * L + b], k_all[:, :, start:hi], v_all[:, :, start:hi],
                 attn_mask=causal_lower_right(b - a, hi - start), scale=scale))
     return torch.cat(outs, dim=2)
 

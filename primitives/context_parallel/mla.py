@@ -27,7 +27,7 @@ import torch
 from bumblebee.primitives.context_parallel.attention import allgather_attention, check_batch
 from bumblebee.primitives.context_parallel.comm import gather
 from bumblebee.primitives.context_parallel.layout import layout_index, rank_chunks
-from bumblebee.primitives.context_parallel.mla_blocks import expand, latent_attention
+from bumblebee.primitives.context_parallel.mla_blocks import expand, latent_attention, mla_dims
 from bumblebee.primitives.mla import rope_pairs
 
 EXCHANGES = ("auto", "latent", "heads")
@@ -51,8 +51,7 @@ def choose(layer, exchange: str) -> str:
 
 def _expand(layer, latent_BSX):
     """[c | roped k] [B, S, r + R] -> k [B, H, S, qk], v [B, H, S, v] (kv_b_proj, the rope key shared)."""
-    dims = (layer.n_heads, layer.nope, layer.v_dim, layer.kv_lora_rank, layer.rope_dim)
-    return expand(latent_BSX, layer.kv_b_proj.weight, layer.kv_b_proj.bias, dims)
+    return expand(latent_BSX, layer.kv_b_proj.weight, layer.kv_b_proj.bias, mla_dims(layer))
 
 
 def mla_forward(layer, x_BTD, cos, sin, cu_seqlens, exchange: str = "auto"):

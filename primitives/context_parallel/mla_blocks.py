@@ -33,6 +33,11 @@ from bumblebee.primitives.context_parallel.attention import _block_backward, _bl
 from bumblebee.primitives.context_parallel.layout import CPBatch, rank_chunks
 
 
+def mla_dims(layer) -> tuple[int, int, int, int, int]:
+    """(H, nope, v, r, R) of an MLA layer: what `expand` needs besides kv_b_proj."""
+    return layer.n_heads, layer.nope, layer.v_dim, layer.kv_lora_rank, layer.rope_dim
+
+
 def expand(latent_BSX, weight, bias, dims):
     """[c | roped k] [B, S, r + R] -> k [B, H, S, qk], v [B, H, S, v]: kv_b_proj (weight, bias) on the
     latent, the roped key shared by every head. dims = (H, nope, v, r, R)."""
@@ -158,5 +163,4 @@ def latent_attention(layer, q, keys, *, batch: CPBatch, lo: int):
     proj = layer.kv_b_proj
     if not isinstance(proj, torch.nn.Linear):
         raise TypeError(f"layer.kv_b_proj must be a torch.nn.Linear for the latent exchange, got {type(proj).__name__}")
-    dims = (layer.n_heads, layer.nope, layer.v_dim, layer.kv_lora_rank, layer.rope_dim)
-    return _LatentBlocks.apply(q, keys, proj.weight, proj.bias, dims, layer.softmax_scale, batch, lo)
+    return _LatentBlocks.apply(q, keys, proj.weight, proj.bias, mla_dims(layer), layer.softmax_scale, batch, lo)
