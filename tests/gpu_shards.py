@@ -13,7 +13,11 @@ move a file when a shard passes ten minutes. Timed at bcd08dd on a fresh H200 (t
 installed), all five shards at once on the one GPU (sharing it and 16 cores, so each ran slower than
 alone): shard 1 81 s (19 passed), shard 2 71 s (18 passed), shard 3 516 s (21 passed, 1 skipped: fla's
 refused Hopper kernel; its first autotuning is most of the time), shard 4 84 s (49 passed, 2 skipped:
-two GPUs), shard 5 523 s (fla's autotuning for the Qwen3.5 step is 253 s of it; 1 skipped: verl absent). `tests/core/test_gpu_shards.py` checks that every file
+two GPUs), shard 5 523 s (fla's autotuning for the Qwen3.5 step is 253 s of it; 1 skipped: verl absent).
+At e7087c0, five at once again: shard 2 102 s, shard 3 482 s, shard 4 111 s, shard 5 451 s; shard 1,
+then holding the context-parallel file, passed 30 tests and then spent the rest of 540 s in fla's first
+autotuning of a packed-row test while shard 3 autotuned beside it (alone, that test took 55 s). The
+file moved to shard 2, whose run is short. `tests/core/test_gpu_shards.py` checks that every file
 with a `gpu` mark is in exactly one shard.
 """
 from __future__ import annotations
@@ -31,12 +35,12 @@ SHARDS = {
         "tests/primitives/test_attention_packed.py",
         "tests/primitives/test_attention_recompute_kept.py",
         "tests/primitives/test_attention_varlen.py",
-        "tests/primitives/test_context_parallel_gpu.py",  # flash blocks; fla's rule at small shapes
     )),
     2: ("MLA and DeepSeek-V3 (FA4 at head dims 192/128, fused Q/K Triton kernels; ~5 min)", (
         "tests/primitives/test_mla.py",
         "tests/primitives/test_mla_rope_fused.py",
         "tests/models/test_deepseek_v3_hf_parity.py",
+        "tests/primitives/test_context_parallel_gpu.py",  # cuDNN / flash blocks; fla's rule at small shapes
     )),
     3: ("gated DeltaNet and compiled chains (fla autotuning, Inductor; ~6 min)", (
         "tests/primitives/test_linear_attention.py",
