@@ -6,7 +6,8 @@
 - `comm.py`: the differentiable all-gather (reduce-scatter backward) and the ring shift;
 - `attention.py`: causal GQA attention by all-gather of K/V or by a ring exchange (the dispatch;
   the ring's masked form for CUDA fp32);
-- `flash.py`: the two exchanges on fused kernels, per document piece of a chunk (no mask; flash per block);
+- `flash.py`: the two exchanges on fused blocks, per document piece of a chunk (no mask);
+- `kernels.py`: one block's forward (output, log-sum-exp) and backward: cuDNN or flash on CUDA;
 - `gdn.py`: gated DeltaNet: conv halo, exact fp32 state passing through the chunks' affine maps
   (one call of fla's rule per rank on CUDA);
 - `mla.py`: MLA by an all-gather of the latent and RoPE key, heads expanded on each rank;

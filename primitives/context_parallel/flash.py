@@ -7,13 +7,16 @@ piece's last query sees every key of the range, its first the range less b - a -
 key chunk that is all visible (an earlier key chunk, clipped at s), causal on the diagonal (the same
 chunk: square) or empty, so no mask is ever built; unpacked rows are the one-piece case (s = 0).
 
-- `allgather_dense`: the all-gathered K/V in global order, then per piece one SDPA call of its
-  queries against the keys [s, cL + b) with a lower-right causal mask
-  (`torch.nn.attention.bias.causal_lower_right`: FlashAttention on CUDA, no mask in memory).
-- `ring_dense`: the ring of `attention.py` with each (piece, key chunk) block on the flash kernel's
+- `allgather_dense`: the all-gathered K/V in global order, then per piece two blocks: its document's
+  keys before its rows (all visible) and its own rows (square, causal). Where no fused block kernel
+  takes q's dtype (CUDA fp32) or v's head size differs from q's (MLA's `heads` exchange), one SDPA
+  call per piece with a lower-right causal mask
+  (`torch.nn.attention.bias.causal_lower_right`) instead: on an H200 that mask ran 2.4x slower than
+  the two cuDNN blocks (`benchmarks/context_parallel/probes/probe_cudnn_blocks.py`).
+- `ring_dense`: the ring of `attention.py` with each (piece, key chunk) block on a fused kernel's
   own forward (output and log-sum-exp) and backward (from the merged output and log-sum-exp, as
-  FlashAttention's backward takes them): `aten._scaled_dot_product_flash_attention[_backward]` on
-  CUDA, its CPU twin `..._for_cpu[_backward]` elsewhere. Partial outputs merge in fp32 (a query's
+  FlashAttention's backward takes them): `kernels.py` (cuDNN or flash on CUDA, flash's CPU twin
+  elsewhere). Partial outputs merge in fp32 (a query's
   log-sum-exp starts at -inf: its first block sets it); dQ, dK, dV accumulate in fp32.
   Backward: the K/V blocks travel the ring again (the next one in flight during each step's
   compute) and each block's dK/dV accumulator travels with it, arriving at its owner after CP steps:
@@ -32,15 +35,9 @@ from torch.nn.attention.bias import causal_lower_right
 
 from bumblebee.norms import to_acc
 from bumblebee.primitives.context_parallel.comm import gather, ring_shift
+from bumblebee.primitives.context_parallel.kernels import (  # noqa: F401  (ring_usable: the dispatch's)
+    block_backward, block_forward, ring_usable)
 from bumblebee.primitives.context_parallel.layout import CPBatch, layout_index, rank_chunks
-
-HALF = (torch.bfloat16, torch.float16)
-
-
-def ring_usable(q: torch.Tensor) -> bool:
-    """Whether the ring's blocks run on the flash op for q: any dtype on CPU, 16-bit on CUDA (flash's).
-    The all-gather is always fused (SDPA takes every dtype)."""
-    return q.device.type != "cuda" or q.dtype in HALF
 
 
 def _expand(t, groups):
@@ -57,8 +54,11 @@ def allgather_dense(q, k, v, *, scale, batch: CPBatch):
     G = q.shape[1] // k.shape[1]
     order = torch.argsort(layout_index(batch.T, batch.cp, q.device))
     k_all, v_all = (_expand(gather(t, batch.group, dim=2).index_select(2, order), G) for t in (k, v))
+    if ring_usable(q) and v.shape[-1] == q.shape[-1]:  # per piece two fused blocks (flash's CPU op
+        # wants one head size): its document's earlier keys, and its own rows
+        return _GatheredBlocks.apply(q, k_all, v_all, scale, batch)
     L = batch.chunk
-    outs = []  # per piece one lower-right causal SDPA call against the keys of its document up to itself
+    outs = []  # CUDA fp32: per piece one lower-right causal SDPA call against the keys up to itself
     for i, c in enumerate(rank_chunks(batch.rank, batch.cp)):
         for a, b, start in batch.segments(i):
             hi = c * L + b
@@ -68,23 +68,52 @@ def allgather_dense(q, k, v, *, scale, batch: CPBatch):
     return torch.cat(outs, dim=2)
 
 
-def block_forward(q, k, v, causal: bool, scale: float):
-    """One block on the flash kernel: (o in q's dtype, lse [B, H, L] fp32, what its backward needs)."""
-    if q.device.type == "cuda":
-        r = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
-        return r[0], to_acc(r[1][..., :q.shape[2]]), tuple(r[2:8])
-    o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
-    return o, to_acc(lse), None
+def _gathered_blocks(batch: CPBatch):
+    """(query rows a:b of the rank's 2L, key rows ka:kb of the global T, causal) of every block: per
+    piece its document's keys before its chunk rows (all visible), then its own rows (square, causal)."""
+    L, out = batch.chunk, []
+    for i, c in enumerate(rank_chunks(batch.rank, batch.cp)):
+        for a, b, start in batch.segments(i):
+            if start < c * L + a:
+                out.append((i * L + a, i * L + b, start, c * L + a, False))
+            out.append((i * L + a, i * L + b, c * L + a, c * L + b, True))
+    return out
 
 
-def block_backward(do, q, k, v, o, lse, causal: bool, scale: float, aux):
-    """(dq, dk, dv) of one block from the whole output o and log-sum-exp lse of its queries."""
-    if q.device.type == "cuda":
-        cum_q, cum_k, max_q, max_k, seed, offset = aux
-        return torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            do, q, k, v, o, lse, cum_q, cum_k, max_q, max_k, 0.0, causal, seed, offset, scale=scale)
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(do, q, k, v, o, lse, 0.0, causal,
-                                                                             scale=scale)
+class _GatheredBlocks(torch.autograd.Function):
+    """The all-gather's attention on the fused blocks, merged in fp32 per piece."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, scale, batch):
+        acc = torch.promote_types(q.dtype, torch.float32)
+        o = q.new_zeros(q.shape, dtype=acc)
+        lse = q.new_full(q.shape[:3], float("-inf"), dtype=acc)
+        bl, aux = _gathered_blocks(batch), []
+        for a, b, ka, kb, causal in bl:
+            ob, lb, x = block_forward(_rows(q, a, b), _rows(k, ka, kb), _rows(v, ka, kb), causal, scale)
+            aux.append(x)
+            new = torch.logaddexp(lse[:, :, a:b], lb)
+            o[:, :, a:b] = (o[:, :, a:b] * (lse[:, :, a:b] - new).exp()[..., None]
+                            + to_acc(ob) * (lb - new).exp()[..., None])
+            lse[:, :, a:b] = new
+        out = o.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.scale, ctx.blocks, ctx.aux = scale, bl, aux
+        return out
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, out, lse = ctx.saved_tensors
+        acc = torch.promote_types(q.dtype, torch.float32)
+        do = do.to(q.dtype)
+        dq, dk, dv = (torch.zeros_like(t, dtype=acc) for t in (q, k, v))
+        for (a, b, ka, kb, causal), x in zip(ctx.blocks, ctx.aux):
+            gq, gk, gv = block_backward(_rows(do, a, b), _rows(q, a, b), _rows(k, ka, kb), _rows(v, ka, kb),
+                                        _rows(out, a, b), lse[:, :, a:b].contiguous(), causal, ctx.scale, x)
+            dq[:, :, a:b] += to_acc(gq)
+            dk[:, :, ka:kb] += to_acc(gk)
+            dv[:, :, ka:kb] += to_acc(gv)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 
 
 def blocks(batch: CPBatch, src: int) -> list[tuple]:

@@ -121,9 +121,10 @@ def test_fused_paths_take_packed_rows(monkeypatch):
             tol = 64 * torch.finfo(dtype).eps
             for a, b in zip([got[0], *got[1]], [want[0], *want[1]]):
                 assert (a - b).abs().max() <= tol * b.abs().max()
-    # per dtype: chunk 0's pieces 0:5, 5:6, 6:24 (causal), chunk 1's first piece (document 6..29)
-    # against chunk 0's keys 6:24, then chunk 1's pieces 24:30, 30:31, 31:48 (causal)
-    assert rows == [5, 1, 18, 6, 6, 1, 17] * 2
+    # per dtype and exchange (the all-gather's blocks are the ring's): chunk 0's pieces 0:5, 5:6, 6:24
+    # (causal), chunk 1's first piece (document 6..29) against chunk 0's keys 6:24, then chunk 1's
+    # pieces 24:30, 30:31, 31:48 (causal)
+    assert rows == [5, 1, 18, 6, 6, 1, 17] * 4
 
 
 # ---- the memory estimator's cp size (tools/memory.py) -----------------------------------------

@@ -1,8 +1,8 @@
 """Context parallelism's CUDA paths on one GPU (bf16; `pytest -m gpu`): what the CPU suite cannot run.
 
-- the fused ring's blocks (`flash.block_forward` / `block_backward`, PyTorch's flash kernel) and the
-  ring itself at CP = 1 (the same block schedule, no exchange) against float64 attention;
-- the all-gather's lower-right causal path at CP = 1, unpacked and packed (per document piece);
+- the fused blocks (`kernels.block_forward` / `block_backward`, SDPA's cuDNN kernel and, with cuDNN's
+  SDPA backend off, its flash kernel) and the ring and the all-gather at CP = 1 (the same block
+  schedules, no exchange) on each, unpacked and packed (per document piece), against float64;
 - MLA's cp forward at CP = 1, both exchanges (DeepSeek-V3's head dims, q/k 192 and v 128), against
   the `mla` slot's layer;
 - gated DeltaNet's `fla_rule` (fla's kernel with an entering state, its final state and their
@@ -13,9 +13,12 @@ floor; fla in fp32 against torch fp32 by relative norm (fla's dots may use TF32)
 """
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from bumblebee.primitives.context_parallel import flash, layout
 from bumblebee.primitives.context_parallel.gdn import fla_rule, gated_delta_rule, torch_rule
@@ -37,6 +40,13 @@ def _attention_ref(q, k, v, scale, causal, cu_seqlens=None):
     return torch.softmax(s, -1) @ v, torch.logsumexp(s, -1)
 
 
+def _kernel(name):
+    """The block kernel `name` selected as a user selects SDPA's: cuDNN by default, flash with it off."""
+    if name == "cudnn" and not torch.backends.cudnn.is_available():
+        pytest.skip("cuDNN is not available")
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION]) if name == "flash" else contextlib.nullcontext()
+
+
 def _grads(fn, leaves, w):
     leaves = [t.detach().clone().requires_grad_() for t in leaves]
     out = fn(*leaves)
@@ -51,26 +61,30 @@ def _close(got, ref64, plain, floor=1e-3):
 
 
 @cuda
+@pytest.mark.parametrize("kernel", ["cudnn", "flash"])
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("D", [128, 256])
-def test_flash_block_forward_and_backward(causal, D):
+def test_block_forward_and_backward(causal, D, kernel):
     g = torch.Generator(device="cuda").manual_seed(D)
     q, k, v, do = (torch.randn(1, 4, 1000, D, device="cuda", generator=g) for _ in range(4))
     scale = D ** -0.5
     o64, lse64 = _attention_ref(*(t.double() for t in (q, k, v)), scale, causal)
     qb, kb, vb = (t.bfloat16() for t in (q, k, v))
-    o, lse, aux = flash.block_forward(qb, kb, vb, causal, scale)
+    with _kernel(kernel):
+        o, lse, aux = flash.block_forward(qb, kb, vb, causal, scale)
+        dq, dk, dv = flash.block_backward(do.bfloat16(), qb, kb, vb, o, lse, causal, scale, aux)
+    assert aux[0] == kernel and lse.shape == lse64.shape
     assert (lse.double() - lse64).abs().max().item() < 0.05
-    dq, dk, dv = flash.block_backward(do.bfloat16(), qb, kb, vb, o, lse, causal, scale, aux)
     ref = _grads(lambda *t: _attention_ref(*t, scale, causal)[0], [t.double() for t in (q, k, v)], do.double())
     plain = _grads(lambda *t: F.scaled_dot_product_attention(*t, is_causal=causal, scale=scale), [qb, kb, vb], do)
     _close([o.float(), dq.float(), dk.float(), dv.float()], ref, plain)
 
 
 @cuda
+@pytest.mark.parametrize("kernel", ["cudnn", "flash"])
 @pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("exchange", ["allgather", "ring"])
-def test_fused_paths_at_cp1_equal_causal_attention(exchange, packed):
+def test_fused_paths_at_cp1_equal_causal_attention(exchange, packed, kernel):
     """Packed: a one-token document, one ending on the chunk edge (1024), one shorter than a chunk."""
     T, H, K, D = 2048, 8, 2, 128
     cu = torch.tensor([0, 1, 700, 1024, 1500, 2048]) if packed else None
@@ -78,7 +92,8 @@ def test_fused_paths_at_cp1_equal_causal_attention(exchange, packed):
     q, k, v, w = (torch.randn(1, h, T, D, device="cuda", generator=g) for h in (H, K, K, H))
     batch = layout.make_batch(None, T, cu, "cuda")
     fn = flash.allgather_dense if exchange == "allgather" else flash.ring_dense
-    got = _grads(lambda *t: fn(*t, scale=D ** -0.5, batch=batch), [t.bfloat16() for t in (q, k, v)], w)
+    with _kernel(kernel):
+        got = _grads(lambda *t: fn(*t, scale=D ** -0.5, batch=batch), [t.bfloat16() for t in (q, k, v)], w)
     ref = _grads(lambda *t: _attention_ref(*t, D ** -0.5, True, cu)[0], [t.double() for t in (q, k, v)], w.double())
     pos, starts = torch.arange(T, device="cuda"), batch.all_starts  # SDPA as a user calls it, in bf16
     mask = dict(attn_mask=(pos[None] <= pos[:, None]) & (starts[None] == starts[:, None])) if packed else \
