@@ -9,7 +9,7 @@ of the cp forms against the single-GPU layer in fp32, beside the single-GPU laye
 benchmark dtype (a cp error within a few times it is right). Then at each total length T: rank 0
 alone runs the single-GPU layer on the whole sequence while the others wait (attention: causal SDPA
 as a user calls it, `single`, and on the flash backend with repeated K/V heads, `single_flash`, the
-kernel the cp forms run; gated DeltaNet: the `linear_attention` slot's default layer, fla on CUDA),
+cp forms' kernel where cuDNN's SDPA backend is off; gated DeltaNet: the `linear_attention` slot's default layer, fla on CUDA),
 then every rank runs its shard (T / CP tokens) of the cp forms: attention by `allgather` and by
 `ring`, gated DeltaNet's `cp` (fla's kernel with state passing, where fla serves). Each case: fixed
 iteration counts, CUDA events, a barrier closing every call (so the slowest rank counts); speed-up =

@@ -17,6 +17,7 @@ batch of their own; only the softmax routers' load-balancing loss needs the glob
 """
 from __future__ import annotations
 
+import datetime
 import functools
 from dataclasses import dataclass
 
@@ -165,12 +166,30 @@ def _mtp_loss(model, hidden_BTD, weight, shard: Shard):
     return mtp.loss_scale / len(mtp.layers) * total
 
 
-def mesh(device_type: str, dp: int, cp: int):
+def mesh(device_type: str, dp: int, cp: int, timeout: datetime.timedelta | None = None):
     """The device mesh (dp, cp) over dp x cp ranks (a sequence's cp ranks adjacent): `mesh["cp"]
     .get_group()` is the cp group; state sharding shards over all of it (`data_mesh`), so its
-    gradient mean spans dp x cp: use `loss(..., grads="mean")`."""
+    gradient mean spans dp x cp: use `loss(..., grads="mean")`. Its groups wait `timeout` (default:
+    the default group's), not c10d's 30-minute default for new groups, so a dead rank in an exchange
+    raises when the rest of the job would."""
     from torch.distributed.device_mesh import init_device_mesh
-    return init_device_mesh(device_type, (dp, cp), mesh_dim_names=("dp", "cp"))
+    m = init_device_mesh(device_type, (dp, cp), mesh_dim_names=("dp", "cp"))
+    return _with_timeout(m, ("dp", "cp"), timeout)
+
+
+def _with_timeout(m, names, timeout):
+    if timeout is None:  # the default group's, as init_process_group set it
+        backend = dist.group.WORLD._get_backend(torch.device(m.device_type))
+        timeout = getattr(getattr(backend, "options", None), "_timeout", None)
+        if timeout is None:  # a backend that does not say: its groups keep c10d's default
+            return m
+    if not isinstance(timeout, datetime.timedelta) or timeout.total_seconds() <= 0:
+        raise ValueError(f"timeout must be a positive datetime.timedelta, got {timeout!r}")
+    for name in names:
+        group = m[name].get_group()
+        if group is not dist.group.WORLD:  # the default group is the caller's: left as it is
+            dist.distributed_c10d._set_pg_timeout(timeout, group)
+    return m
 
 
 def data_mesh(m):
@@ -178,19 +197,20 @@ def data_mesh(m):
     return m["dp", "cp"]._flatten("dp_cp")
 
 
-def expert_mesh(m, ep: int, over: str = "cp"):
+def expert_mesh(m, ep: int, over: str = "cp", timeout: datetime.timedelta | None = None):
     """The (efsdp, ep) mesh over the ranks of a (dp, cp) mesh `m`, for state sharding's `ep_mesh`
     (`shard_experts(model, expert_mesh(...)["ep"].get_group())` first): groups of `ep` ranks adjacent
     along `over` ("cp": inside a sequence's cp group first; "dp": across the dp rows first) hold the
     same E / ep experts. Any grouping is exact: the dispatch's backward sums every rank's tokens into
-    the experts of its ep group and state sharding averages the rest over efsdp."""
+    the experts of its ep group and state sharding averages the rest over efsdp. `timeout` as `mesh`'s."""
     from torch.distributed.device_mesh import DeviceMesh
     if over not in ("cp", "dp"):
         raise ValueError(f"over must be 'cp' or 'dp', got {over!r}")
     ranks = m.mesh if over == "cp" else m.mesh.transpose(0, 1)
     if not isinstance(ep, int) or ep < 1 or ranks.numel() % ep:
         raise ValueError(f"ep must be a positive int dividing the mesh's {ranks.numel()} ranks, got {ep!r}")
-    return DeviceMesh(m.device_type, ranks.reshape(-1, ep), mesh_dim_names=("efsdp", "ep"))
+    em = DeviceMesh(m.device_type, ranks.reshape(-1, ep), mesh_dim_names=("efsdp", "ep"))
+    return _with_timeout(em, ("efsdp", "ep"), timeout)
 
 
 @torch.no_grad()
