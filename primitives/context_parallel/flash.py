@@ -53,10 +53,11 @@ def allgather_dense(q, k, v, *, scale, batch: CPBatch):
     """q [B, H, 2L, D], k, v [B, K, 2L, D] of this rank -> o [B, H, 2L, D]."""
     G = q.shape[1] // k.shape[1]
     order = torch.argsort(layout_index(batch.T, batch.cp, q.device))
-    k_all, v_all = (_expand(gather(t, batch.group, dim=2).index_select(2, order), G) for t in (k, v))
+    k_all, v_all = (gather(t, batch.group, dim=2).index_select(2, order) for t in (k, v))
     if ring_usable(q) and v.shape[-1] == q.shape[-1]:  # per piece two fused blocks (flash's CPU op
         # wants one head size): its document's earlier keys, and its own rows
         return _GatheredBlocks.apply(q, k_all, v_all, scale, batch)
+    k_all, v_all = _expand(k_all, G), _expand(v_all, G)
     L = batch.chunk
     outs = []  # CUDA fp32: per piece one lower-right causal SDPA call against the keys up to itself
     for i, c in enumerate(rank_chunks(batch.rank, batch.cp)):
@@ -81,16 +82,19 @@ def _gathered_blocks(batch: CPBatch):
 
 
 class _GatheredBlocks(torch.autograd.Function):
-    """The all-gather's attention on the fused blocks, merged in fp32 per piece."""
+    """The all-gather's attention on the fused blocks, merged in fp32 per piece. K/V [B, K, T, D] are
+    repeated to the query heads per block and dK/dV folded back per block, so neither the repeated
+    K/V nor their fp32 gradients ever exist for the whole sequence."""
 
     @staticmethod
     def forward(ctx, q, k, v, scale, batch):
-        acc = torch.promote_types(q.dtype, torch.float32)
+        acc, G = torch.promote_types(q.dtype, torch.float32), q.shape[1] // k.shape[1]
         o = q.new_zeros(q.shape, dtype=acc)
         lse = q.new_full(q.shape[:3], float("-inf"), dtype=acc)
         bl, aux = _gathered_blocks(batch), []
         for a, b, ka, kb, causal in bl:
-            ob, lb, x = block_forward(_rows(q, a, b), _rows(k, ka, kb), _rows(v, ka, kb), causal, scale)
+            ob, lb, x = block_forward(_rows(q, a, b), _expand(_rows(k, ka, kb), G), _expand(_rows(v, ka, kb), G),
+                                      causal, scale)
             aux.append(x)
             new = torch.logaddexp(lse[:, :, a:b], lb)
             o[:, :, a:b] = (o[:, :, a:b] * (lse[:, :, a:b] - new).exp()[..., None]
@@ -104,15 +108,16 @@ class _GatheredBlocks(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do):
         q, k, v, out, lse = ctx.saved_tensors
-        acc = torch.promote_types(q.dtype, torch.float32)
+        acc, G = torch.promote_types(q.dtype, torch.float32), q.shape[1] // k.shape[1]
         do = do.to(q.dtype)
         dq, dk, dv = (torch.zeros_like(t, dtype=acc) for t in (q, k, v))
         for (a, b, ka, kb, causal), x in zip(ctx.blocks, ctx.aux):
-            gq, gk, gv = block_backward(_rows(do, a, b), _rows(q, a, b), _rows(k, ka, kb), _rows(v, ka, kb),
-                                        _rows(out, a, b), lse[:, :, a:b].contiguous(), causal, ctx.scale, x)
+            gq, gk, gv = block_backward(_rows(do, a, b), _rows(q, a, b), _expand(_rows(k, ka, kb), G),
+                                        _expand(_rows(v, ka, kb), G), _rows(out, a, b),
+                                        lse[:, :, a:b].contiguous(), causal, ctx.scale, x)
             dq[:, :, a:b] += to_acc(gq)
-            dk[:, :, ka:kb] += to_acc(gk)
-            dv[:, :, ka:kb] += to_acc(gv)
+            dk[:, :, ka:kb] += _fold(to_acc(gk), G)
+            dv[:, :, ka:kb] += _fold(to_acc(gv), G)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 
 
