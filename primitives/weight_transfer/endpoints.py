@@ -196,6 +196,10 @@ class WeightSender(_Endpoint):
             except TransferError as e:  # the store is gone
                 self.error = e
                 return
+            if req is None:  # the key is shared: another sender's close() posted it, no rollout asked.
+                # Serving it would wait in a transfer for ranks that never come (and hang close()).
+                self._stop.wait(0.05)  # until that close() forgets the key, or this one's close()
+                continue
             with self._lock:
                 slot = next((s for s in self._slots if s[0] == req), None)
                 if slot is not None:

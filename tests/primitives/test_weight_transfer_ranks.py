@@ -431,3 +431,45 @@ def test_dead_sender_raises_everywhere_within_the_timeout(four):
         r = four[rank]
         assert r["error"] is not None and r["took"] < 3 * DEAD_TIMEOUT_S, (rank, r["error"], r["took"])
     assert four[4]["intact"] and "unusable" in four[4]["after"]
+
+
+def close3(ctx):
+    """2 trainer ranks -> 1 rollout rank, async. The trainers' services wait on one shared request key,
+    which close() also posts to wake its own service: trainer 0 closes first and leaves that key in
+    the store (its forget stubbed out), so trainer 1's service sees it before trainer 1 closes."""
+    name = "qwen3-tiny"
+    make = registry.resolve("weight_transfer", P2PTransfer(mode="async", timeout_s=LIMIT))
+    link = Link(ctx.trainers, ctx.rollouts, name="close")
+    res = {}
+    if ctx.is_trainer:
+        model, state, _ = R.trainer_state(ctx, name)
+        a = make(link)
+        a.publish(R.shards(model, state), 1)
+        a.ctl.collect("got", ctx.rollouts)
+        n = a.n  # the service's transfer count: it moves when the service starts a transfer
+        if ctx.rank == ctx.trainers[0]:
+            a.ctl.forget = lambda *args: None
+            a.close()
+            a.ctl.post("closed", ctx.rank, True)
+            a.ctl.collect("done", [ctx.trainers[1]])  # rank 0 hosts the store: it leaves last
+            return res
+        a.ctl.collect("closed", [ctx.trainers[0]])
+        time.sleep(0.5)  # the service wakes on a store key within milliseconds
+        res["entered"] = a.n - n
+        if res["entered"] == 0:  # else its service waits in a transfer no rank joins: close() would hang
+            a.close()
+        res["error"] = None if a.error is None else str(a.error)
+        a.ctl.post("done", ctx.rank, True)
+        return res
+    R.other_meshes(ctx, ep=False)
+    lw, targets, key = R.engine(ctx, name, R.manifest_of_model(name))
+    b = make(link, load_weights=lw, targets=targets, layout_key=key)
+    res["got"] = b.poll(wait_s=LIMIT)
+    b.ctl.post("got", ctx.rank, True)
+    return res
+
+
+def test_a_senders_close_does_not_start_another_senders_transfer(tmp_path):
+    res = R.spawn(2, 1, MOD, "close3", tmp_path, timeout_s=LIMIT)
+    assert res[2]["got"] == 1
+    assert res[1] == {"entered": 0, "error": None}
