@@ -23,7 +23,10 @@ from bumblebee.primitives.weight_transfer.infer import LayoutCache, infer_layout
 from bumblebee.primitives.weight_transfer.plan import make_plan
 from bumblebee.primitives.weight_transfer.spec import sender_spec
 
-_IDLE_S = 3600.0  # an idle service's store wait: woken by a request or by close(), this only re-arms it
+# An idle service's store wait, after which it checks whether close() was called. close() does not
+# wake it through the store: the request key is shared by every sender, so a wake posted there (and
+# then deleted) reached the other senders' services as a request, or vanished under their read.
+_IDLE_S = 0.5
 
 
 def _merge_manifests(manifests) -> tuple:
@@ -187,7 +190,7 @@ class WeightSender(_Endpoint):
     def _serve(self):
         leader = self.link.rollout_ranks[0]
         while not self._stop.is_set():
-            try:  # woken by the rollout's request, or by close() posting the same key
+            try:  # woken by the rollout's request
                 if not self.ctl.wait([f"{self.n}/req/{leader}"], _IDLE_S):
                     continue
                 if self._stop.is_set():
@@ -196,10 +199,6 @@ class WeightSender(_Endpoint):
             except TransferError as e:  # the store is gone
                 self.error = e
                 return
-            if req is None:  # the key is shared: another sender's close() posted it, no rollout asked.
-                # Serving it would wait in a transfer for ranks that never come (and hang close()).
-                self._stop.wait(0.05)  # until that close() forgets the key, or this one's close()
-                continue
             with self._lock:
                 slot = next((s for s in self._slots if s[0] == req), None)
                 if slot is not None:
@@ -219,13 +218,10 @@ class WeightSender(_Endpoint):
                     self._slots = [s for s in self._slots if id(s) in keep or s[2]]
 
     def close(self):
+        """Stop the service: within _IDLE_S when idle, after the transfer it is in otherwise."""
         self._stop.set()
         if self._thread is not None:
-            leader = self.link.rollout_ranks[0]
-            n = self.n  # the key an idle service waits on (it moves only while the service transfers)
-            self.ctl.post(f"{n}/req", leader, None)
             self._thread.join()
-            self.ctl.forget(f"{n}/req", leader)
 
 
 class WeightReceiver(_Endpoint):

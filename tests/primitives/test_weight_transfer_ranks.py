@@ -434,9 +434,9 @@ def test_dead_sender_raises_everywhere_within_the_timeout(four):
 
 
 def close3(ctx):
-    """2 trainer ranks -> 1 rollout rank, async. The trainers' services wait on one shared request key,
-    which close() also posts to wake its own service: trainer 0 closes first and leaves that key in
-    the store (its forget stubbed out), so trainer 1's service sees it before trainer 1 closes."""
+    """2 trainer ranks -> 1 rollout rank, async. The trainers' services wait on one shared request key;
+    trainer 0 closes first (its store deletes stubbed out, so nothing it posts goes away) and trainer
+    1's service must start no transfer before trainer 1 closes."""
     name = "qwen3-tiny"
     make = registry.resolve("weight_transfer", P2PTransfer(mode="async", timeout_s=LIMIT))
     link = Link(ctx.trainers, ctx.rollouts, name="close")
