@@ -6,7 +6,8 @@ On CUDA in bf16/fp16 the block runs on SDPA's cuDNN kernel (`aten._scaled_dot_pr
 and its backward) where SDPA's cuDNN backend is enabled (`torch.backends.cuda.cudnn_sdp_enabled()`,
 what `torch.nn.attention.sdpa_kernel` sets) and takes the block's shape, else on its flash kernel: on an H200 at 16 heads of 256
 the cuDNN pair of blocks of a 64K CP = 2 chunk ran 57.6 ms against flash's 87.4 ms, with the same
-float64 error (`benchmarks/context_parallel/probes/probe_cudnn_blocks.py`). On the CPU, the flash op's
+float64 error (`benchmarks/context_parallel/probes/probe_cudnn_blocks.py`). A block of one query or
+one key (a one-token document) runs on flash: cuDNN's backward refuses s_q = s_kv = 1. On the CPU, the flash op's
 CPU twin (any dtype). The masked torch blocks of `attention.py` serve what none of these takes
 (CUDA fp32 / float64).
 """
@@ -34,8 +35,8 @@ def block_forward(q, k, v, causal: bool, scale: float):
     if q.device.type != "cuda":
         o, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
         return o, to_acc(lse), None
-    if _cudnn():
-        try:
+    if _cudnn() and q.shape[2] > 1 and k.shape[2] > 1:  # cuDNN's backward refuses s_q = s_kv = 1 (and a
+        try:  # refused backward left its graph cache crashing the next call): one-token blocks go to flash
             r = aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False, scale=scale)
         except RuntimeError:  # a shape cuDNN refuses (checked before launch): the flash kernel takes it
             r = None

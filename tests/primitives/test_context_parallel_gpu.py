@@ -81,6 +81,19 @@ def test_block_forward_and_backward(causal, D, kernel):
 
 
 @cuda
+def test_one_token_block_runs_on_flash_under_cudnn():
+    """cuDNN's backward refuses s_q = s_kv = 1; once refused, its next call crashed the process."""
+    q, k, v = (torch.randn(1, 2, 1, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    with _kernel("cudnn"):
+        o, lse, aux = flash.block_forward(q, k, v, True, 0.125)
+        dq, dk, dv = flash.block_backward(torch.ones_like(o), q, k, v, o, lse, True, 0.125, aux)
+    assert aux[0] == "flash"
+    torch.testing.assert_close(o, v)  # one key: the output is its value
+    assert max(dq.abs().max().item(), dk.abs().max().item()) < 1e-2  # softmax over one key is constant
+    torch.testing.assert_close(dv, torch.ones_like(dv))
+
+
+@cuda
 @pytest.mark.parametrize("kernel", ["cudnn", "flash"])
 @pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("exchange", ["allgather", "ring"])
