@@ -1,6 +1,8 @@
 """Probe: can the cp ring's attention blocks run on SDPA's cuDNN kernel instead of its flash kernel?
+(They now do: `primitives/context_parallel/kernels.py`, whose block functions this probe calls under
+each SDPA backend; `results/probe_cudnn_blocks.json` was measured before that move, with the same calls.)
 
-The ring (`primitives/context_parallel/flash.py`) runs each (query piece, key chunk) block on
+The ring (`primitives/context_parallel/flash.py`) ran each (query piece, key chunk) block on
 `aten._scaled_dot_product_flash_attention` for its output and log-sum-exp, merges the blocks in fp32,
 and runs each block's backward from the merged output and log-sum-exp. On an H200 at the bench's
 shapes (16 heads of 256) the flash kernel is ~1.7x slower than cuDNN, which a single GPU's plain SDPA
@@ -20,43 +22,36 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # benchmarks/: stamp, timing
 from stamp import stamp  # noqa: E402
 from timing import median_ms  # noqa: E402
 
+from bumblebee.primitives.context_parallel.kernels import block_backward, block_forward  # noqa: E402
+
 aten = torch.ops.aten
 
 
-def flash_fwd(q, k, v, causal, scale):
-    r = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
-    return r[0], r[1][..., :q.shape[2]].float(), tuple(r[2:8])
+def _on(backend, fn):
+    """fn under one SDPA backend: the library's block functions pick cuDNN or flash from that setting."""
+    def call(*args):
+        with sdpa_kernel([backend]):
+            return fn(*args)
+    return call
 
 
-def flash_bwd(do, q, k, v, o, lse, causal, scale, aux):
-    cq, ck, mq, mk, seed, off = aux
-    return aten._scaled_dot_product_flash_attention_backward(do, q, k, v, o, lse, cq, ck, mq, mk, 0.0, causal,
-                                                             seed, off, scale=scale)
+def cudnn_bwd_empty_bias(do, q, k, v, o, lse, causal, scale, aux):
+    """cuDNN's backward given an empty bias tensor where the library passes None (does it take either?)."""
+    _, shape, cq, ck, mq, mk, seed, off = aux
+    return aten._scaled_dot_product_cudnn_attention_backward(
+        do, q, k, v, o, lse.reshape(shape).contiguous(), seed, off, q.new_empty(0), cq, ck, mq, mk, 0.0, causal,
+        scale=scale)
 
 
-def cudnn_fwd(q, k, v, causal, scale):
-    r = aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False, scale=scale)
-    lse = r[1]
-    return r[0], lse.reshape(lse.shape[:3]).float(), (tuple(lse.shape), r[2], r[3], r[4], r[5], r[6], r[7])
-
-
-def cudnn_bwd_with(bias):
-    def bwd(do, q, k, v, o, lse, causal, scale, aux):
-        shape, cq, ck, mq, mk, seed, off = aux
-        return aten._scaled_dot_product_cudnn_attention_backward(
-            do, q, k, v, o, lse.reshape(shape).contiguous(), seed, off, bias(q), cq, ck, mq, mk, 0.0, causal,
-            scale=scale)
-    return bwd
-
-
-KERNELS = {"flash": (flash_fwd, flash_bwd),
-           "cudnn_bias_none": (cudnn_fwd, cudnn_bwd_with(lambda q: None)),
-           "cudnn_bias_empty": (cudnn_fwd, cudnn_bwd_with(lambda q: q.new_empty(0)))}
+KERNELS = {"flash": (_on(SDPBackend.FLASH_ATTENTION, block_forward), block_backward),
+           "cudnn_bias_none": (_on(SDPBackend.CUDNN_ATTENTION, block_forward), block_backward),
+           "cudnn_bias_empty": (_on(SDPBackend.CUDNN_ATTENTION, block_forward), cudnn_bwd_empty_bias)}
 
 
 def two_blocks(kernel, q, k, v, do, scale):
