@@ -1,24 +1,56 @@
 """RL pipeline: wall time to a reward threshold, synchronous (eta = 0) against eta = 1 and 2, with the
-producers' and the trainer's idle fractions; a small Qwen3 learning to copy digits (rule reward).
+producers' and the trainer's idle fractions; a Qwen3 learning to copy digits (rule reward).
 
     python benchmarks/rl_pipeline/bench.py --gpus 1 --out $OUT   # trainer and producer share cuda:0
     python benchmarks/rl_pipeline/bench.py --gpus 2 --out $OUT   # producer on cuda:0, trainer on cuda:1
-    python benchmarks/rl_pipeline/bench.py --cpu-smoke --out DIR # the tiny model on the CPU, a few steps
+    python benchmarks/rl_pipeline/bench.py --mode ray --workload medium --gpus 2 --etas 0 2 --out $OUT
+    python benchmarks/rl_pipeline/bench.py --cpu-smoke [--mode ray] --out DIR  # the tiny model on the CPU
 
-The pipeline runs in its local mode (`runtime/pipeline/local.py`: the same admission, rollout and
-GRPO step as the Ray actors, as threads of this process), because the GPU machine has no Ray and
-Ray's wheel (79 MB) is over what a run carries. Each eta trains from the same seed until the mean
-reward of the last `--window` steps reaches `--threshold` (or `--max-steps`); the clock starts
-after the first weights are published (model build, CUDA start-up and the first generation call's
-warm-up excluded alike: one untimed warm-up run of two steps goes first). Reported per eta: wall
-seconds and steps to the threshold (None if not reached), median seconds a step, the trainer's
-mean idle fraction, the producers' final (cumulative) idle fraction, mean staleness and behave_kl,
-the reward curve; and the speedup of eta = 1, 2 over eta = 0 in wall time to the threshold.
-Writes <out>/rl_pipeline_<device>_x<gpus>.json (stamped: commit, versions, device, date).
+Modes. `local` (the default): `runtime/pipeline/local.py`, the trainer and the producer as threads
+of this process (no Ray needed); they share the GIL, so a host-bound step barely overlaps. `ray`:
+`runtime/pipeline/run.py`'s Pipeline, the trainer and the producer as Ray actors, one process each,
+asking Ray for 1 GPU each (`--gpus 2`) or 0.5 each (`--gpus 1`: both on one GPU; the CPU smoke: 0);
+a local Ray is started for each run and shut down after it. Weights go through Ray's object store.
+
+Workloads (`--workload`; each flag below overrides its value):
+- `small`: 4 layers of width 256 (3.2M parameters), 3 digits, 32 groups x 8 a step, 8 groups an
+  engine call, lr 2e-3, threshold 0.25 over 5 steps. Host-bound: 0.13-0.15 s a step on H200s,
+  mostly kernel launches (2 GPUs were slower than 1).
+- `medium`: 8 layers of width 1024 (16 heads / 4 KV heads of 64, MLP 3072): P = 96.5M parameters,
+  386 MB in fp32; 6 digits (8 prompt + 6 answer tokens), 64 groups x 8 = 512 sequences a step, 16
+  groups an engine call, threshold 0.15 over 5 steps (a policy that ignores the prompt expects 0.1),
+  at most 60 steps or 30 s an eta. lr 3e-5: at this width one Adam step of 1e-4 triples the logits'
+  spread (std 0.59 -> 1.6; the small model's at 2e-3: 0.34 -> 0.82), and 1e-3, 3e-4, 1e-4 collapsed
+  the policy's entropy (2.6 -> < 0.4) in 2-4 steps. At 3e-5 on the CPU (`lagged_run`, 16 groups x 8,
+  seed 0) the 5-step mean passed 0.15 after 8 steps at eta = 0, after 11 at eta = 2.
+  Floors. fp32 throughout (the pipeline has no dtype option: the trainer's policy and the exported
+  weights the engine samples with are fp32), so GEMMs are bound by 67 TFLOP/s (H100/H200 fp32, no
+  TF32). Train: 2P FLOPs a token (pi_prox's forward) + 6P (forward and backward) over 512 x 14 =
+  7168 tokens = 5.5 TFLOP, >= 83 ms against ~10 ms of launches: GPU-bound. Generate: 2P over
+  512 x 8 prefill + 512 x 5 decode tokens = 1.3 TFLOP, >= 19 ms, but 24 forwards of transformers'
+  eager generate (~5 ms of launches each; a forward of 128 rows is ~0.4 ms of GEMM) and a host sync
+  per row and token: ~0.15-0.2 s, launch-bound at any size this time budget affords. Weights: 386 MB
+  a version to the host, through the object store, back to the GPU: ~0.3-0.5 s each side (a publish
+  took 0.5-0.8 s on 2 loaded CPU cores). So ~0.4-0.7 s a step on each side: serial at eta = 0,
+  overlapped at eta >= 1 in separate processes (ray mode; at most sum / max, ~1.8x a step), less
+  what eta = 2 loses in learning per step.
+
+Each eta trains from the same seed until the mean reward of the last `--window` steps reaches
+`--threshold` (or `--max-steps`, or `--max-seconds` of the eta's own clock); the clock starts after
+the first weights are published (model build and process start-up excluded; in the ray mode a
+run's first step still holds its fresh processes' first CUDA calls: `first_step_s`). On GPUs one
+untimed warm-up run of two steps goes first (CUDA context, kernels' first calls, the allocator in
+the local mode; Triton's on-disk kernel cache in both, since each Ray run starts fresh processes).
+Reported per eta: wall seconds and steps to the threshold (None if not reached), median seconds a
+step, the trainer's mean idle fraction, the producers' final (cumulative) idle fraction, mean
+staleness and behave_kl, the reward curve; and the speedup of each eta over eta = 0 in wall time to
+the threshold and per step. Writes <out>/rl_pipeline_<device>_x<gpus>[_ray][_medium].json
+(stamped: commit, versions, device, date).
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -36,32 +68,84 @@ from bumblebee import models  # noqa: E402
 from bumblebee.runtime.pipeline import CopyDigits, Objective, PipelineConfig, Sampling  # noqa: E402
 from bumblebee.runtime.pipeline.local import LocalPipeline  # noqa: E402
 
-# the small Qwen3: 4 layers of width 256 over the task's 16 tokens (digits, BOS, SEP, PAD)
-SMALL = {"hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 4, "num_attention_heads": 4,
-         "num_key_value_heads": 2, "head_dim": 64}
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """A preset: the Qwen3's sizes over the task's 16 tokens (digits, BOS, SEP, PAD) and the run's."""
+    model: dict
+    digits: int
+    groups: int
+    group_size: int
+    groups_per_call: int
+    lr: float
+    threshold: float
+    window: int
+    max_steps: int
+    max_seconds: float | None = None
 
 
-def model_config(task: CopyDigits, small: bool) -> dict:
-    return {**models.NAMED["qwen3-tiny"], **(SMALL if small else {}), "vocab_size": 16, "bos_token_id": task.bos_id,
+WORKLOADS = {
+    "small": Workload({"hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 4, "num_attention_heads": 4,
+                       "num_key_value_heads": 2, "head_dim": 64}, digits=3, groups=32, group_size=8,
+                      groups_per_call=8, lr=2e-3, threshold=0.25, window=5, max_steps=200),
+    "medium": Workload({"hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 8,
+                        "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 64}, digits=6, groups=64,
+                       group_size=8, groups_per_call=16, lr=3e-5, threshold=0.15, window=5, max_steps=60,
+                       max_seconds=30.0),
+}
+# qwen3-tiny itself, a few steps of a few groups
+CPU_SMOKE = {"digits": 2, "groups": 4, "group_size": 4, "groups_per_call": 2, "lr": 5e-3, "window": 2, "max_steps": 4}
+RUN_FIELDS = [f.name for f in dataclasses.fields(Workload) if f.name != "model"]
+
+
+def model_config(task: CopyDigits, sizes: dict) -> dict:
+    return {**models.NAMED["qwen3-tiny"], **sizes, "vocab_size": 16, "bos_token_id": task.bos_id,
             "pad_token_id": task.pad_id, "eos_token_id": None}
 
 
-def run_eta(eta, args, task, model, devices, quiet) -> dict:
-    cfg = PipelineConfig(steps=args.max_steps, eta=eta, groups_per_step=args.groups, group_size=args.group_size,
-                         groups_per_call=args.groups_per_call, lr=args.lr, seed=args.seed,
-                         impl={"cross_entropy": "linear_ce"}, sampling=Sampling(max_new_tokens=task.length),
-                         objective=Objective(entropy_coef=1e-3), take_timeout_s=300.0, weight_timeout_s=300.0,
-                         call_timeout_s=300.0)
+def pipeline_config(eta, args, gpus_each: float = 0.0) -> PipelineConfig:
+    return PipelineConfig(steps=args.max_steps, eta=eta, groups_per_step=args.groups, group_size=args.group_size,
+                          groups_per_call=args.groups_per_call, lr=args.lr, seed=args.seed,
+                          impl={"cross_entropy": "linear_ce"}, sampling=Sampling(max_new_tokens=args.digits),
+                          objective=Objective(entropy_coef=1e-3), take_timeout_s=300.0, weight_timeout_s=300.0,
+                          call_timeout_s=300.0, producer_gpus=gpus_each, trainer_gpus=gpus_each)
 
+
+def _train_local(cfg, args, task, model, devices, on_step, until):
+    p = LocalPipeline(cfg, model, task, trainer_device=devices["trainer"], producer_devices=[devices["producer"]])
+    return p.run(on_step=on_step, until=until)
+
+
+def _train_ray(cfg, args, task, model, devices, on_step, until):
+    import ray
+
+    from bumblebee.runtime.pipeline import Pipeline
+    # the trainer's and the producer's CPU (1 each: PipelineConfig's defaults) and the GPUs they split
+    ray.init(num_cpus=2, num_gpus=0 if args.cpu_smoke else args.gpus, include_dashboard=False,
+             log_to_driver=not args.quiet)
+    try:
+        with Pipeline(cfg, model, task) as p:
+            return p.run(on_step=on_step, until=until)
+    finally:
+        ray.shutdown()
+
+
+def run_eta(eta, args, task, model, devices, quiet) -> dict:
     def reached(log):
         return len(log) >= args.window and statistics.mean(m["reward"] for m in log[-args.window:]) >= args.threshold
 
-    p = LocalPipeline(cfg, model, task, trainer_device=devices["trainer"], producer_devices=[devices["producer"]])
-    log = p.run(on_step=None if quiet else (lambda line: print(f"eta {eta} {line}", flush=True)), until=reached)
+    def until(log):
+        return reached(log) or (args.max_seconds is not None and log[-1]["wall_s"] >= args.max_seconds)
+
+    on_step = None if quiet else (lambda line: print(f"eta {eta} {line}", flush=True))
+    gpus_each = 0.0 if args.mode == "local" or args.cpu_smoke else {1: 0.5, 2: 1.0}[args.gpus]  # Ray's share
+    train = _train_ray if args.mode == "ray" else _train_local
+    log = train(pipeline_config(eta, args, gpus_each), args, task, model, devices, on_step, until)
     hit = reached(log)
     return {"eta": eta, "reached": hit, "steps": len(log), "wall_s": log[-1]["wall_s"],
             "wall_s_to_threshold": log[-1]["wall_s"] if hit else None,
             "steps_to_threshold": len(log) if hit else None,
+            "first_step_s": log[0]["wall_s"],
             "s_per_step_median": statistics.median(b["wall_s"] - a["wall_s"] for a, b in zip(log, log[1:]))
             if len(log) > 1 else None,
             "trainer_idle_mean": statistics.mean(m["trainer_idle"] for m in log),
@@ -69,38 +153,48 @@ def run_eta(eta, args, task, model, devices, quiet) -> dict:
             "staleness_mean": statistics.mean(m["staleness_mean"] for m in log),
             "behave_kl_mean": statistics.mean(m["behave_kl"] for m in log),
             "tokens_per_s_median": statistics.median(m["tokens_per_s"] for m in log),
+            "train_s_median": statistics.median(m["train_s"] for m in log),
+            "publish_s_median": statistics.median(m["publish_s"] for m in log),
             "reward": [round(m["reward"], 4) for m in log]}
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gpus", type=int, default=1, choices=(1, 2), help="1: shared; 2: producer and trainer apart")
-    ap.add_argument("--cpu-smoke", action="store_true", help="the tiny model on the CPU, a few steps")
+    ap.add_argument("--mode", default="local", choices=("local", "ray"), help="threads of this process, or Ray actors")
+    ap.add_argument("--workload", default="small", choices=sorted(WORKLOADS), help="model and run sizes")
+    ap.add_argument("--cpu-smoke", action="store_true", help="the tiny model on the CPU, a few steps (any workload)")
     ap.add_argument("--etas", type=int, nargs="+", default=[0, 1, 2])
-    ap.add_argument("--threshold", type=float, default=0.25, help="mean reward over the last --window steps")
-    ap.add_argument("--window", type=int, default=5)
-    ap.add_argument("--max-steps", type=int, default=200)
-    ap.add_argument("--groups", type=int, default=32, help="groups (prompts) a step")
-    ap.add_argument("--group-size", type=int, default=8)
-    ap.add_argument("--groups-per-call", type=int, default=8, help="groups a producer generates in one call")
-    ap.add_argument("--digits", type=int, default=3)
-    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--threshold", type=float, help="mean reward over the last --window steps")
+    ap.add_argument("--window", type=int)
+    ap.add_argument("--max-steps", type=int)
+    ap.add_argument("--max-seconds", type=float, help="stop an eta's run past this many seconds of its clock")
+    ap.add_argument("--groups", type=int, help="groups (prompts) a step")
+    ap.add_argument("--group-size", type=int)
+    ap.add_argument("--groups-per-call", type=int, help="groups a producer generates in one call")
+    ap.add_argument("--digits", type=int)
+    ap.add_argument("--lr", type=float)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="folder of the result file (default: results/ beside this script)")
     ap.add_argument("--quiet", action="store_true")
     args = ap.parse_args(argv)
+    workload = WORKLOADS[args.workload]
+    preset = {**{k: getattr(workload, k) for k in RUN_FIELDS}, **(CPU_SMOKE if args.cpu_smoke else {})}
+    for k, v in preset.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
     if args.cpu_smoke:
-        args.max_steps, args.groups, args.group_size, args.groups_per_call, args.window = 4, 4, 4, 2, 2
-        args.digits, args.lr = 2, 5e-3
         devices = {"trainer": "cpu", "producer": "cpu"}
     else:
         if torch.cuda.device_count() < args.gpus:
             raise SystemExit(f"--gpus {args.gpus}: this machine has {torch.cuda.device_count()} CUDA devices")
         devices = {"trainer": f"cuda:{args.gpus - 1}", "producer": "cuda:0"}
+        if args.mode == "ray":  # Ray picks the GPUs: ask for the share, record it
+            devices = {k: f"a Ray actor with {1.0 if args.gpus == 2 else 0.5:g} GPU" for k in devices}
     task = CopyDigits(length=args.digits)
-    model = model_config(task, small=not args.cpu_smoke)
-    warm = argparse.Namespace(**{**vars(args), "max_steps": 2})
-    run_eta(1, warm, task, model, devices, quiet=True)  # CUDA context, kernels' first calls, allocator
+    model = model_config(task, {} if args.cpu_smoke else workload.model)
+    if not args.cpu_smoke:  # CUDA context, kernels' first calls, allocator; Triton's kernel cache
+        run_eta(1, argparse.Namespace(**{**vars(args), "max_steps": 2}), task, model, devices, quiet=True)
     rows = []
     for eta in args.etas:
         watch = Stopwatch()  # the whole run, set-up included; the rows' own times come from the pipeline's log
@@ -115,14 +209,17 @@ def main(argv=None) -> int:
         r["speedup_per_step_vs_eta0"] = (base["s_per_step_median"] / r["s_per_step_median"]
                                          if base is not None and base["s_per_step_median"] and r["s_per_step_median"]
                                          else None)
-    device = devices["trainer"]
-    result = {**stamp(device), "benchmark": "rl_pipeline", "mode": "local (threads)", "gpus": 0 if args.cpu_smoke
-              else args.gpus, "devices": devices, "model": model, "task": {"name": "copy_digits", "length": args.digits},
+    gpus = 0 if args.cpu_smoke else args.gpus
+    result = {**stamp("cpu" if args.cpu_smoke else "cuda:0"), "benchmark": "rl_pipeline",
+              "mode": {"local": "local (threads)", "ray": "ray (actors, a process each)"}[args.mode],
+              "workload": args.workload, "gpus": gpus, "devices": devices, "model": model,
+              "task": {"name": "copy_digits", "length": args.digits},
               "config": {k: v for k, v in vars(args).items() if k not in ("out", "quiet")}, "rows": rows}
     out = Path(args.out) if args.out else HERE / "results"
     out.mkdir(parents=True, exist_ok=True)
     name = "cpu" if args.cpu_smoke else result["device"].lower().replace("nvidia ", "").replace(" ", "_")
-    path = out / f"rl_pipeline_{name}_x{result['gpus']}.json"
+    suffix = ("_ray" if args.mode == "ray" else "") + ("" if args.workload == "small" else f"_{args.workload}")
+    path = out / f"rl_pipeline_{name}_x{gpus}{suffix}.json"
     path.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {path}")
     for r in rows:

@@ -85,9 +85,11 @@ class Pipeline:
         """Kill producer `i` (a fault, for tests): the driver restarts it and its prompts are re-leased."""
         ray.kill(self.producers[i], no_restart=True)
 
-    def run(self, *, log_path=None, on_step=print, before_step=None) -> list[dict]:
+    def run(self, *, log_path=None, on_step=print, before_step=None, until=None) -> list[dict]:
         """Train `cfg.steps` steps; each step's metrics (printed by `on_step` as a progress line,
-        appended to the JSONL `log_path`). `before_step(pipeline, step)`: a hook (tests inject faults)."""
+        appended to the JSONL `log_path`). `before_step(pipeline, step)`: a hook (tests inject faults).
+        `until(log) -> bool`: stop after the step where it first holds (e.g. a reward threshold; the
+        producers' work beyond it is dropped when the actors end)."""
         cfg, log = self.cfg, []
         out = open(log_path, "a") if log_path else None
         t_start = time.monotonic()
@@ -109,6 +111,8 @@ class Pipeline:
                 m.update(step=step, wall_s=time.monotonic() - t_start)
                 log.append(m)
                 emit(m, out, on_step)
+                if until is not None and until(log):
+                    break
         finally:
             if out:
                 out.close()

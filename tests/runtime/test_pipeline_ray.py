@@ -2,8 +2,8 @@
 eta = 1 while a producer is killed mid-run (every prompt trained exactly once) and stalled waits
 raise PipelineTimeout; eta = 0 makes the plain synchronous loop's updates with weights sent by the
 transfer primitive, with the trainer over two ranks (FSDP2 inside its actors), with both, and for an
-MoE model with its experts split over the trainer's ranks (with either weight channel).
-Skipped without Ray (the `rl` extra)."""
+MoE model with its experts split over the trainer's ranks (with either weight channel); a run
+stops where its `until` first holds. Skipped without Ray (the `rl` extra)."""
 from __future__ import annotations
 
 import dataclasses
@@ -109,6 +109,20 @@ def _equals_the_synchronous_loop(cfg, model=CONFIG, abs_tol=1e-8, after=None):
             assert a[key] == pytest.approx(b[key], rel=1e-5, abs=abs_tol, nan_ok=True), key  # nan: nothing kept
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
     return piped if after is None else (piped, extra)
+
+
+def test_run_stops_after_the_step_where_until_first_holds(local_ray):
+    """`until(log)` ends the run after the first step where it holds (the benchmark's reward
+    threshold), though steps and a producer running ahead (eta = 2) remain; the actors then end."""
+    seen = []
+
+    def until(log):
+        seen.append(len(log))
+        return log[-1]["step"] == 2
+
+    with Pipeline(_cfg(steps=12, eta=2, groups_per_step=2, group_size=2, groups_per_call=2), CONFIG, TASK) as p:
+        log = p.run(on_step=None, until=until)
+    assert [m["step"] for m in log] == [0, 1, 2] and seen == [1, 2, 3]
 
 
 def test_eta_zero_through_the_transfer_primitive_equals_the_synchronous_loop(local_ray):
