@@ -16,12 +16,13 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
 from bumblebee.common.weight_transfer import Link, TransferError, TransferInFlight
 from bumblebee.primitives.weight_transfer.execute import Control, Mover, agree, read_from
 from bumblebee.primitives.weight_transfer.infer import LayoutCache, infer_layout
 from bumblebee.primitives.weight_transfer.plan import make_plan
-from bumblebee.primitives.weight_transfer.spec import sender_spec
+from bumblebee.primitives.weight_transfer.spec import SenderSpecs
 
 # An idle service's store wait, after which it checks whether close() was called. close() does not
 # wake it through the store: the request key is shared by every sender, so a wake posted there (and
@@ -91,31 +92,39 @@ class _Endpoint:
                            device=self._device(), keep_programs=3 if self.config.mode == "async" else 1)
 
     def _transfer(self, version, sent, wait_s):
-        """One update (number self.n): setup on the first, then prepare, move, vote, commit."""
+        """One update (number self.n): setup on the first, then prepare, move, vote, commit, each a
+        `weight_transfer.*` profiler range. Host work that needs no peer comes before the waits on
+        them (the sources' views and identity before prepare's agreement: the peers may still be
+        busy; the commit's launch before the store clean-up, which then overlaps the copy)."""
         n, self.n = self.n, self.n + 1
         is_sender = self.rank in self.link.trainer_ranks
         try:
-            if self.plan is None:
-                self._setup(n, sent[:2] if is_sender else None, wait_s)
-            err = self._check(sent)
-            got = agree(self.ctl, f"{n}/prep", self.rank, err, timeout_s=wait_s, version=version)
+            with record_function("weight_transfer.prepare"):
+                if self.plan is None:
+                    self._setup(n, sent[:2] if is_sender else None, wait_s)
+                err = self._check(sent)
+                read = read_from(sent[2]) if is_sender else None
+                got = agree(self.ctl, f"{n}/prep", self.rank, err, timeout_s=wait_s, version=version)
             version = got[self.link.trainer_ranks[0]]["version"]
         except TransferError as e:
             self.broken = self.broken or (None if self.plan is not None else f"a failed setup ({e})")
             raise
-        read = read_from(sent[2]) if is_sender else None
-        errors = self.mover.move(read, getattr(self, "targets", None), self.config.timeout_s, self.on_round)
+        with record_function("weight_transfer.move"):
+            errors = self.mover.move(read, getattr(self, "targets", None), self.config.timeout_s, self.on_round)
         try:
-            agree(self.ctl, f"{n}/vote", self.rank, "; ".join(errors) or None)
+            with record_function("weight_transfer.vote"):
+                agree(self.ctl, f"{n}/vote", self.rank, "; ".join(errors) or None)
+            if not is_sender:
+                with record_function("weight_transfer.commit"):
+                    self.mover.commit(self.targets)
         except TransferError as e:
             if self.mover.peer_failed or "did not answer" in str(e):
                 self.broken = f"update {n} ({e})"
             raise
         finally:
-            for step in ("setup-s", "setup-r", "prep", "vote"):
-                self.ctl.forget(f"{n - 1}/{step}", self.rank)
-        if not is_sender:
-            self.mover.commit(self.targets)
+            with record_function("weight_transfer.forget"):
+                for step in ("setup-s", "setup-r", "prep", "vote"):
+                    self.ctl.forget(f"{n - 1}/{step}", self.rank)
         self.version = version
         self.stats["staged_bytes"] = self.mover.staged_bytes
         return version
@@ -136,6 +145,7 @@ class WeightSender(_Endpoint):
         self._stop = threading.Event()
         self._published = 0
         self.error: BaseException | None = None
+        self._specs = SenderSpecs()
 
     def _device(self):
         return next(iter(self._sent[2].values())).device if self._sent[2] else torch.device("cpu")
@@ -158,7 +168,8 @@ class WeightSender(_Endpoint):
         if self.config.mode != "sync":
             raise RuntimeError("update() is the sync mode's call; this endpoint is async: use publish()")
         with self._flight():
-            self._sent = sender_spec(self.rank, shards)
+            with record_function("weight_transfer.spec"):
+                self._sent = self._specs(self.rank, shards)
             return self._transfer(version, self._sent, timeout_s or self.config.timeout_s)
 
     def publish(self, shards, version: int) -> None:
@@ -168,7 +179,7 @@ class WeightSender(_Endpoint):
             raise RuntimeError("publish() is the async mode's call; this endpoint is sync: use update()")
         if self.error is not None:
             raise TransferError(f"the async service failed: {self.error}") from self.error
-        spec, manifest, local = sender_spec(self.rank, shards)
+        spec, manifest, local = self._specs(self.rank, shards)
         with self._lock:  # reuse the oldest snapshot that is neither served nor the newest
             free = [i for i, s in enumerate(self._slots[:-1]) if not s[2]] if len(self._slots) >= 3 else []
             old = self._slots.pop(free[0])[1][2] if free else {}

@@ -96,8 +96,8 @@ class Control:
         if not self.wait(keys, limit):
             late = [r for r, k in zip(ranks, keys) if not self._has(k)]
             raise TransferError(f"{key}: ranks {late} did not answer within {limit} s (dead or stuck)")
-        with self._client() as st:
-            return {r: pickle.loads(st.get(k)) for r, k in zip(ranks, keys)}
+        with self._client() as st:  # one round trip for all ranks' values
+            return {r: pickle.loads(v) for r, v in zip(ranks, st.multi_get(keys))}
 
     def _has(self, *keys) -> bool:
         try:
@@ -258,6 +258,8 @@ class Mover:
 
 
 def _ident_of(read):
+    if isinstance(read, read_from):
+        return read.ident
     tensors = getattr(read, "tensors", None)
     return None if tensors is None else copies.identity(tensors)
 
@@ -268,13 +270,15 @@ def _targets_ident(targets: dict):
 
 class read_from:
     """`read(entry)` over this rank's shards {(hf name, box): tensor}: the entry's view. `tensors`:
-    the shards, whose identity keys the sender's cached copy programs."""
+    the shards, whose identity (`ident`, taken now: the sender builds this before waiting for its
+    peers) keys the sender's cached copy programs."""
 
     def __init__(self, local: dict):
         self.by_name: dict = {}
         for (name, box), t in local.items():
             self.by_name.setdefault(name, []).append((box, t))
         self.tensors = tuple(local.values())
+        self.ident = copies.identity(self.tensors)
 
     def __call__(self, e):
         for box, t in self.by_name.get(e.hf_name, ()):

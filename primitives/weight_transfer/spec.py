@@ -111,3 +111,25 @@ def sender_spec(rank: int, shards) -> tuple[SenderSpec, Manifest, dict]:
         manifest.append((s.name, tuple(s.shape), s.tensor.dtype))
         local[(s.name, box)] = s.tensor
     return SenderSpec(rank, tuple(boxes)), manifest_of(manifest), local
+
+
+class SenderSpecs:
+    """`sender_spec` over successive updates of one rank: the last spec and manifest are reused when
+    every shard's name, full shape, offsets, local shape, dtype and replication (all that `sender_spec`
+    reads but the tensors) equal the last call's. Building them costs several microseconds of Python
+    per shard (~800 shards for a 2-layer Qwen3-30B-A3B slice: milliseconds of every update's host
+    time); the per-shard comparison a fraction of that. Holds no tensor between calls."""
+
+    def __init__(self):
+        self._key, self._last = None, None
+
+    def __call__(self, rank: int, shards) -> tuple[SenderSpec, Manifest, dict]:
+        shards = list(shards)
+        key = (rank, [(s.name, tuple(s.shape), tuple(s.offsets), s.tensor.shape, s.tensor.dtype, bool(s.replicated))
+                      for s in shards])
+        if key != self._key:
+            spec, manifest, local = sender_spec(rank, shards)
+            self._key, self._last = key, (spec, manifest)
+            return spec, manifest, local
+        spec, manifest = self._last
+        return spec, manifest, {(name, box): s.tensor for (name, box, _), s in zip(spec.boxes, shards)}

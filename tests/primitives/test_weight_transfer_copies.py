@@ -12,7 +12,7 @@ from bumblebee import models
 from bumblebee.primitives.weight_transfer import copies, make_plan
 from bumblebee.primitives.weight_transfer.boxes import box_shape
 from bumblebee.primitives.weight_transfer.execute import Mover, read_from
-from bumblebee.primitives.weight_transfer.spec import sender_spec
+from bumblebee.primitives.weight_transfer.spec import SenderSpecs, sender_spec
 from bumblebee.runtime import export
 from tests.primitives.weight_transfer_engines import VllmStyleEngine, vllm_spec
 
@@ -115,6 +115,28 @@ def test_fresh_source_tensors_rebuild_never_stale():
     ref.load_weights((n, t) for (n, _), t in fresh.items())
     for n, t in eng.params.items():
         assert torch.equal(t, ref.params[n]), n
+
+
+def test_sender_specs_reuse_only_an_unchanged_layout_and_hold_no_tensor():
+    import dataclasses
+    shards = list(export.export_weight_shards(models.build(HF, seed=0), None))
+    specs = SenderSpecs()
+
+    def same(got, want):
+        assert got[:2] == want[:2] and list(got[2]) == list(want[2])
+        assert all(got[2][k] is t for k, t in want[2].items())
+    same(specs(0, iter(shards)), sender_spec(0, shards))
+    fresh = [dataclasses.replace(s, tensor=s.tensor.clone()) for s in shards]  # a new step's export
+    same(specs(0, fresh), sender_spec(0, fresh))  # reused: the new tensors, the same spec
+    assert all(not isinstance(v, torch.Tensor) for v in specs._last)
+    # any change in what sender_spec reads makes a new spec
+    for change in ({"offsets": (1,) + tuple(shards[0].offsets[1:]), "shape": (shards[0].shape[0] + 1,)
+                    + tuple(shards[0].shape[1:])}, {"tensor": shards[0].tensor.half()}, {"replicated": True},
+                   {"name": "other"}):
+        moved = [dataclasses.replace(shards[0], **change)] + shards[1:]
+        same(specs(0, moved), sender_spec(0, moved))
+        same(specs(0, shards), sender_spec(0, shards))
+    assert specs(1, shards)[0].rank == 1
 
 
 def test_build_merges_only_adjacent_same_dtype_and_keeps_strided_and_casts():
