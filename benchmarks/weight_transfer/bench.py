@@ -25,6 +25,9 @@ slowest rank's), and that as a fraction of the link's rate (target for p2p: >= 0
 transaction's cost: staging bytes and the commit's copy time per rollout rank. Writes
 <out>/<device>-ranks<N>.json (stamped: commit, versions, device (the accelerator's name), date; the
 --device kind under "device_type"; per rank, the copy programs' calls against entries: "copies").
+`--profile`: after the timed updates of the first p2p budget, one more on every rank (after a barrier)
+under the torch profiler; each rank's breakdown (`profile_breakdown.py`: device time by kernel
+category, device idle time, the endpoint's phases, top CPU ops) under ranks[i][impl]["profile"].
 """
 from __future__ import annotations
 
@@ -165,12 +168,17 @@ def link_rate_ms(trainers, rollouts, nbytes: int, iters: int, device) -> float:
     return ms
 
 
-def _endpoint_run(end, call, device, iters, rollout: bool) -> dict:
-    """First update (plan, layout check or inference) timed apart, then `iters` after one warm-up."""
+def _endpoint_run(end, call, device, iters, rollout: bool, profile: bool = False) -> dict:
+    """First update (plan, layout check or inference) timed apart, then `iters` after one warm-up;
+    with `profile`, one more under the torch profiler after a barrier (every rank alike)."""
+    import torch.distributed as dist
     first = step_times_ms(synced(lambda: call(0), device), 1, 0, cuda=False)[0] / 1e3
     times = step_times_ms(synced(lambda: call(1), device), iters, 1, cuda=False)
     got = {"first_update_s": first, "median_ms": statistics.median(times), "times_ms": times,
            "stats": dict(end.stats)}
+    if profile:
+        from profile_breakdown import profile_update
+        got["profile"] = profile_update(lambda: call(1), device, before=dist.barrier)
     if getattr(end, "mover", None) is not None:  # per update: entries against the copy calls made for them
         got["copies"] = end.mover.copy_stats()
     if rollout and hasattr(end, "mover"):  # the transaction's cost: staging bytes, the commit's copy
@@ -211,6 +219,7 @@ def measured(args) -> dict | None:
             for b in args.budget_bytes}
     impl["broadcast"] = registry.resolve("weight_transfer", "broadcast")
     link = {k: Link(trainers, rollouts, name=k) for k in impl}
+    first_p2p = next(k for k in impl if k.startswith("p2p"))
     out = {}
     if rank in trainers:
         model = models.build({**hf, "dtype": "float32"}, impl={"moe_dispatch": "all_to_all" if args.ep else "local"}
@@ -223,7 +232,8 @@ def measured(args) -> dict | None:
         shards = list(export.export_weight_shards(model, state, dtype=wire))
         for k, fn in impl.items():
             end = fn(link[k])
-            out[k] = _endpoint_run(end, lambda v: end.update(shards, v), device, args.iters, False)
+            out[k] = _endpoint_run(end, lambda v: end.update(shards, v), device, args.iters, False,
+                                   args.profile and k == first_p2p)
     else:
         r, n = rank - T, len(rollouts)
         eng = VllmStyleEngine(manifest, hf, tp_rank=r, tp_size=n, dtype=wire, device=device)
@@ -232,10 +242,10 @@ def measured(args) -> dict | None:
         given = (lambda man: vllm_spec(man, hf, tp_rank=r, tp_size=n, dtype=wire)[0]) if args.layout == "given" else None
         for k, fn in impl.items():
             end = fn(link[k], load_weights=eng.load_weights, targets=eng.params, layout_key=f"tp{r}", layout=given)
-            out[k] = _endpoint_run(end, lambda v: end.update(), device, args.iters, True)
+            out[k] = _endpoint_run(end, lambda v: end.update(), device, args.iters, True,
+                                   args.profile and k == first_p2p)
     # the link's own rate, one message per (trainer i, rollout i) pair at once, of the size the
     # first rollout rank receives in a p2p update
-    first_p2p = next(k for k in impl if k.startswith("p2p"))
     size = [out[first_p2p]["stats"]["bytes_received"] if rank == rollouts[0] else 0]
     dist.broadcast_object_list(size, src=rollouts[0])
     nbytes = args.link_bytes or max(1, size[0])
@@ -262,6 +272,7 @@ def measured(args) -> dict | None:
     return {"model": args.model, "layers": args.layers, "device_type": args.device, "wire_dtype": str(wire),
             "world": world, "trainers": T, "rollout_tp": world - T, "trainer_ep": 2 if args.ep else 1,
             "layout": args.layout, "iters": args.iters, "budgets_bytes": list(args.budget_bytes),
+            "profiled": first_p2p if args.profile else None,
             "per_impl": per, "ranks": gathered,
             "link": {"method": "batch_isend_irecv, trainer i -> rollout i, all pairs at once", "pairs": pairs,
                      "message_bytes": nbytes, "median_ms": rate_ms, "GBps": link_GBps},
@@ -287,6 +298,9 @@ def main():
                          "(default on cuda: probing a 30B slice takes minutes on the host), or inferred (cpu default)")
     ap.add_argument("--link-bytes", type=int, default=None,
                     help="link-rate message size (default: what the first rollout rank receives per p2p update)")
+    ap.add_argument("--profile", action="store_true",
+                    help="one more update of the first p2p budget under the torch profiler: per rank, its breakdown "
+                         "(profile_breakdown.py) under ranks[i][impl]['profile']")
     ap.add_argument("--out", default=str(HERE / "results"))
     args = ap.parse_args()
     from stamp import stamp
@@ -311,6 +325,11 @@ def main():
         path.write_text(json.dumps(result, indent=2, default=str) + "\n")
         print(json.dumps({k: result[k] for k in ("per_impl", "link", "p2p_over_link_rate", "broadcast_over_p2p_time")},
                          indent=2, default=str))
+        if result["profiled"]:
+            for i, g in enumerate(result["ranks"]):
+                p = g[result["profiled"]]["profile"]
+                print(f"rank {i} profile:", json.dumps({k: p[k] for k in ("wall_ms", "window_ms", "gpu_ms", "gpu_idle_ms",
+                                                                          "lead_ms", "tail_ms", "phases")}))
         print("wrote", path)
 
 

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_bench_measures_p2p_twin_and_link_on_four_gloo_ranks(tmp_path):
     args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
             str(ROOT / "benchmarks" / "weight_transfer" / "bench.py"), "--device", "cpu", "--trainers", "2", "--ep",
-            "--layout", "given", "--iters", "1", "--budget-bytes", "65536", "1048576", "--out", str(tmp_path)]
+            "--layout", "given", "--iters", "1", "--budget-bytes", "65536", "1048576", "--profile", "--out", str(tmp_path)]
     p = subprocess.run(args, capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S, cwd=tmp_path,
                        env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert p.returncode == 0, (p.stdout[-2000:], p.stderr[-3000:])
@@ -36,3 +36,11 @@ def test_bench_measures_p2p_twin_and_link_on_four_gloo_ranks(tmp_path):
     assert link["pairs"] == 2 and link["GBps"] > 0
     assert 0 < link["message_bytes"] < per["p2p@65536"]["wire_bytes"]  # one rollout rank's update
     assert r["p2p_over_link_rate"] > 0 and r["target_over_link_rate"] == 0.7
+    # --profile: one more update of the first budget traced on every rank, its phases in order
+    assert r["profiled"] == "p2p@65536"
+    for i, g in enumerate(r["ranks"]):
+        p = g["p2p@65536"]["profile"]
+        assert p["wall_ms"] > 0 and p["window_ms"] > 0 and p["top_cpu_ops"] and p["gpu_ms"] is None, p
+        phases = [name for name, _, _ in p["phases"]]
+        assert phases == (["spec"] if i < 2 else []) + ["prepare", "move", "vote"] + ([] if i < 2 else ["commit"]) \
+            + ["forget"]
