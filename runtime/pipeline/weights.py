@@ -4,9 +4,11 @@
 `wait_newer(engine, timeout_s)` on the producers.
 
 - `ObjectStoreChannel` (the default, survives producer restarts): the trainer's gathered export
-  (`Runtime.export_weights`: HF names, full tensors) goes into Ray's object store once per version;
-  a small store actor holds the newest reference; producers read it and call the engine's
-  `load_weights`. Only the newest version is kept.
+  (`Runtime.export_weights`: HF names, full tensors) goes into Ray's object store once per version,
+  as byte arrays (`pack`: Ray keeps numpy arrays out of band, one copy into the store and none for
+  pickling; CUDA tensors leave their device in one copy); a small store actor holds the newest
+  reference; producers map the arrays from shared memory, move them to their engine's device
+  (`unpack`) and call the engine's `load_weights`. Only the newest version is kept.
 - `P2PChannel` (in `weights_p2p.py`): the weight-transfer primitive, point to point over a gloo
   group spanning the trainer and the producers.
 """
@@ -14,8 +16,10 @@ from __future__ import annotations
 
 import asyncio
 import time
+import warnings
 from typing import Protocol
 
+import numpy as np
 import ray
 import torch
 
@@ -74,10 +78,10 @@ class ObjectStoreChannel:
 
     def publish(self, version: int, runtime, rank: int = 0) -> None:
         """Every rank of the trainer calls it (the export gathers the shards); rank 0 publishes."""
-        weights = {name: t.detach().cpu().contiguous() for name, t in runtime.export_weights(dtype=torch.float32)}
+        packed = pack(runtime.export_weights(dtype=torch.float32))
         if rank:
             return
-        ref = ray.put(weights)
+        ref = ray.put(packed)
         get(self.store.publish.remote(version, [ref]), self.call_timeout_s, f"publishing weights version {version}")
 
     def refresh(self, engine) -> bool:
@@ -85,8 +89,8 @@ class ObjectStoreChannel:
         version, refs = get(self.store.latest.remote(), self.call_timeout_s, "asking the weight store")
         if version <= engine.version:
             return False
-        weights = get(refs[0], self.call_timeout_s, f"fetching weights version {version}")
-        engine.load_weights(weights.items(), version)
+        packed = get(refs[0], self.call_timeout_s, f"fetching weights version {version}")
+        engine.load_weights(unpack(packed, getattr(engine, "device", "cpu")), version)
         return True
 
     def wait_newer(self, engine, timeout_s: float) -> int:
@@ -98,6 +102,43 @@ class ObjectStoreChannel:
                                   f"(weight_timeout_s): the trainer stalled or died")
         self.refresh(engine)
         return engine.version
+
+
+_ALIGN = 16  # a tensor's bytes in the device-side pack start 16-byte aligned: any dtype's view is legal
+
+
+def pack(items) -> list[tuple[str, str, tuple, np.ndarray]]:
+    """[(name, dtype, shape, its bytes as a uint8 numpy array)]: Ray keeps numpy arrays out of band (one
+    copy into the store, no pickling of tensors) and readers map them from shared memory. CPU tensors
+    are viewed, not copied; CUDA tensors are packed on their device and leave it in one copy."""
+    tensors = [(name, t.detach().contiguous()) for name, t in items]
+    if any(t.device.type != "cpu" for _, t in tensors):
+        spans, size = [], 0
+        for _, t in tensors:
+            spans.append((size, t.numel() * t.element_size()))
+            size += -(-spans[-1][1] // _ALIGN) * _ALIGN
+        flat = torch.empty(size, dtype=torch.uint8, device=tensors[0][1].device)
+        for (_, t), (at, n) in zip(tensors, spans):
+            flat[at:at + n].copy_(t.reshape(-1).view(torch.uint8))
+        host = flat.cpu()
+        views = [host[at:at + n] for at, n in spans]
+    else:
+        views = [t.reshape(-1).view(torch.uint8) for _, t in tensors]
+    return [(name, str(t.dtype).removeprefix("torch."), tuple(t.shape), v.numpy())
+            for (name, t), v in zip(tensors, views)]
+
+
+def unpack(packed, device) -> list[tuple[str, torch.Tensor]]:
+    """`pack`'s tensors on `device` (on the CPU: views of the store's read-only memory, which the
+    engine's load only reads)."""
+    out = []
+    with warnings.catch_warnings():  # torch warns that the store's buffer is read-only; nothing writes it
+        warnings.simplefilter("ignore", UserWarning)
+        for name, dtype, shape, data in packed:
+            dt = getattr(torch, dtype)
+            t = torch.from_numpy(data).to(device).view(dt) if data.size else torch.empty(0, dtype=dt, device=device)
+            out.append((name, t.reshape(shape)))
+    return out
 
 
 def get(ref, timeout_s: float, what: str):
