@@ -65,6 +65,7 @@ SHARDS = {
         "tests/primitives/test_state_sharding.py",
         "tests/runtime/test_rl_gpu.py",
         "tests/runtime/test_pipeline_learning.py",
+        "tests/runtime/test_pipeline_ray_gpus.py",  # Ray actors on 2 GPUs, p2p weights over NCCL
         "tests/e2e/test_verl_gpu.py",
     )),
 }

@@ -4,6 +4,7 @@ producers' and the trainer's idle fractions; a Qwen3 learning to copy digits (ru
     python benchmarks/rl_pipeline/bench.py --gpus 1 --out $OUT   # trainer and producer share cuda:0
     python benchmarks/rl_pipeline/bench.py --gpus 2 --out $OUT   # producer on cuda:0, trainer on cuda:1
     python benchmarks/rl_pipeline/bench.py --mode ray --workload medium --gpus 2 --etas 0 2 --out $OUT
+    python benchmarks/rl_pipeline/bench.py --mode ray --workload medium --gpus 2 --etas 0 2 --weights p2p --out $OUT
     python benchmarks/rl_pipeline/bench.py --cpu-smoke [--mode ray] --out DIR  # the tiny model on the CPU
 
 Modes. `local` (the default): `runtime/pipeline/local.py`, the trainer and the producer as threads
@@ -45,8 +46,9 @@ the local mode; Triton's on-disk kernel cache in both, since each Ray run starts
 Reported per eta: wall seconds and steps to the threshold (None if not reached), median seconds a
 step, the trainer's mean idle fraction, the producers' final (cumulative) idle fraction, mean
 staleness and behave_kl, the reward curve; and the speedup of each eta over eta = 0 in wall time to
-the threshold and per step. Writes <out>/rl_pipeline_<device>_x<gpus>[_ray][_medium].json
-(stamped: commit, versions, device, date).
+the threshold and per step. `--weights p2p` (ray mode; a whole GPU per actor or none) publishes
+through the weight-transfer primitive (NCCL between the actors' GPUs) instead of Ray's object store.
+Writes <out>/rl_pipeline_<device>_x<gpus>[_ray][_medium][_p2p].json (stamped: commit, versions, device, date).
 """
 from __future__ import annotations
 
@@ -106,7 +108,8 @@ def model_config(task: CopyDigits, sizes: dict) -> dict:
 
 def pipeline_config(eta, args, gpus_each: float = 0.0) -> PipelineConfig:
     return PipelineConfig(steps=args.max_steps, eta=eta, groups_per_step=args.groups, group_size=args.group_size,
-                          groups_per_call=args.groups_per_call, lr=args.lr, seed=args.seed,
+                          groups_per_call=args.groups_per_call, lr=args.lr, seed=args.seed, weights=args.weights,
+                          restarts=0 if args.weights == "p2p" else 1,  # p2p's group does not survive a restart
                           impl={"cross_entropy": "linear_ce"}, sampling=Sampling(max_new_tokens=args.digits),
                           objective=Objective(entropy_coef=1e-3), take_timeout_s=300.0, weight_timeout_s=300.0,
                           call_timeout_s=300.0, producer_gpus=gpus_each, trainer_gpus=gpus_each)
@@ -163,6 +166,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gpus", type=int, default=1, choices=(1, 2), help="1: shared; 2: producer and trainer apart")
     ap.add_argument("--mode", default="local", choices=("local", "ray"), help="threads of this process, or Ray actors")
+    ap.add_argument("--weights", default="object_store", choices=("object_store", "p2p"),
+                    help="--mode ray's weight channel: Ray's object store, or the weight-transfer primitive")
     ap.add_argument("--workload", default="small", choices=sorted(WORKLOADS), help="model and run sizes")
     ap.add_argument("--cpu-smoke", action="store_true", help="the tiny model on the CPU, a few steps (any workload)")
     ap.add_argument("--etas", type=int, nargs="+", default=[0, 1, 2])
@@ -179,6 +184,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="folder of the result file (default: results/ beside this script)")
     ap.add_argument("--quiet", action="store_true")
     args = ap.parse_args(argv)
+    if args.weights == "p2p" and (args.mode != "ray" or (args.gpus == 1 and not args.cpu_smoke)):
+        ap.error("--weights p2p needs --mode ray and, on GPUs, --gpus 2 (a whole GPU per actor: two NCCL ranks "
+                 "cannot share one)")
     workload = WORKLOADS[args.workload]
     preset = {**{k: getattr(workload, k) for k in RUN_FIELDS}, **(CPU_SMOKE if args.cpu_smoke else {})}
     for k, v in preset.items():
@@ -223,7 +231,8 @@ def main(argv=None) -> int:
     out = Path(args.out) if args.out else HERE / "results"
     out.mkdir(parents=True, exist_ok=True)
     name = "cpu" if args.cpu_smoke else result["device"].lower().replace("nvidia ", "").replace(" ", "_")
-    suffix = ("_ray" if args.mode == "ray" else "") + ("" if args.workload == "small" else f"_{args.workload}")
+    suffix = ("_ray" if args.mode == "ray" else "") + ("" if args.workload == "small" else f"_{args.workload}") + \
+        ("_p2p" if args.weights == "p2p" else "")
     path = out / f"rl_pipeline_{name}_x{gpus}{suffix}.json"
     path.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {path}")

@@ -195,10 +195,13 @@ class WeightSender(_Endpoint):
         self.ctl.post("pubn", self.rank, self._published)
         self.ctl.forget(f"pub-{self._published - 3}", self.rank)
         if self._thread is None:
-            self._thread = threading.Thread(target=self._serve, daemon=True, name="weight-transfer")
+            device = next(iter(snap.values())).device if snap else torch.device("cpu")
+            self._thread = threading.Thread(target=self._serve, args=(device,), daemon=True, name="weight-transfer")
             self._thread.start()
 
-    def _serve(self):
+    def _serve(self, device=None):
+        if device is not None and device.type == "cuda":  # a new thread's current device is cuda:0
+            torch.cuda.set_device(device)
         leader = self.link.rollout_ranks[0]
         while not self._stop.is_set():
             try:  # woken by the rollout's request

@@ -99,9 +99,12 @@ class PipelineConfig:
         for name in ("producer_gpus", "trainer_gpus", "producer_cpus", "trainer_cpus"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
-        if self.weights == "p2p" and (self.producer_gpus or self.trainer_gpus):
-            raise ValueError("producer_gpus and trainer_gpus must be 0 with weights='p2p' (its group is gloo over "
-                             "CPU tensors); use weights='object_store' for actors on GPUs")
+        whole = [float(g).is_integer() and g >= 1 for g in (self.producer_gpus, self.trainer_gpus)]
+        if self.weights == "p2p" and (self.producer_gpus or self.trainer_gpus) and not all(whole):
+            raise ValueError(f"weights='p2p' on GPUs needs producer_gpus and trainer_gpus both whole GPUs (>= 1 each), "
+                             f"got producer_gpus={self.producer_gpus!r}, trainer_gpus={self.trainer_gpus!r}: its NCCL "
+                             f"ranks cannot share a GPU (a fraction) nor mix with CPU ranks; set both to 0 (gloo) "
+                             f"or use weights='object_store'")
         if not (isinstance(self.eta, int) and self.eta >= 0):
             raise ValueError(f"eta must be an int >= 0, got {self.eta!r}")
         for name in ("take_timeout_s", "weight_timeout_s", "call_timeout_s", "lr"):

@@ -55,7 +55,8 @@ class Pipeline:
             address = get(self.trainer.address.remote(), cfg.call_timeout_s, "the trainer's address")
             self.channel = P2PChannel(cfg.producers, address, cfg.weight_timeout_s, trainers=cfg.trainer_ranks,
                                       trainer_timeout_s=cfg.trainer_timeout_s,
-                                      expert_parallel=cfg.expert_parallel)
+                                      expert_parallel=cfg.expert_parallel,
+                                      device_type="cuda" if cfg.trainer_gpus else "cpu")  # the config: both or neither
         address = None
         if cfg.trainer_ranks > 1 and cfg.weights != "p2p":  # the trainer's ranks' own group, at rank 0's address
             address = get(self.trainer.address.remote(), cfg.call_timeout_s, "the trainer's address")

@@ -9,8 +9,8 @@
   pickling; CUDA tensors leave their device in one copy); a small store actor holds the newest
   reference; producers map the arrays from shared memory, move them to their engine's device
   (`unpack`) and call the engine's `load_weights`. Only the newest version is kept.
-- `P2PChannel` (in `weights_p2p.py`): the weight-transfer primitive, point to point over a gloo
-  group spanning the trainer and the producers.
+- `P2PChannel` (in `weights_p2p.py`): the weight-transfer primitive, point to point over one
+  group spanning the trainer and the producers (gloo; NCCL for the shards of actors on GPUs).
 """
 from __future__ import annotations
 

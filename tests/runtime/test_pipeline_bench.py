@@ -1,6 +1,7 @@
 """The RL pipeline benchmark's CPU smoke: the tiny model, a few steps at eta = 0, 1, 2 in the local
-mode (and at eta = 0, 2 on Ray, actors in processes of their own), a stamped result file with every
-row's timings, idle fractions and reward curve, named after the mode."""
+mode (and at eta = 0, 2 on Ray, actors in processes of their own, weights through the transfer
+primitive), a stamped result file with every row's timings, idle fractions and reward curve, named
+after the mode and the weight channel."""
 import json
 import subprocess
 import sys
@@ -19,7 +20,8 @@ def _smoke(tmp_path, *flags) -> dict:
                            "--quiet", "--out", str(tmp_path), *flags], cwd=tmp_path, capture_output=True, text=True,
                           timeout=SUBPROCESS_TIMEOUT_S)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    assert [p.name for p in tmp_path.glob("*.json")] == [f"rl_pipeline_cpu_x0{'_ray' if 'ray' in flags else ''}.json"]
+    suffix = ("_ray" if "ray" in flags else "") + ("_p2p" if "p2p" in flags else "")
+    assert [p.name for p in tmp_path.glob("*.json")] == [f"rl_pipeline_cpu_x0{suffix}.json"]
     result = json.loads(next(tmp_path.glob("*.json")).read_text())
     assert {"commit", "dirty", "torch", "device", "date"} <= set(result) and result["device"] == "cpu"
     rows = {r["eta"]: r for r in result["rows"]}
@@ -35,9 +37,20 @@ def _smoke(tmp_path, *flags) -> dict:
 def test_rl_pipeline_bench_smoke_writes_a_stamped_result(tmp_path):
     result = _smoke(tmp_path)
     assert result["mode"] == "local (threads)" and sorted(r["eta"] for r in result["rows"]) == [0, 1, 2]
+    assert result["config"]["weights"] == "object_store"
 
 
 def test_rl_pipeline_bench_smoke_on_ray(tmp_path):
     pytest.importorskip("ray", reason="the RL pipeline needs Ray: pip install -e '.[rl]'")
-    result = _smoke(tmp_path, "--mode", "ray", "--etas", "0", "2")
+    result = _smoke(tmp_path, "--mode", "ray", "--etas", "0", "2", "--weights", "p2p")
     assert result["mode"].startswith("ray") and sorted(r["eta"] for r in result["rows"]) == [0, 2]
+    assert result["config"]["weights"] == "p2p"
+
+
+@pytest.mark.parametrize("flags", [[], ["--mode", "ray", "--gpus", "1"]])
+def test_rl_pipeline_bench_refuses_p2p_weights_without_ray_or_with_a_shared_gpu(tmp_path, flags):
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "rl_pipeline" / "bench.py"), "--weights", "p2p",
+                           "--out", str(tmp_path), *flags], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=SUBPROCESS_TIMEOUT_S)
+    assert proc.returncode == 2 and "--weights p2p needs --mode ray" in proc.stderr, proc.stderr[-2000:]
+    assert not list(tmp_path.glob("*.json"))

@@ -252,13 +252,18 @@ def test_launch_config_is_typed_and_refuses_unknown_keys(tmp_path):
                                       (dict(expert_parallel=0), "expert_parallel must be an int > 0"),
                                       (dict(producer_gpus=-1), "producer_gpus must be >= 0"),
                                       (dict(trainer_gpus=-0.5), "trainer_gpus must be >= 0"),
-                                      (dict(weights="p2p", restarts=0, trainer_gpus=1), "must be 0 with weights='p2p'")])
+                                      (dict(weights="p2p", restarts=0, trainer_gpus=1), "both whole GPUs"),
+                                      (dict(weights="p2p", restarts=0, producer_gpus=0.5, trainer_gpus=0.5),
+                                       r"producer_gpus=0\.5, trainer_gpus=0\.5"),
+                                      (dict(weights="p2p", restarts=0, producer_gpus=1.5, trainer_gpus=1),
+                                       "cannot share a GPU")])
 def test_parallel_and_device_options_are_checked(kw, named):
     from bumblebee.runtime.pipeline import PipelineConfig
     with pytest.raises(ValueError, match=named):
         PipelineConfig(steps=1, **kw)
     PipelineConfig(steps=1, weights="p2p", restarts=0, trainer_ranks=2)  # several trainer ranks over p2p
     PipelineConfig(steps=1, weights="p2p", restarts=0, trainer_ranks=4, expert_parallel=2)  # and with EP
+    PipelineConfig(steps=1, weights="p2p", restarts=0, producer_gpus=1, trainer_gpus=1.0)  # NCCL: a GPU each
 
 
 def test_the_local_mode_refuses_ray_s_gpu_options():
