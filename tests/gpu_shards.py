@@ -66,6 +66,7 @@ SHARDS = {
         "tests/runtime/test_rl_gpu.py",
         "tests/runtime/test_pipeline_learning.py",
         "tests/runtime/test_pipeline_ray_gpus.py",  # Ray actors on 2 GPUs, p2p weights over NCCL
+        "tests/runtime/test_pipeline_weights_pack.py",  # the object-store channel's pack of CUDA tensors
         "tests/e2e/test_verl_gpu.py",
     )),
 }

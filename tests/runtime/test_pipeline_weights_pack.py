@@ -44,3 +44,12 @@ def test_pack_views_cpu_tensors_and_round_trips_through_the_object_store():
         _same(unpack(got, "cpu"), items)
     finally:
         ray.shutdown()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_pack_of_cuda_tensors_round_trips_onto_the_device():
+    items = [(n, t.cuda()) for n, t in _tensors()]
+    got = unpack(pack(items), "cuda")
+    assert all(t.is_cuda for _, t in got)
+    _same(got, items)
