@@ -2,8 +2,7 @@
 process, sharing one `Admission` behind a condition variable; weights go from the trainer to the
 producers as tensors in memory. Same admission, rollout, GRPO step and report as the Ray pipeline.
 
-It exists for machines where Ray is not installed (the lent GPU machine: Ray's 79 MB wheel is over
-what a run can carry) and for quick runs: no actor start-up. Threads share the GIL, so overlap comes
+It exists for machines where Ray is not installed and for quick runs: no actor start-up. Threads share the GIL, so overlap comes
 from GPU work and from the GIL released in torch ops; a CPU run of it measures little. Producers and
 the trainer may sit on different devices (`trainer_device`, `producer_devices`: one GPU shared, or
 producers on one and the trainer on another); each thread sets its own current CUDA device (a
