@@ -43,8 +43,9 @@ run's first step still holds its fresh processes' first CUDA calls: `first_step_
 `speedup_after_first_step_vs_eta0` leaves it out of both times). On GPUs one
 untimed warm-up run of two steps goes first (CUDA context, kernels' first calls, the allocator in
 the local mode; Triton's on-disk kernel cache in both, since each Ray run starts fresh processes).
-Reported per eta: wall seconds and steps to the threshold (None if not reached), median seconds a
-step, the trainer's mean idle fraction, the producers' final (cumulative) idle fraction, mean
+With `--seeds`, every seed runs every eta (a seed's etas back to back) and `summary` gives per eta
+the median and range over seeds. Reported per eta and seed: wall seconds and steps to the threshold
+(None if not reached), median seconds a step, the trainer's mean idle fraction, the producers' final (cumulative) idle fraction, mean
 staleness and behave_kl, the reward curve; and the speedup of each eta over eta = 0 in wall time to
 the threshold and per step. `--weights p2p` (ray mode; a whole GPU per actor or none) publishes
 through the weight-transfer primitive (NCCL between the actors' GPUs) instead of Ray's object store.
@@ -162,6 +163,21 @@ def run_eta(eta, args, task, model, devices, quiet) -> dict:
             "reward": [round(m["reward"], 4) for m in log]}
 
 
+def summarize(rows) -> list[dict]:
+    """Per eta over the seeds: how many reached the threshold, the median and range of the wall time to
+    it, and of each seed's speed-up over its own eta = 0 run (in full, and without the first steps)."""
+    out = []
+    for eta in sorted({r["eta"] for r in rows}):
+        mine = [r for r in rows if r["eta"] == eta]
+        row = {"eta": eta, "seeds": len(mine), "reached": sum(r["reached"] for r in mine)}
+        for field in ("wall_s_to_threshold", "speedup_to_threshold_vs_eta0", "speedup_after_first_step_vs_eta0",
+                      "speedup_per_step_vs_eta0"):
+            got = [r[field] for r in mine if r[field] is not None]
+            row[field] = {"median": statistics.median(got), "min": min(got), "max": max(got)} if got else None
+        out.append(row)
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gpus", type=int, default=1, choices=(1, 2), help="1: shared; 2: producer and trainer apart")
@@ -181,6 +197,7 @@ def main(argv=None) -> int:
     ap.add_argument("--digits", type=int)
     ap.add_argument("--lr", type=float)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seeds", type=int, nargs="+", help="several seeds (overrides --seed): per-eta medians and spread")
     ap.add_argument("--out", default=None, help="folder of the result file (default: results/ beside this script)")
     ap.add_argument("--quiet", action="store_true")
     args = ap.parse_args(argv)
@@ -205,14 +222,16 @@ def main(argv=None) -> int:
     if not args.cpu_smoke:  # CUDA context, kernels' first calls, allocator; Triton's kernel cache
         run_eta(1, argparse.Namespace(**{**vars(args), "max_steps": 2}), task, model, devices, quiet=True)
     rows = []
-    for eta in args.etas:
-        watch = Stopwatch()  # the whole run, set-up included; the rows' own times come from the pipeline's log
-        row = run_eta(eta, args, task, model, devices, args.quiet)
-        row["run_s"] = watch.seconds()
-        rows.append(row)
-        print(json.dumps({k: v for k, v in row.items() if k != "reward"}), flush=True)
-    base = next((r for r in rows if r["eta"] == 0), None)
+    for seed in args.seeds or [args.seed]:  # a seed's etas back to back: drift weighs on them alike
+        for eta in args.etas:
+            watch = Stopwatch()  # the whole run, set-up included; the rows' own times come from the pipeline's log
+            row = {"seed": seed, **run_eta(eta, argparse.Namespace(**{**vars(args), "seed": seed}), task, model,
+                                           devices, args.quiet)}
+            row["run_s"] = watch.seconds()
+            rows.append(row)
+            print(json.dumps({k: v for k, v in row.items() if k != "reward"}), flush=True)
     for r in rows:
+        base = next((b for b in rows if b["eta"] == 0 and b["seed"] == r["seed"]), None)
         ok = base is not None and base["reached"] and r["reached"]
         r["speedup_to_threshold_vs_eta0"] = base["wall_s_to_threshold"] / r["wall_s_to_threshold"] if ok else None
         # the same without each run's first step (a Ray run's fresh processes' cold start, alike for every eta)
@@ -227,7 +246,8 @@ def main(argv=None) -> int:
               "mode": {"local": "local (threads)", "ray": "ray (actors, a process each)"}[args.mode],
               "workload": args.workload, "gpus": gpus, "devices": devices, "model": model,
               "task": {"name": "copy_digits", "length": args.digits},
-              "config": {k: v for k, v in vars(args).items() if k not in ("out", "quiet")}, "rows": rows}
+              "config": {k: v for k, v in vars(args).items() if k not in ("out", "quiet")}, "rows": rows,
+              "summary": summarize(rows)}
     out = Path(args.out) if args.out else HERE / "results"
     out.mkdir(parents=True, exist_ok=True)
     name = "cpu" if args.cpu_smoke else result["device"].lower().replace("nvidia ", "").replace(" ", "_")
@@ -236,8 +256,10 @@ def main(argv=None) -> int:
     path = out / f"rl_pipeline_{name}_x{gpus}{suffix}.json"
     path.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {path}")
+    for r in result["summary"]:
+        print(json.dumps(r))
     for r in rows:
-        print(f"eta {r['eta']}: to threshold {r['wall_s_to_threshold']} s in {r['steps_to_threshold']} steps, "
+        print(f"seed {r['seed']} eta {r['eta']}: to threshold {r['wall_s_to_threshold']} s in {r['steps_to_threshold']} steps, "
               f"{r['s_per_step_median'] or float('nan'):.3f} s/step, idle trainer {r['trainer_idle_mean']:.2f} producers "
               f"{r['producer_idle_final']:.2f}, speedup {r['speedup_to_threshold_vs_eta0']}")
     return 0

@@ -1,7 +1,7 @@
 """The RL pipeline benchmark's CPU smoke: the tiny model, a few steps at eta = 0, 1, 2 in the local
-mode (and at eta = 0, 2 on Ray, actors in processes of their own, weights through the transfer
-primitive), a stamped result file with every row's timings, idle fractions and reward curve, named
-after the mode and the weight channel."""
+mode over two seeds (per-eta summaries over them), and at eta = 0, 2 on Ray (actors in processes of
+their own, weights through the transfer primitive); a stamped result file with every row's timings,
+idle fractions and reward curve, named after the mode and the weight channel."""
 import json
 import subprocess
 import sys
@@ -24,19 +24,26 @@ def _smoke(tmp_path, *flags) -> dict:
     assert [p.name for p in tmp_path.glob("*.json")] == [f"rl_pipeline_cpu_x0{suffix}.json"]
     result = json.loads(next(tmp_path.glob("*.json")).read_text())
     assert {"commit", "dirty", "torch", "device", "date"} <= set(result) and result["device"] == "cpu"
-    rows = {r["eta"]: r for r in result["rows"]}
-    for eta, r in rows.items():
+    for r in result["rows"]:
         assert r["steps"] == len(r["reward"]) == 4 and r["s_per_step_median"] > 0
         assert 0 <= r["trainer_idle_mean"] <= 1 and 0 <= r["producer_idle_final"] <= 1
-        assert r["staleness_mean"] <= eta
-    # synchronous: on-policy, the sampler's log-probs the trainer's up to rounding
-    assert rows[0]["staleness_mean"] == 0 and abs(rows[0]["behave_kl_mean"]) <= 8 * torch.finfo(torch.float32).eps
+        assert r["staleness_mean"] <= r["eta"]
+        if r["eta"] == 0:  # synchronous: on-policy, the sampler's log-probs the trainer's up to rounding
+            assert r["staleness_mean"] == 0 and abs(r["behave_kl_mean"]) <= 8 * torch.finfo(torch.float32).eps
+    for summary in result["summary"]:  # per eta over the seeds
+        mine = [r for r in result["rows"] if r["eta"] == summary["eta"]]
+        assert summary["seeds"] == len(mine) and summary["reached"] == sum(r["reached"] for r in mine)
+        per_step = [r["speedup_per_step_vs_eta0"] for r in mine]
+        assert summary["speedup_per_step_vs_eta0"]["min"] == min(per_step)
+        assert summary["speedup_per_step_vs_eta0"]["max"] == max(per_step)
     return result
 
 
 def test_rl_pipeline_bench_smoke_writes_a_stamped_result(tmp_path):
-    result = _smoke(tmp_path)
-    assert result["mode"] == "local (threads)" and sorted(r["eta"] for r in result["rows"]) == [0, 1, 2]
+    result = _smoke(tmp_path, "--seeds", "0", "1")
+    assert result["mode"] == "local (threads)"
+    assert sorted((r["seed"], r["eta"]) for r in result["rows"]) == [(s, e) for s in (0, 1) for e in (0, 1, 2)]
+    assert [r["eta"] for r in result["summary"]] == [0, 1, 2] and result["summary"][0]["seeds"] == 2
     assert result["config"]["weights"] == "object_store"
 
 
