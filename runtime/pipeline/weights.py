@@ -104,26 +104,14 @@ class ObjectStoreChannel:
         return engine.version
 
 
-_ALIGN = 16  # a tensor's bytes in the device-side pack start 16-byte aligned: any dtype's view is legal
-
-
 def pack(items) -> list[tuple[str, str, tuple, np.ndarray]]:
     """[(name, dtype, shape, its bytes as a uint8 numpy array)]: Ray keeps numpy arrays out of band (one
     copy into the store, no pickling of tensors) and readers map them from shared memory. CPU tensors
-    are viewed, not copied; CUDA tensors are packed on their device and leave it in one copy."""
+    are viewed, not copied; CUDA tensors are concatenated on their device and leave it in one copy."""
     tensors = [(name, t.detach().contiguous()) for name, t in items]
-    if any(t.device.type != "cpu" for _, t in tensors):
-        spans, size = [], 0
-        for _, t in tensors:
-            spans.append((size, t.numel() * t.element_size()))
-            size += -(-spans[-1][1] // _ALIGN) * _ALIGN
-        flat = torch.empty(size, dtype=torch.uint8, device=tensors[0][1].device)
-        for (_, t), (at, n) in zip(tensors, spans):
-            flat[at:at + n].copy_(t.reshape(-1).view(torch.uint8))
-        host = flat.cpu()
-        views = [host[at:at + n] for at, n in spans]
-    else:
-        views = [t.reshape(-1).view(torch.uint8) for _, t in tensors]
+    views = [t.reshape(-1).view(torch.uint8) for _, t in tensors]
+    if any(v.device.type != "cpu" for v in views):
+        views = torch.cat(views).cpu().split([v.numel() for v in views])
     return [(name, str(t.dtype).removeprefix("torch."), tuple(t.shape), v.numpy())
             for (name, t), v in zip(tensors, views)]
 
