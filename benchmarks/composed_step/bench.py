@@ -29,6 +29,13 @@ is part of the step and of the count.
 
 Writes DIR/composed_step.json (rows so far, rewritten after each length); with --profile-len S, also
 the top kernels of one profiled step at S (rank 0's view; the profile does not enter the timings).
+
+`--cp N` (context parallelism, `primitives/context_parallel`): each sequence of `seq_len` tokens is
+sharded over N ranks (its layers' cp forms, `--cp-exchange`), dp = world / N sequences a step, dense
+state sharded over all ranks, experts over EP ranks adjacent inside a cp group; tokens/s counts dp x
+seq_len. `seq_len` is then the whole sequence's length. Before each length the file records it as
+`unfinished_seq_len` and clears it after its row: a run that dies there (out of memory) leaves the
+length it could not train, which brackets the longest fit with the last row.
 """
 from __future__ import annotations
 
@@ -74,9 +81,19 @@ def forward_flops_per_token(model, hf: dict, seq_len: int) -> dict:
     return {"matmul_weights": weights, "total": 2 * weights + attn + delta, "attention": attn, "deltanet": delta}
 
 
-def measure(state, seq_len, args, device, rank, world) -> dict:
-    """Median step time and memory at one length; every rank runs the same steps and collectives."""
-    g = torch.Generator(device=device).manual_seed(100 + rank)
+def step_loss(model, cp_group, depths: int):
+    """ids [1, seq_len] -> the step's loss: the model's own, or under cp this rank's share of it
+    (scaled for FSDP2's mean over the ranks, `cp_model.loss(..., grads="mean")`)."""
+    if cp_group is None:
+        return lambda ids: model(ids, labels=ids).loss
+    from bumblebee.primitives.context_parallel import layout, model as cp_model
+    return lambda ids: cp_model.loss(model, layout.shard_batch(ids, None, cp_group, mtp_depths=depths), grads="mean")
+
+
+def measure(state, seq_len, args, device, rank, world, loss_of, seed_rank) -> dict:
+    """Median step time and memory at one length; every rank runs the same steps and collectives.
+    seed_rank: the rank's batch stream (a cp group's ranks share one sequence)."""
+    g = torch.Generator(device=device).manual_seed(100 + seed_rank)
     batches = [torch.randint(0, state.model.config.vocab_size, (1, seq_len), device=device, generator=g)
                for _ in range(2)]
     if device.type == "cuda":
@@ -90,7 +107,7 @@ def measure(state, seq_len, args, device, rank, world) -> dict:
         sync(device)
 
     def step():  # one training step, timed on the host clock up to the device's end
-        out = state.model(last["ids"], labels=last["ids"]).loss
+        out = loss_of(last["ids"])
         out.backward()
         last["ok"], last["norm"], _ = state.step()
         sync(device)
@@ -114,16 +131,16 @@ def measure(state, seq_len, args, device, rank, world) -> dict:
             "step_times_ms": [round(t, 2) for t in times]}
 
 
-def profile_step(state, seq_len, device, rank, n=30) -> dict:
+def profile_step(state, seq_len, device, loss_of, seed_rank, n=30) -> dict:
     """One profiled step (after the timed ones): the n kernels with the most device time on this rank,
     [name, ms, calls], and the total; every rank runs it (collectives inside)."""
     from torch.profiler import ProfilerActivity, profile
-    g = torch.Generator(device=device).manual_seed(200 + rank)
+    g = torch.Generator(device=device).manual_seed(200 + seed_rank)
     ids = torch.randint(0, state.model.config.vocab_size, (1, seq_len), device=device, generator=g)
     cuda = device.type == "cuda"  # the CPU smoke ranks host ops by their CPU time instead
     dist.barrier()
     with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
-        state.model(ids, labels=ids).loss.backward()
+        loss_of(ids).backward()
         state.step()
         sync(device)
     state.zero_grad()
@@ -134,11 +151,17 @@ def profile_step(state, seq_len, device, rank, n=30) -> dict:
             "top": [[k[:100], round(ms, 2), c] for k, ms, c in rows[:n]]}
 
 
+def report_name(cp: int) -> str:
+    return "composed_step.json" if cp == 1 else f"composed_step_cp{cp}.json"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--seq-lens", default="32768,65536,131072,196608")
     ap.add_argument("--ep", type=int, default=0, help="expert parallel size (default: the world size)")
+    ap.add_argument("--cp", type=int, default=1, help="context parallel size (a sequence over this many ranks)")
+    ap.add_argument("--cp-exchange", default="allgather", help="attention's cp exchange: allgather or ring")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
@@ -162,9 +185,18 @@ def main() -> None:
     ep = args.ep or world
     if world % ep:
         raise ValueError(f"--ep {ep} must divide the world size {world}")
+    if args.cp < 1 or world % args.cp:
+        raise ValueError(f"--cp {args.cp} must be a positive divisor of the world size {world}")
     from torch.distributed.device_mesh import init_device_mesh
-    mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp",))
-    ep_mesh = init_device_mesh(device.type, (world // ep, ep), mesh_dim_names=("efsdp", "ep"))
+    from bumblebee.primitives.context_parallel import model as cp_model
+    if args.cp > 1:  # (dp, cp): dense state over every rank, experts over ep ranks inside a cp group first
+        cp_mesh = cp_model.mesh(device.type, world // args.cp, args.cp, timeout=wait)
+        mesh, ep_mesh = cp_model.data_mesh(cp_mesh), cp_model.expert_mesh(cp_mesh, ep, over="cp", timeout=wait)
+        cp_group, seed_rank = cp_mesh["cp"].get_group(), cp_mesh.get_local_rank("dp")
+    else:
+        mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp",))
+        ep_mesh = init_device_mesh(device.type, (world // ep, ep), mesh_dim_names=("efsdp", "ep"))
+        cp_group, seed_rank = None, rank
     rate = matmul_tflops(device=device) if device.type == "cuda" else None
 
     from bumblebee import registry
@@ -174,10 +206,14 @@ def main() -> None:
     flops = {s: forward_flops_per_token(model, hf, s) for s in lens}
     shard_experts(model, ep_mesh["ep"].get_group())
     model.set_recompute(True)
+    if cp_group is not None:
+        cp_model.apply(model, cp_group, cp_model.ContextParallel(exchange=args.cp_exchange))
+    loss_of = step_loss(model, cp_group, len(model.mtp.layers) if hasattr(model, "mtp") else 0)
     state = registry.resolve("state_sharding", "fsdp2")(model, mesh, lr=1e-4, weight_decay=0.1, grad_clip=1.0,
                                                          mixed_precision=mixed, ep_mesh=ep_mesh)
     report = {
-        **stamp(device), "slot": "composed_step", "world_size": world, "ep": ep,
+        **stamp(device), "slot": "composed_step", "world_size": world, "ep": ep, "cp": args.cp,
+        "cp_exchange": args.cp_exchange if args.cp > 1 else None,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (smoke run)",
         "model": name, "layers": args.layers, "layer_types": list(model.config.layer_types), "params": n_params,
         "impl": {**impl, "state_sharding": "fsdp2", "recompute": "full", "mixed_precision": mixed,
@@ -189,24 +225,30 @@ def main() -> None:
         "rows": [],
     }
     out = Path(args.out)
+
+    def write():
+        if rank == 0 and not args.cpu_smoke:
+            out.mkdir(parents=True, exist_ok=True)
+            (out / report_name(args.cp)).write_text(json.dumps(report, indent=1))
     for s in lens:
-        row = measure(state, s, args, device, rank, world)
+        report["unfinished_seq_len"] = s
+        write()
+        row = measure(state, s, args, device, rank, world, loss_of, seed_rank)
         f = flops[s]
-        row["tokens_per_s"] = world * s / (row["median_ms"] / 1e3)
+        row["tokens_per_s"] = world // args.cp * s / (row["median_ms"] / 1e3)
         row["forward_gflop_per_token"] = f["total"] / 1e9
-        row["model_tflops_per_gpu"] = 3 * f["total"] * s / (row["median_ms"] / 1e3) / 1e12
-        row["executed_tflops_per_gpu"] = 4 * f["total"] * s / (row["median_ms"] / 1e3) / 1e12
+        row["model_tflops_per_gpu"] = 3 * f["total"] * s / args.cp / (row["median_ms"] / 1e3) / 1e12
+        row["executed_tflops_per_gpu"] = 4 * f["total"] * s / args.cp / (row["median_ms"] / 1e3) / 1e12
         row["attention_share_of_flops"] = f["attention"] / f["total"]
         report["rows"].append(row)
         if s == args.profile_len:
-            report["profile"] = profile_step(state, s, device, rank)
+            report["profile"] = profile_step(state, s, device, loss_of, seed_rank)
             if rank == 0:
                 print(json.dumps({"profile_top": report["profile"]["top"][:5]}), flush=True)
+        report["unfinished_seq_len"] = None
+        write()
         if rank == 0:
             print(json.dumps(row), flush=True)
-            if not args.cpu_smoke:
-                out.mkdir(parents=True, exist_ok=True)
-                (out / "composed_step.json").write_text(json.dumps(report, indent=1))
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()

@@ -1,10 +1,13 @@
 """Benchmarks whose full runs need GPUs still run end to end on the CPU (their smoke modes), so a change
 to a shared helper (timing.py, a sibling benchmark) cannot break them unseen."""
 import json
+import math
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from tests.limits import SUBPROCESS_TIMEOUT_S
 
@@ -24,6 +27,16 @@ def test_composed_step_smoke_trains_on_two_gloo_ranks(tmp_path):
                 str(BENCH / "composed_step" / "bench.py"), "--cpu-smoke", "--out", str(tmp_path)], tmp_path)
     rows = [json.loads(line) for line in out.splitlines() if line.startswith('{"seq_len"')]
     assert rows and all(r["last_step_ok"] and r["median_ms"] > 0 and len(r["step_times_ms"]) > 0 for r in rows)
+
+
+def test_composed_step_smoke_trains_one_sequence_over_two_cp_ranks(tmp_path):
+    out = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                str(BENCH / "composed_step" / "bench.py"), "--cpu-smoke", "--cp", "2", "--warmup", "1", "--steps", "1",
+                "--out", str(tmp_path)], tmp_path)
+    rows = [json.loads(line) for line in out.splitlines() if line.startswith('{"seq_len"')]
+    assert rows and all(r["last_step_ok"] and math.isfinite(r["last_loss"]) for r in rows)
+    # one sequence a step over both ranks: the tokens of one sequence, not of two
+    assert all(r["tokens_per_s"] == pytest.approx(r["seq_len"] / (r["median_ms"] / 1e3)) for r in rows)
 
 
 def test_linear_attention_smoke_writes_its_results(tmp_path):
