@@ -35,7 +35,8 @@ sharded over N ranks (its layers' cp forms, `--cp-exchange`), dp = world / N seq
 state sharded over all ranks, experts over EP ranks adjacent inside a cp group; tokens/s counts dp x
 seq_len. `seq_len` is then the whole sequence's length. Before each length the file records it as
 `unfinished_seq_len` and clears it after its row: a run that dies there (out of memory) leaves the
-length it could not train, which brackets the longest fit with the last row.
+length it could not train, which brackets the longest fit with the last row (rank 0's own
+out-of-memory error is recorded as `did_not_fit`; the log says which rank ran out).
 """
 from __future__ import annotations
 
@@ -233,7 +234,12 @@ def main() -> None:
     for s in lens:
         report["unfinished_seq_len"] = s
         write()
-        row = measure(state, s, args, device, rank, world, loss_of, seed_rank)
+        try:
+            row = measure(state, s, args, device, rank, world, loss_of, seed_rank)
+        except torch.OutOfMemoryError as e:  # rank 0's own: recorded; another rank's ends the run unrecorded
+            report["did_not_fit"] = {"seq_len": s, "rank": rank, "error": str(e)[:400]}
+            write()
+            raise
         f = flops[s]
         row["tokens_per_s"] = world // args.cp * s / (row["median_ms"] / 1e3)
         row["forward_gflop_per_token"] = f["total"] / 1e9
