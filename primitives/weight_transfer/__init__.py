@@ -35,6 +35,8 @@ class P2PTransfer:
                        "sender.publish snapshots and returns, the rollout polls for the newest version")
     budget_bytes: int = option(256 << 20, "the most bytes one rank sends plus receives in one round "
                                "(transient buffers; the transactional staging is apart)")
+    send_buffers: int = option(2, "round buffers a sender packs into, in turn: 2 packs round r + 1 while round r "
+                               "is on the wire (one more budget of sender memory); 1 packs and sends in turn")
     timeout_s: float = option(60.0, "how long any rank waits for a peer's bytes or vote before raising")
     transactional: bool = option(True, "stage the whole update and commit it after a unanimous vote "
                                  "(costs the receiver's update bytes); False writes each round as it lands")
@@ -46,6 +48,8 @@ class P2PTransfer:
     def __post_init__(self):
         check_choice(self, "mode", ("sync", "async"))
         check_int(self, "budget_bytes", 16)
+        if isinstance(self.send_buffers, bool) or self.send_buffers not in (1, 2):
+            raise ValueError(f"P2PTransfer.send_buffers must be 1 or 2; got {self.send_buffers!r}")
         check_bool(self, "transactional")
         check_bool(self, "verify")
         for name in ("timeout_s", "poll_s"):

@@ -89,7 +89,8 @@ class _Endpoint:
         self.stats.update(bytes_sent=self.plan.bytes_sent().get(self.rank, 0),
                           bytes_received=self.plan.bytes_received().get(self.rank, 0))
         self.mover = Mover(self.plan, self.rank, self.link.group, transactional=self.config.transactional,
-                           device=self._device(), keep_programs=3 if self.config.mode == "async" else 1)
+                           device=self._device(), keep_programs=3 if self.config.mode == "async" else 1,
+                           send_buffers=self.config.send_buffers)
 
     def _transfer(self, version, sent, wait_s):
         """One update (number self.n): setup on the first, then prepare, move, vote, commit, each a

@@ -128,7 +128,8 @@ def agree(ctl: Control, key: str, rank: int, error: str | None, timeout_s=None, 
 class Mover:
     """This rank's side of a plan: message layouts, persistent buffers, the rounds."""
 
-    def __init__(self, plan, rank: int, group, *, transactional: bool, device, keep_programs: int = 1):
+    def __init__(self, plan, rank: int, group, *, transactional: bool, device, keep_programs: int = 1,
+                 send_buffers: int = 1):
         self.plan, self.rank, self.group = plan, rank, group
         self.transactional = transactional
         self.msgs = plan.messages(rank)
@@ -152,7 +153,11 @@ class Mover:
                 self.offset[key] = total if transactional else recv_round.get(r, 0)
                 recv_round[r] = recv_round.get(r, 0) + n
                 total += n
-        self.send_buf = torch.empty(max(send_round.values(), default=0), dtype=torch.uint8, device=device)
+        # round r packs into buffer r % send_buffers: with two, round r + 1's pack needs only round r - 1
+        # done (the buffer's previous bytes on the wire), so it runs while round r is on the wire
+        size = max(send_round.values(), default=0)
+        self.send_bufs = [torch.empty(size, dtype=torch.uint8, device=device)
+                          for _ in range(send_buffers if size and plan.rounds > 1 else 1)]
         self.recv_buf = torch.empty(total if transactional else max(recv_round.values(), default=0),
                                     dtype=torch.uint8, device=device)
         self.staged_bytes = self.recv_buf.numel() if transactional else 0
@@ -164,8 +169,12 @@ class Mover:
         n = sum(e.nbytes for e in self.msgs[key])
         return buf[self.offset[key]:self.offset[key] + n]
 
+    def send_buf(self, key):
+        """The send slice of message `key` (its round's buffer)."""
+        return self._slice(self.send_bufs[key[0] % len(self.send_bufs)], key)
+
     def _pack_pairs(self, key, read):
-        out, at, pairs = self._slice(self.send_buf, key), 0, []
+        out, at, pairs = self.send_buf(key), 0, []
         for e in self.msgs[key]:
             src = read(e)  # the shards are in the wire dtype: their bytes go as they are
             pairs.append((out[at:at + e.nbytes].view(src.dtype).view(src.shape), src))
@@ -177,7 +186,7 @@ class Mover:
         `ident` (the sources' `copies.identity`) the message's copy program is cached under it."""
         make = lambda: copies.build(self._pack_pairs(key, read))  # noqa: E731
         (make() if ident is None else self.programs.get(ident, ("pack", key), make)).run()
-        return self._slice(self.send_buf, key)
+        return self.send_buf(key)
 
     def _unpack_pairs(self, keys, targets):
         pairs = []
@@ -216,12 +225,28 @@ class Mover:
         # round meanwhile); without one it only orders the streams. This rank's last timed wait still
         # bounds its whole update (one stream: it completes after every earlier round). gloo's wait
         # always blocks, so there every round carries the timeout (a dead peer raises in time).
-        stream_ordered = self.send_buf.device.type == "cuda"
+        stream_ordered = self.send_bufs[0].device.type == "cuda"
         last = max((k[0] for k in self.msgs), default=-1)  # this rank's last round with messages
         src_ident = _ident_of(read)
-        dst_ident = _targets_ident(targets) if not self.transactional and targets is not None else None
+        unpacking = not self.transactional and targets is not None
+        dst_ident = _targets_ident(targets) if unpacking else None
+        pending, waiting = {}, [None]  # round -> its works not waited for yet; the round being waited for
+
+        def settle(upto):  # wait, in round order, for every pending round <= upto
+            for q in sorted(k for k in pending if k <= upto):
+                waiting[0], timed = q, not stream_ordered or q == last
+                for w in pending.pop(q):
+                    w.wait(timeout=timeout) if timed else w.wait()
+                waiting[0] = None
+
         for r in range(self.plan.rounds):
             ops, keys = [], [k for k in sorted(self.msgs) if k[0] == r]
+            try:
+                settle(r - len(self.send_bufs))  # the round that used this round's send buffer
+            except Exception as e:  # a dead or stuck peer: the group cannot be trusted any more
+                errors.append(f"round {waiting[0]}: {type(e).__name__}: {e}")
+                self.peer_failed = True
+                return errors
             for key in keys:
                 _, src, dst = key
                 if src == self.rank:
@@ -229,25 +254,33 @@ class Mover:
                         buf = self.pack(key, read, src_ident)
                     except Exception as e:  # still send: the receiver is waiting for these bytes
                         errors.append(f"packing {key}: {type(e).__name__}: {e}")
-                        buf = self._slice(self.send_buf, key)
+                        buf = self.send_buf(key)
                     ops.append(dist.P2POp(dist.isend, buf, dst, self.group))
                 else:
                     ops.append(dist.P2POp(dist.irecv, self._slice(self.recv_buf, key), src, self.group))
+            mine = [k for k in keys if k[2] == self.rank]
             try:
-                timed = not stream_ordered or r == last
-                for w in (dist.batch_isend_irecv(ops) if ops else []):
-                    w.wait(timeout=timeout) if timed else w.wait()
-            except Exception as e:  # a dead or stuck peer: the group cannot be trusted any more
-                errors.append(f"round {r}: {type(e).__name__}: {e}")
+                pending[r] = dist.batch_isend_irecv(ops) if ops else []
+                # a receive is read at once (unpacked) or its staging is not reused: only a write-through
+                # receiver and a single send buffer need the round done before the next one
+                if (mine and unpacking) or len(self.send_bufs) == 1:
+                    settle(r)
+            except Exception as e:
+                errors.append(f"round {waiting[0] if waiting[0] is not None else r}: {type(e).__name__}: {e}")
                 self.peer_failed = True
                 return errors
             try:
-                if not self.transactional and targets is not None:
-                    self.unpack([k for k in keys if k[2] == self.rank], targets, dst_ident)
+                if unpacking and mine:
+                    self.unpack(mine, targets, dst_ident)
                 if on_round is not None:
                     on_round(r)
             except Exception as e:
                 errors.append(f"round {r}: {type(e).__name__}: {e}")
+        try:
+            settle(self.plan.rounds)
+        except Exception as e:
+            errors.append(f"round {waiting[0]}: {type(e).__name__}: {e}")
+            self.peer_failed = True
         return errors
 
     @torch.no_grad()

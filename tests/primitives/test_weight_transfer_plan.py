@@ -147,3 +147,10 @@ def test_simulated_benchmark_runs(monkeypatch):
     for r in rows:  # p2p never moves more than the twin, and the twin's rollout rank gets the whole model
         assert r["p2p_bytes"] <= r["broadcast_bytes"] and r["p2p_bytes_per_rollout_rank"] <= r["broadcast_bytes_per_rollout_rank"] * 1.5
     assert max(r["broadcast_over_p2p"] for r in rows if r["rollout_tp"] == 2) > 1.9
+
+
+@pytest.mark.parametrize("bad", [0, 3, "2", True])
+def test_send_buffers_is_one_or_two(bad):
+    from bumblebee.primitives.weight_transfer import P2PTransfer
+    with pytest.raises(ValueError, match="send_buffers"):
+        P2PTransfer(send_buffers=bad)

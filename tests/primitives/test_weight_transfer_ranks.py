@@ -52,13 +52,15 @@ def main4(ctx):
     """2 trainer ranks (FSDP2, EP 2) -> 2 rollout ranks holding three engines: TP 2, EP 2, and TP 2
     again for the twin."""
     p2p = registry.resolve("weight_transfer", P2PTransfer(budget_bytes=32 << 10, timeout_s=LIMIT))
+    # the EP engine's link packs and sends in turn (one send buffer), the others double-buffered
+    single = registry.resolve("weight_transfer", P2PTransfer(budget_bytes=32 << 10, timeout_s=LIMIT, send_buffers=1))
     async_ = registry.resolve("weight_transfer", P2PTransfer(mode="async", budget_bytes=32 << 10, timeout_s=LIMIT))
     twin = registry.resolve("weight_transfer", "broadcast")
     link = {k: Link(ctx.trainers, ctx.rollouts, name=k) for k in ("tp", "ep", "bc", "missing", "extra", "async")}
     res = {"errors": {}, "snaps": {}, "full": {}}
     if ctx.is_trainer:
         model, state, _ = R.trainer_state(ctx, MOE, ep=True)
-        end = {"tp": p2p(link["tp"]), "ep": p2p(link["ep"])}
+        end = {"tp": p2p(link["tp"]), "ep": single(link["ep"])}
 
         def step(v, links=("tp", "ep")):
             R.train_step(model, state, v)
@@ -73,6 +75,7 @@ def main4(ctx):
         b = twin(link["bc"])
         b.update(R.shards(model, state), 2)
         res["bytes"] = {"p2p": end["tp"].stats["bytes_sent"], "broadcast": b.stats["bytes_sent"]}
+        res["send_buffers"] = {k: (len(e.mover.send_bufs), e.plan.rounds) for k, e in end.items()}
         res["errors"]["raises"] = _error(lambda: end["tp"].update(R.shards(model, state), 3))
         sh = R.shards(model, state)
         if ctx.rank == 1:
@@ -104,7 +107,8 @@ def main4(ctx):
     R.other_meshes(ctx, ep=True)
     man = R.manifest_of_model(MOE)
     eng = {"tp": R.engine(ctx, MOE, man), "ep": R.engine(ctx, MOE, man, ep=True), "bc": R.engine(ctx, MOE, man)}
-    end = {k: p2p(link[k], load_weights=e[0], targets=e[1], layout_key=e[2]) for k, e in eng.items() if k != "bc"}
+    end = {k: (single if k == "ep" else p2p)(link[k], load_weights=e[0], targets=e[1], layout_key=e[2])
+           for k, e in eng.items() if k != "bc"}
     snap = res["snaps"]
     for _ in (1, 2):
         for k in ("tp", "ep"):
@@ -167,6 +171,9 @@ def test_fsdp2_ep_trainer_to_tp_and_ep_engines_bitwise(main):
             assert _same(main[rank]["snaps"][("ep", v)], _want(full[v], i, ep_rank=i, ep_size=2)), (rank, v)
         assert _same(main[rank]["snaps"][("tp", 5)], _want(full[5], i))
         assert _same(main[rank]["snaps"][("tp", 6)], _want(full[6], i))
+    for rank in (0, 1):  # both send paths ran, over several rounds: tp double-buffered, ep one buffer
+        (tp_bufs, tp_rounds), (ep_bufs, ep_rounds) = main[rank]["send_buffers"]["tp"], main[rank]["send_buffers"]["ep"]
+        assert (tp_bufs, ep_bufs) == (2, 1) and tp_rounds > 2 and ep_rounds > 2, main[rank]["send_buffers"]
 
 
 def test_twin_gives_the_same_weights_for_more_bytes(main):
