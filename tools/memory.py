@@ -93,6 +93,8 @@ class Parallel:
     ep: int = 1                   # expert-parallel ranks (divides dp)
     cp: int = 1                   # context-parallel ranks one sequence is sharded over (divides dp)
     cp_exchange: str = "allgather"  # how cp attention gets the other ranks' K/V: "allgather" | "ring"
+    cp_block_keys: int = 65536    # all-gather: the most keys a fused block takes (ContextParallel's
+                                  # allgather_block_keys; 0: a piece's earlier keys in one block)
     sharding: str = "fsdp2"       # "fsdp2" | "zero1"
     mixed_precision: str = "bf16"  # compute dtype: "bf16" | "fp32"
     micro_batch: int = 1
@@ -595,9 +597,10 @@ def _state_terms(est: Estimate, model, g: dict, par: Parallel, b: int, mtp: bool
 
 def _cp_attention(cfg, family: str, b: int, par: Parallel) -> int:
     """Bytes of one attention layer's context-parallel exchange at its backward (0 at cp = 1).
-    all-gather (primitives/context_parallel/flash.py): the gathered K/V [T, K, dh] (folded gradients
-    too), repeated to the query heads [T, H, dh] for the fused kernel, and their gradients, T the whole
-    sequence; MLA (primitives/context_parallel/mla_blocks.py, its default latent exchange): the
+    all-gather (primitives/context_parallel/flash.py): the gathered K/V [T, K, dh] and their fp32
+    gradient accumulators, T the whole sequence, and the largest block's keys (at most `cp_block_keys`,
+    else up to T) repeated to the query heads, the kernel's K/V gradients for them and one fp32 copy
+    of a gradient to fold; MLA (primitives/context_parallel/mla_blocks.py, its default latent exchange): the
     gathered latent and rope key (saved) and their fp32 gradient, one key chunk (T / (2 cp)) expanded at
     a time (kv_b_proj's output, k and v padded to one head size, their fp32 gradients) and the local
     tokens' fp32 merged output. ring: two K/V blocks of
@@ -613,8 +616,20 @@ def _cp_attention(cfg, family: str, b: int, par: Parallel) -> int:
         return T * (b + 4) * (r + R) + T // (2 * par.cp) * chunk_key + T // par.cp * 4 * H * v
     K, dh = cfg.num_key_value_heads, cfg.head_dim
     if par.cp_exchange == "allgather":
-        return T * b * (2 * K * dh + 4 * H * dh)
+        keys = min(par.cp_block_keys or T, T)
+        return T * (b + 4) * 2 * K * dh + keys * (4 * b + 4) * H * dh
     return T // par.cp * (4 * b * K * dh + 2 * b * H * dh + 2 * 8 * K * dh)
+
+
+def _cp_attention_saved(cfg, family: str, b: int, par: Parallel) -> int:
+    """Bytes one attention layer's exchange keeps for its backward beyond the local tokens' tensors:
+    the all-gather's gathered K/V (MLA: latent and rope key), the ring nothing (its blocks travel again)."""
+    T = par.micro_batch * par.seq_len
+    if par.cp == 1 or par.cp_exchange == "ring" and family != "mla":
+        return 0
+    if family == "mla":
+        return T * b * (cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+    return T * b * 2 * cfg.num_key_value_heads * cfg.head_dim
 
 
 def _cp_deltanet(cfg, b: int) -> tuple[int, int]:
@@ -703,8 +718,8 @@ def _activation_terms(est: Estimate, cfg, g: dict, par: Parallel, b: int, mtp: b
     keep_first = n_tok * lse_tok if n_keep and attn[0] == 0 and worst in ("gqa", "full_attention") else 0
     head = norm + b * d + 25  # final norm; the loss input (a copy of the valid rows); labels, lse, etc.
     est.activations = int(n_tok * (kept(types) + head) + keep_all)
-    if est.cp_buffers and not par.recompute:  # every attention layer keeps its repeated K/V (about half)
-        est.activations += int((sum(t in attn_types for t in types) - 1) * est.cp_buffers / 2)
+    if est.cp_buffers and not par.recompute:  # every other attention layer keeps what its exchange saved
+        est.activations += int((sum(t in attn_types for t in types) - 1) * _cp_attention_saved(cfg, family, b, par))
     mtp_block = mtp_head = main_saved = 0
     if mtp:
         # the pre-fc norms of embedding and hidden (DeepSeek's enorm, hnorm), their concatenation (fc's,

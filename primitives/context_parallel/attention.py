@@ -50,10 +50,11 @@ def fused(q: torch.Tensor, exchange: str) -> bool:
     return exchange == "allgather" or flash.ring_usable(q)
 
 
-def allgather_attention(q, k, v, *, scale, batch: CPBatch):
-    """q [B, H, 2L, D], k, v [B, K, 2L, D] of this rank -> o [B, H, 2L, D] in q's dtype."""
+def allgather_attention(q, k, v, *, scale, batch: CPBatch, block_keys: int = flash.BLOCK_KEYS):
+    """q [B, H, 2L, D], k, v [B, K, 2L, D] of this rank -> o [B, H, 2L, D] in q's dtype; a piece's
+    earlier keys go in fused blocks of at most `block_keys` (0: one block)."""
     check_attention_inputs(q, k, v)
-    return flash.allgather_dense(q, k, v, scale=scale, batch=check_batch(batch, q))
+    return flash.allgather_dense(q, k, v, scale=scale, batch=check_batch(batch, q), block_keys=block_keys)
 
 
 def _pairs(batch: CPBatch, src: int):

@@ -8,7 +8,9 @@ key chunk that is all visible (an earlier key chunk, clipped at s), causal on th
 chunk: square) or empty, so no mask is ever built; unpacked rows are the one-piece case (s = 0).
 
 - `allgather_dense`: the all-gathered K/V in global order, then per piece two blocks: its document's
-  keys before its rows (all visible) and its own rows (square, causal). Where no fused block kernel
+  keys before its rows (all visible; cut into blocks of at most `block_keys` keys, so the K/V
+  repeated to the query heads and their gradients stay that size at any T) and its own rows
+  (square, causal). Where no fused block kernel
   takes q's dtype (CUDA fp32) or v's head size differs from q's (MLA's `heads` exchange), one SDPA
   call per piece with a lower-right causal mask
   (`torch.nn.attention.bias.causal_lower_right`) instead: on an H200 that mask ran 2.4x slower than
@@ -49,14 +51,21 @@ def _fold(t, groups):
     return t if groups == 1 else t.unflatten(1, (-1, groups)).sum(2)
 
 
-def allgather_dense(q, k, v, *, scale, batch: CPBatch):
-    """q [B, H, 2L, D], k, v [B, K, 2L, D] of this rank -> o [B, H, 2L, D]."""
+BLOCK_KEYS = 65536  # the all-gather's default most keys a block: ~3 GiB of bf16 repeated K/V and gradients
+# at 16 query heads of 256 (Qwen3.5), against ~41 GiB for the last chunk's earlier keys at 1M, CP = 4
+
+
+def allgather_dense(q, k, v, *, scale, batch: CPBatch, block_keys: int = BLOCK_KEYS):
+    """q [B, H, 2L, D], k, v [B, K, 2L, D] of this rank -> o [B, H, 2L, D]; a piece's earlier keys
+    go in blocks of at most `block_keys` (0: one block)."""
+    if isinstance(block_keys, bool) or not isinstance(block_keys, int) or block_keys < 0:
+        raise ValueError(f"block_keys must be an int >= 0 (0: no cut), got {block_keys!r}")
     G = q.shape[1] // k.shape[1]
     order = torch.argsort(layout_index(batch.T, batch.cp, q.device))
     k_all, v_all = (gather(t, batch.group, dim=2).index_select(2, order) for t in (k, v))
     if ring_usable(q) and v.shape[-1] == q.shape[-1]:  # per piece two fused blocks (flash's CPU op
         # wants one head size): its document's earlier keys, and its own rows
-        return _GatheredBlocks.apply(q, k_all, v_all, scale, batch)
+        return _GatheredBlocks.apply(q, k_all, v_all, scale, batch, block_keys)
     k_all, v_all = _expand(k_all, G), _expand(v_all, G)
     L = batch.chunk
     outs = []  # CUDA fp32: per piece one lower-right causal SDPA call against the keys up to itself
@@ -69,14 +78,17 @@ def allgather_dense(q, k, v, *, scale, batch: CPBatch):
     return torch.cat(outs, dim=2)
 
 
-def _gathered_blocks(batch: CPBatch):
+def _gathered_blocks(batch: CPBatch, block_keys: int = 0):
     """(query rows a:b of the rank's 2L, key rows ka:kb of the global T, causal) of every block: per
-    piece its document's keys before its chunk rows (all visible), then its own rows (square, causal)."""
+    piece its document's keys before its chunk rows (all visible; in blocks of at most `block_keys`,
+    0: one), then its own rows (square, causal)."""
     L, out = batch.chunk, []
     for i, c in enumerate(rank_chunks(batch.rank, batch.cp)):
         for a, b, start in batch.segments(i):
-            if start < c * L + a:
-                out.append((i * L + a, i * L + b, start, c * L + a, False))
+            end = c * L + a
+            step = block_keys or max(end - start, 1)
+            for ka in range(start, end, step):
+                out.append((i * L + a, i * L + b, ka, min(ka + step, end), False))
             out.append((i * L + a, i * L + b, c * L + a, c * L + b, True))
     return out
 
@@ -87,11 +99,11 @@ class _GatheredBlocks(torch.autograd.Function):
     K/V nor their fp32 gradients ever exist for the whole sequence."""
 
     @staticmethod
-    def forward(ctx, q, k, v, scale, batch):
+    def forward(ctx, q, k, v, scale, batch, block_keys):
         acc, G = torch.promote_types(q.dtype, torch.float32), q.shape[1] // k.shape[1]
         o = q.new_zeros(q.shape, dtype=acc)
         lse = q.new_full(q.shape[:3], float("-inf"), dtype=acc)
-        bl, aux = _gathered_blocks(batch), []
+        bl, aux = _gathered_blocks(batch, block_keys), []
         for a, b, ka, kb, causal in bl:
             ob, lb, x = block_forward(_rows(q, a, b), _expand(_rows(k, ka, kb), G), _expand(_rows(v, ka, kb), G),
                                       causal, scale)
@@ -118,7 +130,7 @@ class _GatheredBlocks(torch.autograd.Function):
             dq[:, :, a:b] += to_acc(gq)
             dk[:, :, ka:kb] += _fold(to_acc(gk), G)
             dv[:, :, ka:kb] += _fold(to_acc(gv), G)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
 def blocks(batch: CPBatch, src: int) -> list[tuple]:

@@ -30,6 +30,7 @@ from bumblebee import recompute
 from bumblebee.distributed import reduce_from_group
 from bumblebee.options import check_choice, option
 from bumblebee.primitives.context_parallel.attention import EXCHANGES, check_batch
+from bumblebee.primitives.context_parallel.flash import BLOCK_KEYS
 from bumblebee.primitives.context_parallel.gdn import gdn_forward
 from bumblebee.primitives.context_parallel.layout import Shard
 from bumblebee.primitives.context_parallel.mla import EXCHANGES as MLA_EXCHANGES, mla_forward
@@ -42,6 +43,9 @@ class ContextParallel:
     exchange: str = option("allgather", "how attention layers get the other ranks' keys and values: "
                            "allgather (one all-gather of K/V, reduce-scatter backward) or ring (blocks "
                            "passed around the ring, overlapped with compute; fp32 log-sum-exp merging)")
+    allgather_block_keys: int = option(BLOCK_KEYS, "allgather: the most keys one fused block takes (a piece's "
+                                       "earlier keys are cut into such blocks, bounding the K/V repeated to the "
+                                       "query heads and their gradients at any length); 0: one block")
     mla_exchange: str = option("auto", "what MLA layers all-gather: latent (the normalized latent and roped "
                                "key, r + R numbers a token; K/V expanded by kv_b_proj on every rank), heads "
                                "(the expanded K/V, H x (qk + v) a token), or auto (whichever moves fewer bytes: "
@@ -50,6 +54,9 @@ class ContextParallel:
     def __post_init__(self):
         check_choice(self, "exchange", tuple(EXCHANGES))
         check_choice(self, "mla_exchange", MLA_EXCHANGES)
+        if isinstance(self.allgather_block_keys, bool) or not isinstance(self.allgather_block_keys, int) \
+                or self.allgather_block_keys < 0:
+            raise ValueError(f"ContextParallel.allgather_block_keys must be an int >= 0; got {self.allgather_block_keys!r}")
 
 
 class CPAttend:
@@ -58,10 +65,11 @@ class CPAttend:
     def __init__(self, config: ContextParallel):
         self.config = config
         self.exchange = EXCHANGES[config.exchange]
+        self.kw = {"block_keys": config.allgather_block_keys} if config.exchange == "allgather" else {}
 
     def __call__(self, q, k, v, *, scale=None, cu_seqlens=None):
         scale = q.shape[-1] ** -0.5 if scale is None else scale
-        return self.exchange(q, k, v, scale=scale, batch=check_batch(cu_seqlens, q))
+        return self.exchange(q, k, v, scale=scale, batch=check_batch(cu_seqlens, q), **self.kw)
 
 
 def _is_gdn(m: nn.Module) -> bool:

@@ -16,6 +16,8 @@ the fp32 run, in fp32).
 """
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -89,6 +91,30 @@ def test_bad_layout_input_names_the_argument():
         layout.make_batch(None, 8, torch.tensor([0, 3, 7]))
     with pytest.raises(ValueError, match="CPBatch"):
         EXCHANGES["allgather"](*(torch.zeros(1, 2, 8, 4) for _ in range(3)), scale=1.0, batch=None)
+    from bumblebee.primitives.context_parallel.model import ContextParallel
+    with pytest.raises(ValueError, match="allgather_block_keys"):
+        ContextParallel(allgather_block_keys=-1)
+
+
+@pytest.mark.parametrize("block_keys", [0, 1, 3, 7, 100])
+@pytest.mark.parametrize("cu", [None, [0, 5, 6, 23, 40]])
+def test_gathered_blocks_cover_each_visible_key_once_within_the_block_size(block_keys, cu):
+    """The all-gather's blocks (CP = 1: chunks 0 and 1 of one rank): every query row sees each key of
+    its document up to itself exactly once, and no all-visible block takes more than block_keys keys."""
+    from bumblebee.primitives.context_parallel.flash import _gathered_blocks
+    T = 40
+    batch = layout.make_batch(None, T, None if cu is None else torch.tensor(cu))
+    starts = batch.all_starts.tolist()
+    seen = torch.zeros(T, T, dtype=torch.long)  # [query position, key position]
+    pos = batch.index.tolist()  # global position of each local row
+    for a, b, ka, kb, causal in _gathered_blocks(batch, block_keys):
+        assert causal or not block_keys or kb - ka <= block_keys
+        for i, row in enumerate(range(a, b)):  # the diagonal block is square, bottom-right causal
+            seen[pos[row], ka:ka + i + 1 if causal else kb] += 1
+    want = torch.zeros(T, T, dtype=torch.long)
+    for q in range(T):
+        want[q, starts[q]:q + 1] = 1
+    assert torch.equal(seen, want)
 
 
 # ---- which path runs (one process, CP = 1) ---------------------------------------------------
@@ -150,7 +176,11 @@ def test_estimator_divides_sequence_terms_by_cp_and_adds_the_exchange():
     # all-gather's buffers grow with the whole sequence; the ring's with one rank's share of it
     H, K, dh = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
     gather = memory.estimate(cfg, memory.Parallel(dp=4, ep=4, cp=4, seq_len=T)).cp_buffers
-    assert gather == T * 2 * (2 * K * dh + 4 * H * dh)  # bf16: gathered K/V, repeated K/V and their gradients
+    # bf16 gathered K/V and their fp32 gradients; a block's 64K keys repeated to H heads, their bf16
+    # gradients and one fp32 gradient to fold
+    assert gather == T * (2 + 4) * 2 * K * dh + 65536 * (4 * 2 + 4) * H * dh
+    whole = memory.estimate(cfg, memory.Parallel(dp=4, ep=4, cp=4, seq_len=T, cp_block_keys=0)).cp_buffers
+    assert whole == T * (2 + 4) * 2 * K * dh + T * (4 * 2 + 4) * H * dh > gather  # one block of all T keys
     assert memory.estimate(cfg, memory.Parallel(dp=8, ep=4, cp=8, seq_len=T)).cp_buffers == gather
     ring = [memory.estimate(cfg, memory.Parallel(dp=8, ep=4, cp=c, cp_exchange="ring", seq_len=T)).cp_buffers
             for c in (4, 8)]
@@ -218,7 +248,8 @@ def _attention_checks(group, errors, off, refs):
     single-rank attention: outputs, input gradients at this rank's positions, zero gradient off them."""
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
     H, D, T = 8, 8, 48
-    paths = {**EXCHANGES, "masked_ring": masked_ring}
+    paths = {**EXCHANGES, "masked_ring": masked_ring,  # and the all-gather's earlier keys cut into blocks of 5
+             "allgather block_keys=5": functools.partial(EXCHANGES["allgather"], block_keys=5)}
     for kv in (8, 2, 1):  # GQA ratios 1, 4, 8
         for cu in (None, PACKED, PACKED_EDGES):
             B = 2 if cu is None else 1
