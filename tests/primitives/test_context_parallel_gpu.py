@@ -14,6 +14,7 @@ floor; fla in fp32 against torch fp32 by relative norm (fla's dots may use TF32)
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import pytest
 import torch
@@ -96,15 +97,17 @@ def test_one_token_block_runs_on_flash_under_cudnn():
 @cuda
 @pytest.mark.parametrize("kernel", ["cudnn", "flash"])
 @pytest.mark.parametrize("packed", [False, True])
-@pytest.mark.parametrize("exchange", ["allgather", "ring"])
+@pytest.mark.parametrize("exchange", ["allgather", "ring", "allgather_blocks"])
 def test_fused_paths_at_cp1_equal_causal_attention(exchange, packed, kernel):
-    """Packed: a one-token document, one ending on the chunk edge (1024), one shorter than a chunk."""
+    """Packed: a one-token document, one ending on the chunk edge (1024), one shorter than a chunk.
+    allgather_blocks: the earlier keys in blocks of at most 300 (uneven, down to a few keys)."""
     T, H, K, D = 2048, 8, 2, 128
     cu = torch.tensor([0, 1, 700, 1024, 1500, 2048]) if packed else None
     g = torch.Generator(device="cuda").manual_seed(1)
     q, k, v, w = (torch.randn(1, h, T, D, device="cuda", generator=g) for h in (H, K, K, H))
     batch = layout.make_batch(None, T, cu, "cuda")
-    fn = flash.allgather_dense if exchange == "allgather" else flash.ring_dense
+    fn = {"allgather": flash.allgather_dense, "ring": flash.ring_dense,
+          "allgather_blocks": functools.partial(flash.allgather_dense, block_keys=300)}[exchange]
     with _kernel(kernel):
         got = _grads(lambda *t: fn(*t, scale=D ** -0.5, batch=batch), [t.bfloat16() for t in (q, k, v)], w)
     ref = _grads(lambda *t: _attention_ref(*t, D ** -0.5, True, cu)[0], [t.double() for t in (q, k, v)], w.double())
