@@ -154,11 +154,17 @@ class Trainer:
         self.rt, self.ref = build_runtime(self.model_config, self.cfg, group=self.group, device=self.device,
                                           ep_mesh=getattr(self.channel, "ep_mesh", None))
 
-    def publish(self) -> int:
+    def publish(self, flush: bool = False) -> int:
+        """Publish this version (`flush`: and wait until it is in the channel)."""
         if self.world > 1:
             self.channel.publish(self.version, self.rt, rank=self.rank)
         else:
             self.channel.publish(self.version, self.rt)
+        return self.flush() if flush else self.version
+
+    def flush(self) -> int:
+        """Wait for a publish still in flight (the object store's background put); its error raises here."""
+        getattr(self.channel, "flush", lambda: None)()
         return self.version
 
     def _take(self, ticket: int):

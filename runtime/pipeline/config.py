@@ -79,6 +79,8 @@ class PipelineConfig:
     trainer_cpus: float = 1.0
     restarts: int = 1  # producer restarts allowed over the run
     weights: str = "object_store"  # the weight channel: "object_store" (Ray's) or "p2p" (the primitive)
+    publish_in_background: bool = True  # object_store: the trainer snapshots its export (a device copy, a pinned
+    # host buffer on CUDA) and trains on while a thread puts it in the store; False: the step waits for the put
     trainer_ranks: int = 1  # data-parallel ranks of the trainer (one actor each, FSDP2/ZeRO-1 over their ranks)
     expert_parallel: int = 1  # an MoE model's experts split over this many trainer ranks (divides trainer_ranks)
     producer_gpus: float = 0.0  # Ray's num_gpus per producer actor (0: CPU); its engine on the GPU Ray assigns
@@ -90,6 +92,8 @@ class PipelineConfig:
             _positive(name, getattr(self, name))
         if self.weights not in WEIGHT_CHANNELS:
             raise ValueError(f"weights must be one of {WEIGHT_CHANNELS}, got {self.weights!r}")
+        if not isinstance(self.publish_in_background, bool):
+            raise ValueError(f"publish_in_background must be a bool, got {self.publish_in_background!r}")
         if self.weights == "p2p" and self.restarts:
             raise ValueError("restarts must be 0 with weights='p2p': a dead rank breaks the transfer's group "
                              "(the object_store channel survives restarts)")

@@ -49,7 +49,7 @@ class Pipeline:
         self.trainer = self.trainers[0]
         for i in range(cfg.producers):  # their processes start beside the trainer's
             self._create(i)
-        self.channel = ObjectStoreChannel(self.store, cfg.call_timeout_s)
+        self.channel = ObjectStoreChannel(self.store, cfg.call_timeout_s, background=cfg.publish_in_background)
         if cfg.weights == "p2p":  # one group over all of them, joined at once
             from bumblebee.runtime.pipeline.weights_p2p import P2PChannel
             address = get(self.trainer.address.remote(), cfg.call_timeout_s, "the trainer's address")
@@ -63,7 +63,7 @@ class Pipeline:
         joins = [t.attach.remote(self.channel, address) for t in self.trainers]
         joins += [p.attach.remote(i + 1, self.channel) for i, p in self.producers.items()]
         get(joins, cfg.call_timeout_s, "the trainer's and producers' start")
-        get([t.publish.remote() for t in self.trainers], cfg.call_timeout_s, "the first weights")
+        get([t.publish.remote(flush=True) for t in self.trainers], cfg.call_timeout_s, "the first weights")
         for i, p in self.producers.items():
             self.runs[p.run.remote()] = i
 
@@ -114,6 +114,8 @@ class Pipeline:
                 emit(m, out, on_step)
                 if until is not None and until(log):
                     break
+            # the last version in the store (a background put may still be in flight)
+            get([t.flush.remote() for t in self.trainers], cfg.call_timeout_s, "the last weights")
         finally:
             if out:
                 out.close()

@@ -8,7 +8,11 @@
   as byte arrays (`pack`: Ray keeps numpy arrays out of band, one copy into the store and none for
   pickling; CUDA tensors leave their device in one copy); a small store actor holds the newest
   reference; producers map the arrays from shared memory, move them to their engine's device
-  (`unpack`) and call the engine's `load_weights`. Only the newest version is kept.
+  (`unpack`) and call the engine's `load_weights`. Only the newest version is kept. With
+  `background` (the default) the trainer only snapshots the export (one copy on its device, and on
+  CUDA the copy to a pinned host buffer started on a side stream) and goes on training: a thread puts
+  it into the store, one version in flight; the next publish (or `flush`) waits for it and raises
+  its error.
 - `P2PChannel` (in `weights_p2p.py`): the weight-transfer primitive, point to point over one
   group spanning the trainer and the producers (gloo; NCCL for the shards of actors on GPUs).
 """
@@ -17,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import time
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
 import numpy as np
@@ -68,21 +73,70 @@ class WeightStore:
 
 
 class ObjectStoreChannel:
-    """A WeightChannel through Ray's object store (picklable: the trainer and every producer hold one)."""
+    """A WeightChannel through Ray's object store (picklable: the trainer and every producer hold one).
+    background: the trainer's publish returns once the export is snapshotted; a thread puts it."""
 
-    def __init__(self, store, call_timeout_s: float):
-        self.store, self.call_timeout_s = store, call_timeout_s
+    def __init__(self, store, call_timeout_s: float, background: bool = True):
+        self.store, self.call_timeout_s, self.background = store, call_timeout_s, background
+        self._pending = self._pool = self._pinned = None
+
+    def __getstate__(self):  # the trainer's thread, future and host buffer stay in its process
+        return {**self.__dict__, "_pending": None, "_pool": None, "_pinned": None}
 
     def attach(self, rank: int, engine=None) -> None:
         pass
 
-    def publish(self, version: int, runtime, rank: int = 0) -> None:
-        """Every rank of the trainer calls it (the export gathers the shards); rank 0 publishes."""
-        packed = pack(runtime.export_weights(dtype=torch.float32))
+    def publish(self, version: int, runtime, rank: int = 0, background: bool | None = None) -> None:
+        """Every rank of the trainer calls it (the export gathers the shards); rank 0 publishes, in the
+        background where set (`background`, else the channel's): the previous version's put ends first."""
+        items = runtime.export_weights(dtype=torch.float32)  # lazy: gathers as it is read, on every rank
         if rank:
+            for _ in items:  # this rank's part of each gather
+                pass
             return
+        self.flush()
+        if not (self.background if background is None else background):
+            return self._put(version, pack(items))
+        snap = self._snapshot(items)
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="publish-weights")
+        self._pending = self._pool.submit(lambda: self._put(version, snap()))
+
+    def flush(self) -> None:
+        """Wait for the version in flight to be in the store; raises what its put raised."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    def _put(self, version: int, packed) -> None:
         ref = ray.put(packed)
         get(self.store.publish.remote(version, [ref]), self.call_timeout_s, f"publishing weights version {version}")
+
+    def _snapshot(self, items):
+        """A copy of the export that later steps cannot change; returns what gives its `pack` form (on
+        CUDA after the side stream's copy to the pinned host buffer, reused: one version in flight)."""
+        tensors = [(name, t.detach().contiguous()) for name, t in items]
+        meta = [(name, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for name, t in tensors]
+        sizes = [t.numel() * t.element_size() for _, t in tensors]
+        views = [t.reshape(-1).view(torch.uint8) for _, t in tensors]
+        flat = torch.cat(views) if views else torch.empty(0, dtype=torch.uint8)
+        del tensors, views  # the snapshot holds only its own copy
+        done = None
+        if flat.device.type == "cuda":
+            if self._pinned is None or self._pinned.numel() != flat.numel():
+                self._pinned = torch.empty(flat.numel(), dtype=torch.uint8, pin_memory=True)
+            host, stream = self._pinned, torch.cuda.Stream(flat.device)
+            stream.wait_stream(torch.cuda.current_stream(flat.device))
+            with torch.cuda.stream(stream):
+                host.copy_(flat, non_blocking=True)
+            flat.record_stream(stream)  # the allocator keeps the device copy until the side stream is done
+            done, flat = stream.record_event(), host
+
+        def packed():
+            if done is not None:
+                done.synchronize()
+            return [(*m, v.numpy()) for m, v in zip(meta, flat.split(sizes))]
+        return packed
 
     def refresh(self, engine) -> bool:
         """Load the newest weights into `engine` if they are newer than its own."""

@@ -204,3 +204,30 @@ def test_a_start_that_cannot_finish_raises(local_ray):
     with pytest.raises(PipelineTimeout, match="producers' start: no answer"):
         Pipeline(cfg, CONFIG, TASK)
     assert time.monotonic() - t0 < 10 * STALL_S
+
+
+def test_background_publish_stores_a_snapshot_and_raises_its_error(local_ray):
+    """The object-store channel's background publish: what reaches the store is the export at the
+    publish, not what the next step writes in place meanwhile; a failed put raises at the flush."""
+    import pickle
+
+    from bumblebee.runtime.pipeline.weights import ObjectStoreChannel, WeightStore, get, unpack
+    w = {"a": torch.arange(6, dtype=torch.float32).reshape(2, 3), "b": torch.ones(4), "empty": torch.zeros(0)}
+    want = {k: v.clone() for k, v in w.items()}
+    runtime = SimpleNamespace(export_weights=lambda dtype=None: list(w.items()))
+    channel = ObjectStoreChannel(WeightStore.remote(), STALL_S * 10)
+    channel.publish(1, runtime)
+    w["a"].add_(100.0)  # the next step, while the put may still be in flight
+    channel.flush()
+    version, refs = get(channel.store.latest.remote(), STALL_S * 10, "the store")
+    got = dict(unpack(ray.get(refs[0]), "cpu"))
+    assert version == 1 and got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    assert pickle.loads(pickle.dumps(channel))._pool is None  # what producers get holds no thread
+
+    def down(*_):
+        raise RuntimeError("the store is down")
+    broken = ObjectStoreChannel(SimpleNamespace(publish=SimpleNamespace(remote=down)), STALL_S)
+    broken.publish(2, runtime)  # returns: the put runs in the background
+    with pytest.raises(RuntimeError, match="the store is down"):
+        broken.flush()
+    broken.flush()  # raised once; nothing in flight any more

@@ -256,7 +256,8 @@ def test_launch_config_is_typed_and_refuses_unknown_keys(tmp_path):
                                       (dict(weights="p2p", restarts=0, producer_gpus=0.5, trainer_gpus=0.5),
                                        r"producer_gpus=0\.5, trainer_gpus=0\.5"),
                                       (dict(weights="p2p", restarts=0, producer_gpus=1.5, trainer_gpus=1),
-                                       "cannot share a GPU")])
+                                       "cannot share a GPU"),
+                                      (dict(publish_in_background="yes"), "publish_in_background must be a bool")])
 def test_parallel_and_device_options_are_checked(kw, named):
     from bumblebee.runtime.pipeline import PipelineConfig
     with pytest.raises(ValueError, match=named):
