@@ -625,7 +625,7 @@ def _cp_attention_saved(cfg, family: str, b: int, par: Parallel) -> int:
     """Bytes one attention layer's exchange keeps for its backward beyond the local tokens' tensors:
     the all-gather's gathered K/V (MLA: latent and rope key), the ring nothing (its blocks travel again)."""
     T = par.micro_batch * par.seq_len
-    if par.cp == 1 or par.cp_exchange == "ring" and family != "mla":
+    if par.cp == 1 or (par.cp_exchange == "ring" and family != "mla"):
         return 0
     if family == "mla":
         return T * b * (cfg.kv_lora_rank + cfg.qk_rope_head_dim)

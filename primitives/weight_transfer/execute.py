@@ -230,22 +230,25 @@ class Mover:
         src_ident = _ident_of(read)
         unpacking = not self.transactional and targets is not None
         dst_ident = _targets_ident(targets) if unpacking else None
-        pending, waiting = {}, [None]  # round -> its works not waited for yet; the round being waited for
+        pending = {}  # round -> its works not waited for yet (their buffers not free yet)
 
-        def settle(upto):  # wait, in round order, for every pending round <= upto
+        def settle(upto) -> bool:
+            """Wait, in round order, for every pending round <= upto; False (the error noted) where a
+            dead or stuck peer failed one: the group cannot be trusted any more."""
             for q in sorted(k for k in pending if k <= upto):
-                waiting[0], timed = q, not stream_ordered or q == last
-                for w in pending.pop(q):
-                    w.wait(timeout=timeout) if timed else w.wait()
-                waiting[0] = None
+                timed = not stream_ordered or q == last
+                try:
+                    for w in pending.pop(q):
+                        w.wait(timeout=timeout) if timed else w.wait()
+                except Exception as e:
+                    errors.append(f"round {q}: {type(e).__name__}: {e}")
+                    self.peer_failed = True
+                    return False
+            return True
 
         for r in range(self.plan.rounds):
             ops, keys = [], [k for k in sorted(self.msgs) if k[0] == r]
-            try:
-                settle(r - len(self.send_bufs))  # the round that used this round's send buffer
-            except Exception as e:  # a dead or stuck peer: the group cannot be trusted any more
-                errors.append(f"round {waiting[0]}: {type(e).__name__}: {e}")
-                self.peer_failed = True
+            if not settle(r - len(self.send_bufs)):  # the round that used this round's send buffer
                 return errors
             for key in keys:
                 _, src, dst = key
@@ -261,13 +264,13 @@ class Mover:
             mine = [k for k in keys if k[2] == self.rank]
             try:
                 pending[r] = dist.batch_isend_irecv(ops) if ops else []
-                # a receive is read at once (unpacked) or its staging is not reused: only a write-through
-                # receiver and a single send buffer need the round done before the next one
-                if (mine and unpacking) or len(self.send_bufs) == 1:
-                    settle(r)
             except Exception as e:
-                errors.append(f"round {waiting[0] if waiting[0] is not None else r}: {type(e).__name__}: {e}")
+                errors.append(f"round {r}: {type(e).__name__}: {e}")
                 self.peer_failed = True
+                return errors
+            # a receive is read at once (unpacked) or its staging is not reused: only a write-through
+            # receiver and a single send buffer need the round done before the next one
+            if ((mine and unpacking) or len(self.send_bufs) == 1) and not settle(r):
                 return errors
             try:
                 if unpacking and mine:
@@ -276,11 +279,7 @@ class Mover:
                     on_round(r)
             except Exception as e:
                 errors.append(f"round {r}: {type(e).__name__}: {e}")
-        try:
-            settle(self.plan.rounds)
-        except Exception as e:
-            errors.append(f"round {waiting[0]}: {type(e).__name__}: {e}")
-            self.peer_failed = True
+        settle(self.plan.rounds)
         return errors
 
     @torch.no_grad()

@@ -86,16 +86,16 @@ class ObjectStoreChannel:
     def attach(self, rank: int, engine=None) -> None:
         pass
 
-    def publish(self, version: int, runtime, rank: int = 0, background: bool | None = None) -> None:
-        """Every rank of the trainer calls it (the export gathers the shards); rank 0 publishes, in the
-        background where set (`background`, else the channel's): the previous version's put ends first."""
+    def publish(self, version: int, runtime, rank: int = 0) -> None:
+        """Every rank of the trainer calls it (the export gathers the shards); rank 0 publishes (in the
+        background where the channel says so): the previous version's put ends first."""
         items = runtime.export_weights(dtype=torch.float32)  # lazy: gathers as it is read, on every rank
         if rank:
             for _ in items:  # this rank's part of each gather
                 pass
             return
         self.flush()
-        if not (self.background if background is None else background):
+        if not self.background:
             return self._put(version, pack(items))
         snap = self._snapshot(items)
         if self._pool is None:
@@ -115,12 +115,10 @@ class ObjectStoreChannel:
     def _snapshot(self, items):
         """A copy of the export that later steps cannot change; returns what gives its `pack` form (on
         CUDA after the side stream's copy to the pinned host buffer, reused: one version in flight)."""
-        tensors = [(name, t.detach().contiguous()) for name, t in items]
-        meta = [(name, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for name, t in tensors]
-        sizes = [t.numel() * t.element_size() for _, t in tensors]
-        views = [t.reshape(-1).view(torch.uint8) for _, t in tensors]
+        meta, views = _byte_views(items)
+        sizes = [v.numel() for v in views]
         flat = torch.cat(views) if views else torch.empty(0, dtype=torch.uint8)
-        del tensors, views  # the snapshot holds only its own copy
+        del views  # the snapshot holds only its own copy
         done = None
         if flat.device.type == "cuda":
             if self._pinned is None or self._pinned.numel() != flat.numel():
@@ -162,12 +160,17 @@ def pack(items) -> list[tuple[str, str, tuple, np.ndarray]]:
     """[(name, dtype, shape, its bytes as a uint8 numpy array)]: Ray keeps numpy arrays out of band (one
     copy into the store, no pickling of tensors) and readers map them from shared memory. CPU tensors
     are viewed, not copied; CUDA tensors are concatenated on their device and leave it in one copy."""
-    tensors = [(name, t.detach().contiguous()) for name, t in items]
-    views = [t.reshape(-1).view(torch.uint8) for _, t in tensors]
+    meta, views = _byte_views(items)
     if any(v.device.type != "cpu" for v in views):
         views = torch.cat(views).cpu().split([v.numel() for v in views])
-    return [(name, str(t.dtype).removeprefix("torch."), tuple(t.shape), v.numpy())
-            for (name, t), v in zip(tensors, views)]
+    return [(*m, v.numpy()) for m, v in zip(meta, views)]
+
+
+def _byte_views(items) -> tuple[list, list]:
+    """[(name, dtype, shape)] and each tensor's bytes as a flat uint8 view (contiguous first)."""
+    tensors = [(name, t.detach().contiguous()) for name, t in items]
+    meta = [(name, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for name, t in tensors]
+    return meta, [t.reshape(-1).view(torch.uint8) for _, t in tensors]
 
 
 def unpack(packed, device) -> list[tuple[str, torch.Tensor]]:
