@@ -155,3 +155,32 @@ def test_build_merges_only_adjacent_same_dtype_and_keeps_strided_and_casts():
     assert torch.equal(cast, src[14:18].double()) and torch.equal(strided.t(), src[16:24].view(2, 4))
     with pytest.raises(ValueError, match="size"):
         copies.ProgramCache(0)
+
+
+def test_short_runs_move_as_the_widest_words_in_one_copy_per_word_size():
+    """Non-adjacent runs (a TP 2 receiver's expert half-rows) go through one multi-tensor copy per word
+    size, each run viewed as the widest words its length and addresses allow; bytes land exactly."""
+    src = torch.arange(4096, dtype=torch.uint8).repeat(64)
+    dst = torch.zeros_like(src)
+    pairs = [(dst[i * 2048:(i + 1) * 2048 - 1024], src[i * 2048 + 512:i * 2048 + 1536]) for i in range(64)]
+    pairs += [(dst[131072 + 1:131072 + 8], src[3:10]),  # odd length, odd offsets: bytes
+              (dst[131072 + 12:131072 + 16], src[20:24]),  # 4 bytes at 4-aligned offsets: int32
+              (dst[131072 + 18:131072 + 20], src[30:32])]  # 2 bytes: int16
+    ref = dst.clone()
+    for d, s in pairs:
+        ref[d.storage_offset():d.storage_offset() + d.numel()] = s
+    prog = copies.build(pairs)
+    assert prog.launches == 4 and not prog.strided  # int64, uint8, int32, int16 groups
+    assert {ds[0].dtype for ds, _ in prog.groups} == {torch.int64, torch.int32, torch.int16, torch.uint8}
+    assert sum(len(ds) for ds, _ in prog.groups) == len(pairs)
+    prog.run()
+    assert torch.equal(dst, ref)
+
+
+def test_runs_at_least_alone_bytes_long_get_their_own_copy():
+    n = copies._ALONE_BYTES
+    src, dst = torch.arange(n + 64, dtype=torch.uint8), torch.zeros(n + 64, dtype=torch.uint8)
+    prog = copies.build([(dst[:n], src[:n]), (dst[n + 8:n + 16], src[n + 16:n + 24])])
+    assert len(prog.strided) == 1 and prog.strided[0][0].numel() == n and prog.launches == 2
+    prog.run()
+    assert torch.equal(dst[:n], src[:n]) and torch.equal(dst[n + 8:n + 16], src[n + 16:n + 24])
