@@ -129,6 +129,9 @@ def measure(state, seq_len, args, device, rank, world, loss_of, seed_rank) -> di
     return {"seq_len": seq_len, "median_ms": float(stats[0]), "static_GiB": float(stats[1]) / 2 ** 30,
             "peak_GiB": float(stats[2]) / 2 ** 30, "reserved_GiB": float(stats[3]) / 2 ** 30,
             "last_loss": loss, "last_grad_norm": norm, "last_step_ok": ok,
+            # the first step's backward runs before AdamW's moments exist (made by its first step()):
+            # with one step in all, the peak lacks them and a second step needs that much more
+            "optimizer_state_at_peak": args.warmup + args.steps >= 2,
             "step_times_ms": [round(t, 2) for t in times]}
 
 

@@ -29,12 +29,22 @@ def test_composed_step_smoke_trains_on_two_gloo_ranks(tmp_path):
     assert rows and all(r["last_step_ok"] and r["median_ms"] > 0 and len(r["step_times_ms"]) > 0 for r in rows)
 
 
+def test_composed_step_says_when_its_peak_lacks_the_optimizer_state(tmp_path):
+    """One step in all (warmup 0): its backward ran before AdamW's moments existed, and the row says so."""
+    out = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                str(BENCH / "composed_step" / "bench.py"), "--cpu-smoke", "--warmup", "0", "--steps", "1",
+                "--out", str(tmp_path)], tmp_path)
+    rows = [json.loads(line) for line in out.splitlines() if line.startswith('{"seq_len"')]
+    assert rows and all(r["last_step_ok"] and r["optimizer_state_at_peak"] is False for r in rows)
+
+
 def test_composed_step_smoke_trains_one_sequence_over_two_cp_ranks(tmp_path):
     out = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                 str(BENCH / "composed_step" / "bench.py"), "--cpu-smoke", "--cp", "2", "--warmup", "1", "--steps", "1",
                 "--out", str(tmp_path)], tmp_path)
     rows = [json.loads(line) for line in out.splitlines() if line.startswith('{"seq_len"')]
     assert rows and all(r["last_step_ok"] and math.isfinite(r["last_loss"]) for r in rows)
+    assert all(r["optimizer_state_at_peak"] for r in rows)  # warmup 1 + 1 step: the second has the moments
     # one sequence a step over both ranks: the tokens of one sequence, not of two
     assert all(r["tokens_per_s"] == pytest.approx(r["seq_len"] / (r["median_ms"] / 1e3)) for r in rows)
 
