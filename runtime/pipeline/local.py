@@ -20,7 +20,7 @@ from bumblebee.runtime.pipeline.admission import Ledger
 from bumblebee.runtime.pipeline.config import PipelineConfig, PipelineTimeout
 from bumblebee.runtime.pipeline.engine import TransformersEngine, rollout
 from bumblebee.runtime.pipeline.report import emit
-from bumblebee.runtime.pipeline.trainer import build_runtime, grpo_step
+from bumblebee.runtime.pipeline.trainer import build_runtime, grpo_step, own_default_group
 
 
 def _use(device: torch.device) -> None:
@@ -132,6 +132,10 @@ class LocalPipeline:
         result: dict = {}
 
         def train():
+            with own_default_group():
+                train_steps()
+
+        def train_steps():
             try:
                 _use(self.trainer_device)
                 rt, ref = build_runtime(self.model_config, cfg, device=self.trainer_device)

@@ -120,6 +120,20 @@ def trainer_expert_mesh(trainers: int, ep: int, *, timeout=None, device_type: st
     return DeviceMesh.from_group(mine, device_type, mesh=ranks, mesh_dim_names=("efsdp", "ep"))
 
 
+@contextlib.contextmanager
+def own_default_group():
+    """Destroys, on exit, the default process group if one was made inside (the one-rank trainer of
+    `build_runtime(group=None)`): an in-process run leaves no global torch.distributed state behind
+    it, so a later init_process_group in the same process works."""
+    import torch.distributed as dist
+    had = dist.is_available() and dist.is_initialized()
+    try:
+        yield
+    finally:
+        if not had and dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+
+
 def synchronous_run(cfg: PipelineConfig, model_config: dict, task, engine) -> list[dict]:
     """The plain synchronous loop in one process, no Ray: export, generate every group of the step on
     those weights, train, for `cfg.steps` steps. The pipeline at eta = 0 with one producer leasing a
@@ -131,6 +145,11 @@ def lagged_run(cfg: PipelineConfig, model_config: dict, task, engine) -> list[di
     """The loop in one process at the most staleness admission allows, deterministically: step b's
     groups are generated on the weights of version max(0, b - cfg.eta), then trained at version b
     (eta = 0: the synchronous loop). What an asynchronous run does at its worst, without its timing."""
+    with own_default_group():
+        return _lagged_run(cfg, model_config, task, engine)
+
+
+def _lagged_run(cfg: PipelineConfig, model_config: dict, task, engine) -> list[dict]:
     rt, ref = build_runtime(model_config, cfg)
     adm, prompts, log = Admission(cfg.groups_per_step, cfg.eta, cfg.steps), task.prompts(cfg.seed), []
     snapshots = {}  # version -> exported weights, the last eta + 1 of them

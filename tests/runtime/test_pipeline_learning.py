@@ -77,6 +77,24 @@ def test_local_pipeline_at_eta_zero_equals_the_synchronous_loop(one_process):
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-6)
 
 
+def test_in_process_runs_leave_no_process_group_behind():
+    """The loops make their one-rank trainer's default group themselves; they destroy it on return (a
+    group left behind fails the process's next init_process_group), and keep one that was there."""
+    cfg = _cfg(steps=1, groups_per_step=2, group_size=2, groups_per_call=2)
+    engine = TransformersEngine(CONFIG, pad_token_id=TASK.pad_id)
+    assert not dist.is_initialized()
+    synchronous_run(cfg, CONFIG, TASK, engine)
+    assert not dist.is_initialized()
+    LocalPipeline(cfg, CONFIG, TASK).run(on_step=None)
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        synchronous_run(cfg, CONFIG, TASK, engine)
+        assert dist.is_initialized()
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.mark.gpu
 def test_local_pipeline_on_cuda_trains_every_prompt_once(one_process):
     """The local mode on the GPU (the benchmark's path): trainer and producer on CUDA devices of their
