@@ -58,6 +58,7 @@ SHARDS = {
         "tests/primitives/test_router_backward.py",
         "tests/primitives/test_cross_entropy_linear.py",
         "tests/primitives/test_mtp.py",
+        "tests/primitives/test_weight_transfer_nccl.py",  # two GPU ranks over NCCL, a trainer killed on purpose
     )),
     5: ("whole models and processes (a training step per model in subprocesses, NCCL spawns; ~5 min)", (
         "tests/primitives/test_attention_sdpa_backend_state.py",

@@ -1,5 +1,6 @@
 """Multi-rank harness of the weight-transfer tests: trainer ranks (FSDP2, optionally EP = 2) and
-rollout ranks (a vLLM-style engine at TP n, or transformers' model) in one gloo world.
+rollout ranks (a vLLM-style engine at TP n, or transformers' model) in one gloo world (or, with
+`cuda=True`, one NCCL world of one GPU a rank).
 
 `spawn` runs `scenario(ctx)` on every rank; each rank returns a picklable result saved to disk. A
 rank may be killed on purpose (a dead sender): the harness then collects whatever ranks wrote,
@@ -46,8 +47,16 @@ def _worker(rank, world, port, module, scenario, trainers, out, params):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     from tests.limits import PROCESS_GROUP_TIMEOUT
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=PROCESS_GROUP_TIMEOUT)
-    ctx = Ctx(rank, tuple(range(trainers)), tuple(range(trainers, world)), Path(out), params)
+    if params.get("cuda"):  # one GPU a rank, NCCL (the control store is still rank 0's TCP store)
+        torch.cuda.set_device(rank)
+        dist.init_process_group("nccl", rank=rank, world_size=world, timeout=PROCESS_GROUP_TIMEOUT,
+                                device_id=torch.device("cuda", rank))
+    else:
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=PROCESS_GROUP_TIMEOUT)
+    ranks = tuple(range(world))
+    # rollout_first: the rollout ranks come first, so a trainer that dies is not the store's host
+    trainer_ranks = ranks[world - trainers:] if params.get("rollout_first") else ranks[:trainers]
+    ctx = Ctx(rank, trainer_ranks, tuple(r for r in ranks if r not in trainer_ranks), Path(out), params)
     try:
         result = getattr(importlib.import_module(module), scenario)(ctx)
     except BaseException as e:
@@ -131,7 +140,7 @@ def shards(model, state):
 def engine(ctx: Ctx, name: str, manifest, kind: str = "vllm", ep: bool = False):
     """(load_weights, targets, layout key) of a rollout rank: a vLLM-style engine at TP = rollouts
     (its experts over EP = rollouts when `ep`) or transformers' own model."""
-    r, n = ctx.rank - len(ctx.trainers), len(ctx.rollouts)
+    r, n = ctx.rollouts.index(ctx.rank), len(ctx.rollouts)
     if kind == "hf":
         import transformers
         cfg = dict(models.NAMED[name])
