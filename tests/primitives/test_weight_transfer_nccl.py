@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from bumblebee import models, registry
-from bumblebee.primitives.weight_transfer import Link, P2PTransfer, TransferError
+from bumblebee.primitives.weight_transfer import Link, P2PTransfer
 from tests.limits import SUBPROCESS_TIMEOUT_S as LIMIT
 from tests.primitives import weight_transfer_ranks as R
 from tests.primitives.weight_transfer_engines import VllmStyleEngine
@@ -22,12 +22,7 @@ MOE = "qwen3-moe-tiny"
 DEAD_TIMEOUT_S = 5.0
 
 
-def _error(fn):
-    try:
-        fn()
-    except TransferError as e:
-        return f"{type(e).__name__}: {e}"
-    return None
+_error = R.transfer_error
 
 
 def nccl2(ctx):

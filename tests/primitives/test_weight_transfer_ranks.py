@@ -33,12 +33,7 @@ def _same(a, b):
     return all(torch.equal(a[k], b[k]) for k in b)
 
 
-def _error(fn):
-    try:
-        fn()
-    except TransferError as e:
-        return f"{type(e).__name__}: {e}"
-    return None
+_error = R.transfer_error
 
 
 def _raise_at(r0):

@@ -89,6 +89,16 @@ def spawn(trainers: int, rollouts: int, module: str, scenario: str, out: Path, t
     return res
 
 
+def transfer_error(fn):
+    """The TransferError `fn()` raised, as text (None: it returned)."""
+    from bumblebee.primitives.weight_transfer import TransferError
+    try:
+        fn()
+    except TransferError as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
 # ---- the two sides ---------------------------------------------------------------------------
 
 def trainer_state(ctx: Ctx, name: str, *, ep: bool = False, seed: int = 0):
