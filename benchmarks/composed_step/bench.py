@@ -17,7 +17,9 @@ Per sequence length (increasing; the sweep ends at the first one that does not f
 measured before it are already written): median step time over a fixed number of steps (every rank
 runs the same steps), tokens/s over all ranks, model TFLOP/s per GPU (3x the forward FLOPs below,
 the recompute not counted) and the executed rate (4x, recompute counted), peak and static memory
-(max over ranks), and the bf16 8192^3 matmul rate measured in the same process.
+(max over ranks; `optimizer_state_at_peak`: whether a step with AdamW's moments was measured), the
+memory estimator's peak for the same layout (`estimate_peak_GiB`, its optimizer term apart), and the
+bf16 8192^3 matmul rate measured in the same process.
 
 Forward FLOPs per token: 2 x every matmul weight a token passes through (the routed experts scaled by
 top-k / E; the router, the shared expert and its gate, DeltaNet projections and its short conv, the
@@ -80,6 +82,17 @@ def forward_flops_per_token(model, hf: dict, seq_len: int) -> dict:
     delta = 4 * c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim \
         * types.count("linear_attention")
     return {"matmul_weights": weights, "total": 2 * weights + attn + delta, "attention": attn, "deltanet": delta}
+
+
+def memory_estimate(hf: dict, args, world: int, ep: int, seq_len: int, mixed: str, device, fused: bool) -> dict:
+    """The memory estimator's peak for this run's layout (`bumblebee.tools.memory`), written beside
+    the measured one so each row carries the estimator's error at its commit. Its optimizer term is
+    what the peak of a run of one step lacks (`optimizer_state_at_peak` false)."""
+    from bumblebee.tools import memory
+    est = memory.estimate(hf, memory.Parallel(dp=world, ep=ep, cp=args.cp, cp_exchange=args.cp_exchange,
+                                              seq_len=seq_len, mixed_precision=mixed, device=device.type,
+                                              moe_fused_recompute=fused))
+    return {"estimate_peak_GiB": est.peak / 2 ** 30, "estimate_optimizer_GiB": est.optimizer / 2 ** 30}
 
 
 def step_loss(model, cp_group, depths: int):
@@ -249,6 +262,7 @@ def main() -> None:
         row["model_tflops_per_gpu"] = 3 * f["total"] * s / args.cp / (row["median_ms"] / 1e3) / 1e12
         row["executed_tflops_per_gpu"] = 4 * f["total"] * s / args.cp / (row["median_ms"] / 1e3) / 1e12
         row["attention_share_of_flops"] = f["attention"] / f["total"]
+        row.update(memory_estimate(hf, args, world, ep, s, mixed, device, report["impl"]["moe_fused_recompute"]))
         report["rows"].append(row)
         if s == args.profile_len:
             report["profile"] = profile_step(state, s, device, loss_of, seed_rank)

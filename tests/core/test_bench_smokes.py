@@ -27,6 +27,9 @@ def test_composed_step_smoke_trains_on_two_gloo_ranks(tmp_path):
                 str(BENCH / "composed_step" / "bench.py"), "--cpu-smoke", "--out", str(tmp_path)], tmp_path)
     rows = [json.loads(line) for line in out.splitlines() if line.startswith('{"seq_len"')]
     assert rows and all(r["last_step_ok"] and r["median_ms"] > 0 and len(r["step_times_ms"]) > 0 for r in rows)
+    # the estimator's peak beside the measured one (none measured on the CPU), growing with the length
+    assert all(r["estimate_peak_GiB"] > r["estimate_optimizer_GiB"] > 0 for r in rows)
+    assert rows[-1]["estimate_peak_GiB"] > rows[0]["estimate_peak_GiB"]
 
 
 def test_composed_step_says_when_its_peak_lacks_the_optimizer_state(tmp_path):
