@@ -55,10 +55,6 @@ class Program:
     pairs: int  # the per-entry copies this program stands for
 
     @property
-    def dsts(self) -> list:
-        return [d for ds, _ in self.groups for d in ds]
-
-    @property
     def launches(self) -> int:
         """Copy calls per run (each multi-tensor copy counted once)."""
         return len(self.groups) + len(self.strided)
@@ -96,14 +92,15 @@ def build(pairs) -> Program:
             srcs.append(sb)
             run = [0, 0, 0, 0, dstor, sstor]
         run[2], run[3] = dp + db.numel(), sp + sb.numel()
-    groups: dict = {}
+    groups, large = {}, []
     for d, s in zip(dsts, srcs):
-        if d.numel() < _ALONE_BYTES:
-            d, s = _as_words(d, s)
-            ds, ss = groups.setdefault(d.dtype, ([], []))
-            ds.append(d)
-            ss.append(s)
-    large = [(d, s) for d, s in zip(dsts, srcs) if d.numel() >= _ALONE_BYTES]
+        if d.numel() >= _ALONE_BYTES:
+            large.append((d, s))
+            continue
+        d, s = _as_words(d, s)
+        ds, ss = groups.setdefault(d.dtype, ([], []))
+        ds.append(d)
+        ss.append(s)
     return Program(list(groups.values()), large + strided, n)
 
 

@@ -149,7 +149,7 @@ def test_build_merges_only_adjacent_same_dtype_and_keeps_strided_and_casts():
              (cast, src[14:18]),  # a cast: its own copy
              (strided.t(), src[16:24].view(2, 4))]  # a strided destination: its own copy
     prog = copies.build(pairs)
-    assert prog.pairs == 5 and len(prog.dsts) == 2 and len(prog.strided) == 2 and prog.launches == 3
+    assert prog.pairs == 5 and sum(len(ds) for ds, _ in prog.groups) == 2 and len(prog.strided) == 2 and prog.launches == 3
     prog.run()
     assert torch.equal(dst[:10], src[:10]) and torch.equal(dst[12:16], src[10:14]) and not dst[10:12].any()
     assert torch.equal(cast, src[14:18].double()) and torch.equal(strided.t(), src[16:24].view(2, 4))

@@ -22,9 +22,6 @@ MOE = "qwen3-moe-tiny"
 DEAD_TIMEOUT_S = 5.0
 
 
-_error = R.transfer_error
-
-
 def nccl2(ctx):
     p2p = registry.resolve("weight_transfer", P2PTransfer(budget_bytes=64 << 10, timeout_s=LIMIT))
     short = registry.resolve("weight_transfer", P2PTransfer(budget_bytes=16 << 10, timeout_s=DEAD_TIMEOUT_S))
@@ -57,10 +54,10 @@ def nccl2(ctx):
     before = {k: t.cpu().clone() for k, t in eng.params.items()}
     end.ctl.collect("sending", ctx.trainers, timeout_s=LIMIT)
     t0 = time.perf_counter()
-    res["error"] = _error(end.update)
+    res["error"] = R.transfer_error(end.update)
     res["took"] = time.perf_counter() - t0
     res["intact"] = all(torch.equal(before[k], t.cpu()) for k, t in eng.params.items())
-    res["after"] = _error(end.update)
+    res["after"] = R.transfer_error(end.update)
     return res
 
 
