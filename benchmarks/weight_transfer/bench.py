@@ -22,7 +22,8 @@ check or inference: timed apart) and `--iters` updates after one warm-up, every 
 one message of the first rollout rank's p2p update size from trainer i to rollout i, all such pairs
 at once, by a plain `batch_isend_irecv`. Rates: bytes the receivers take / median update time (the
 slowest rank's), and that as a fraction of the link's rate (target for p2p: >= 0.7). The
-transaction's cost: staging bytes and the commit's copy time per rollout rank. Writes
+transaction's cost: staging bytes and the commit's copy time per rollout rank (`--commit undo`: the
+backup's copy, which overlaps the wire). Writes
 <out>/<device>-ranks<N>.json (stamped: commit, versions, device (the accelerator's name), date; the
 --device kind under "device_type"; per rank, the copy programs' calls against entries: "copies").
 `--profile`: after the timed updates of the first p2p budget, one more on every rank (after a barrier)
@@ -181,9 +182,12 @@ def _endpoint_run(end, call, device, iters, rollout: bool, profile: bool = False
         got["profile"] = profile_update(lambda: call(1), device, before=dist.barrier)
     if getattr(end, "mover", None) is not None:  # per update: entries against the copy calls made for them
         got["copies"] = end.mover.copy_stats()
-    if rollout and hasattr(end, "mover"):  # the transaction's cost: staging bytes, the commit's copy
-        c = step_times_ms(synced(lambda: end.mover.commit(end.targets), device), 3, 1, cuda=False)
-        got["commit_ms"] = statistics.median(c)
+    if rollout and hasattr(end, "mover"):  # the transaction's cost: staging bytes and the commit's copy
+        # after the wire, or (undo) the backup's copy, which runs while round 0 is on the wire
+        m = end.mover
+        copy = (lambda: m.commit(end.targets)) if m.staging else (lambda: m.backup(end.targets))
+        c = step_times_ms(synced(copy, device), 3, 1, cuda=False)
+        got["commit_ms" if m.staging else "backup_ms"] = statistics.median(c)
     return got
 
 
@@ -215,8 +219,9 @@ def measured(args) -> dict | None:
     mesh = DeviceMesh(device.type, torch.tensor(trainers), mesh_dim_names=("dp",))
     ep_mesh = DeviceMesh(device.type, torch.tensor(trainers).view(T // 2, 2), mesh_dim_names=("efsdp", "ep")) \
         if args.ep else None
-    impl = {f"p2p@{b}": registry.resolve("weight_transfer", P2PTransfer(budget_bytes=b, timeout_s=600))
-            for b in args.budget_bytes}
+    impl = {f"p2p{'' if c == 'stage' else '-' + c}@{b}":
+            registry.resolve("weight_transfer", P2PTransfer(budget_bytes=b, timeout_s=600, commit=c))
+            for c in args.commit for b in args.budget_bytes}
     impl["broadcast"] = registry.resolve("weight_transfer", "broadcast")
     link = {k: Link(trainers, rollouts, name=k) for k in impl}
     first_p2p = next(k for k in impl if k.startswith("p2p"))
@@ -266,7 +271,8 @@ def measured(args) -> dict | None:
                   "wire_bytes": wire_bytes, "GBps": wire_bytes / median / 1e6,
                   "of_link_rate": wire_bytes / median / 1e6 / link_GBps,
                   "staging_bytes_per_rollout_rank": [g[k]["stats"]["staged_bytes"] for g in gathered[T:]],
-                  "commit_ms_per_rollout_rank": [g[k].get("commit_ms") for g in gathered[T:]]}
+                  "commit_ms_per_rollout_rank": [g[k].get("commit_ms") for g in gathered[T:]],
+                  "backup_ms_per_rollout_rank": [g[k].get("backup_ms") for g in gathered[T:]]}
     best = max((k for k in impl if k.startswith("p2p")), key=lambda k: per[k]["GBps"])
     # "device" is stamp()'s (the accelerator's name); the kind of device the ranks ran on apart
     return {"model": args.model, "layers": args.layers, "device_type": args.device, "wire_dtype": str(wire),
@@ -293,6 +299,10 @@ def main():
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--budget-bytes", type=int, nargs="+", default=[256 << 20],
                     help="p2p's per-round budget; several: one p2p endpoint each, in one run")
+    ap.add_argument("--commit", nargs="+", choices=("stage", "undo"), default=["stage", "undo"],
+                    help="p2p's transaction (P2PTransfer.commit), each with every budget: stage (rows p2p@B) "
+                         "receives whole and copies after the wire; undo (rows p2p-undo@B) lands rounds in place "
+                         "behind a backup")
     ap.add_argument("--layout", choices=("given", "infer"), default=None,
                     help="the rollout's layout: written from the engine's rules and checked by one loader call "
                          "(default on cuda: probing a 30B slice takes minutes on the host), or inferred (cpu default)")

@@ -38,8 +38,12 @@ class P2PTransfer:
     send_buffers: int = option(2, "round buffers a sender packs into, in turn: 2 packs round r + 1 while round r "
                                "is on the wire (one more budget of sender memory); 1 packs and sends in turn")
     timeout_s: float = option(60.0, "how long any rank waits for a peer's bytes or vote before raising")
-    transactional: bool = option(True, "stage the whole update and commit it after a unanimous vote "
-                                 "(costs the receiver's update bytes); False writes each round as it lands")
+    transactional: bool = option(True, "an update that fails leaves every receiver on its previous version "
+                                 "(costs the receiver's update bytes, see commit); False writes each round as it lands")
+    commit: str = option("stage", "how a transactional receiver keeps its guarantee: stage receives the whole "
+                         "update apart and copies it in after the vote (a copy after the wire); undo backs up "
+                         "what the update writes (on a side stream while round 0 is on the wire), writes each "
+                         "round in place as it lands, and copies the backup back if the vote fails")
     verify: bool = option(True, "check an inferred layout against a real load_weights call on random "
                           "tensors (one extra call; a cached layout is always checked)")
     poll_s: float = option(0.005, "the longest pause between store checks, only where the store cannot be "
@@ -51,6 +55,7 @@ class P2PTransfer:
         if isinstance(self.send_buffers, bool) or self.send_buffers not in (1, 2):
             raise ValueError(f"P2PTransfer.send_buffers must be 1 or 2; got {self.send_buffers!r}")
         check_bool(self, "transactional")
+        check_choice(self, "commit", ("stage", "undo"))
         check_bool(self, "verify")
         for name in ("timeout_s", "poll_s"):
             value = getattr(self, name)

@@ -90,7 +90,7 @@ class _Endpoint:
                           bytes_received=self.plan.bytes_received().get(self.rank, 0))
         self.mover = Mover(self.plan, self.rank, self.link.group, transactional=self.config.transactional,
                            device=self._device(), keep_programs=3 if self.config.mode == "async" else 1,
-                           send_buffers=self.config.send_buffers)
+                           send_buffers=self.config.send_buffers, commit=self.config.commit)
 
     def _transfer(self, version, sent, wait_s):
         """One update (number self.n): setup on the first, then prepare, move, vote, commit, each a
@@ -119,6 +119,8 @@ class _Endpoint:
                 with record_function("weight_transfer.commit"):
                     self.mover.commit(self.targets)
         except TransferError as e:
+            if not is_sender:  # an undo receiver puts the previous version back
+                self.mover.abort(self.targets)
             if self.mover.peer_failed or "did not answer" in str(e):
                 self.broken = f"update {n} ({e})"
             raise

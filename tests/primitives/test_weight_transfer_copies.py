@@ -39,7 +39,7 @@ def _transfer(plan, local, targets, send=None, recv=None):
     read = read_from(local)
     ident = copies.identity(read.tensors)
     for key in sorted(send.msgs):
-        recv._slice(recv.recv_buf, key).copy_(send.pack(key, read, ident))
+        recv.recv_slice(key).copy_(send.pack(key, read, ident))
     recv.commit(targets)
     return send, recv
 

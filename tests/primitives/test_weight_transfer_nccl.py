@@ -1,7 +1,8 @@
 """Weight transfer over NCCL, one GPU a rank (2 GPUs): a trainer's Qwen3-MoE weights on cuda:1 reach
 a vLLM-style engine on cuda:0 bit for bit, twice (the second through the cached copy programs), and
 a trainer killed in the middle of an update makes the rollout raise within the endpoint's timeout
-with its weights intact, then refuse further updates. The rollout is rank 0, the host of the control
+with its weights intact, then refuse further updates; with the update staged and with its rounds
+landed in place behind a backup (`commit="undo"`: the dead trainer's partial update is put back). The rollout is rank 0, the host of the control
 store, so the dead trainer takes no store with it (as a rollout engine's own process would not)."""
 from __future__ import annotations
 
@@ -23,8 +24,10 @@ DEAD_TIMEOUT_S = 5.0
 
 
 def nccl2(ctx):
-    p2p = registry.resolve("weight_transfer", P2PTransfer(budget_bytes=64 << 10, timeout_s=LIMIT))
-    short = registry.resolve("weight_transfer", P2PTransfer(budget_bytes=16 << 10, timeout_s=DEAD_TIMEOUT_S))
+    commit = ctx.params.get("commit", "stage")
+    p2p = registry.resolve("weight_transfer", P2PTransfer(budget_bytes=64 << 10, timeout_s=LIMIT, commit=commit))
+    short = registry.resolve("weight_transfer", P2PTransfer(budget_bytes=16 << 10, timeout_s=DEAD_TIMEOUT_S,
+                                                            commit=commit))
     link, dying = Link(ctx.trainers, ctx.rollouts, name="nccl"), Link(ctx.trainers, ctx.rollouts, name="dying")
     manifest, res = R.manifest_of_model(MOE), {}
     device = "cuda" if ctx.params.get("cuda") else "cpu"  # cpu: the same scenario over gloo
@@ -42,9 +45,12 @@ def nccl2(ctx):
         end = short(dying)
         end.update(shards, 3, timeout_s=LIMIT)  # the layout is inferred and the plan made: nothing to wait on
         end.ctl.post("sending", ctx.rank, True)
-        end.on_round = lambda r: os._exit(0) if r == 1 else None
+        end.on_round = lambda r: os._exit(0) if r == 2 else None  # round 0 landed on the rollout
+        with torch.no_grad():  # new values, so that rounds landed in place show unless put back
+            for p in model.parameters():
+                p.add_(1.0)
         end.update(shards, 4)
-        return res  # not reached: the trainer dies in round 1
+        return res  # not reached: the trainer dies in round 2
     eng = VllmStyleEngine(manifest, models.NAMED[MOE], device=device)
     end = p2p(link, load_weights=eng.load_weights, targets=eng.params, layout_key="nccl")
     for version in (1, 2):
@@ -61,12 +67,12 @@ def nccl2(ctx):
     return res
 
 
-@pytest.fixture(scope="module")
-def nccl(tmp_path_factory):
+@pytest.fixture(scope="module", params=["stage", "undo"])
+def nccl(request, tmp_path_factory):
     if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
         pytest.skip("needs two CUDA devices")
     return R.spawn(1, 1, __name__, "nccl2", tmp_path_factory.mktemp("nccl"), timeout_s=LIMIT, cuda=True,
-                   rollout_first=True)
+                   rollout_first=True, commit=request.param)
 
 
 def test_updates_over_nccl_equal_the_engines_own_load_weights(nccl):

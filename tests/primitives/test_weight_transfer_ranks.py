@@ -2,8 +2,9 @@
 without EP = 2) to rollout ranks (a vLLM-style engine at TP 1, 2 and 4, experts over EP 2,
 transformers' own model; Qwen3, Qwen3-MoE, Qwen3.5-MoE, DeepSeek-V3), sync and async, p2p against
 its broadcast twin; after every transfer each rollout parameter equals, bit for bit, what its own
-load_weights makes of the HF checkpoint of that version. Failures (a receiver that raises
-mid-update, a dtype mismatch, a missing and an extra tensor, an update started while one is in
+load_weights makes of the HF checkpoint of that version, whether the receiver stages the update
+or lands it in place behind a backup (`commit="undo"`). Failures (a receiver that raises
+mid-update, in either commit mode, a dtype mismatch, a missing and an extra tensor, an update started while one is in
 flight, a sender killed mid-update) raise on every rank with the previous weights intact; 100
 updates run with flat memory; an async poll is woken by the publish, never by a poll interval."""
 from __future__ import annotations
@@ -50,14 +51,16 @@ def main4(ctx):
     # the EP engine's link packs and sends in turn (one send buffer), the others double-buffered
     single = registry.resolve("weight_transfer", P2PTransfer(budget_bytes=32 << 10, timeout_s=LIMIT, send_buffers=1))
     async_ = registry.resolve("weight_transfer", P2PTransfer(mode="async", budget_bytes=32 << 10, timeout_s=LIMIT))
+    # rounds land in place, the update kept a transaction by a backup
+    undo = registry.resolve("weight_transfer", P2PTransfer(budget_bytes=32 << 10, timeout_s=LIMIT, commit="undo"))
     twin = registry.resolve("weight_transfer", "broadcast")
-    link = {k: Link(ctx.trainers, ctx.rollouts, name=k) for k in ("tp", "ep", "bc", "missing", "extra", "async")}
+    link = {k: Link(ctx.trainers, ctx.rollouts, name=k) for k in ("tp", "ep", "bc", "missing", "extra", "async", "undo")}
     res = {"errors": {}, "snaps": {}, "full": {}}
     if ctx.is_trainer:
         model, state, _ = R.trainer_state(ctx, MOE, ep=True)
-        end = {"tp": p2p(link["tp"]), "ep": single(link["ep"])}
+        end = {"tp": p2p(link["tp"]), "ep": single(link["ep"]), "undo": undo(link["undo"])}
 
-        def step(v, links=("tp", "ep")):
+        def step(v, links=("tp", "ep", "undo")):
             R.train_step(model, state, v)
             sh = R.shards(model, state)
             for k in links:
@@ -70,7 +73,9 @@ def main4(ctx):
         b = twin(link["bc"])
         b.update(R.shards(model, state), 2)
         res["bytes"] = {"p2p": end["tp"].stats["bytes_sent"], "broadcast": b.stats["bytes_sent"]}
-        res["send_buffers"] = {k: (len(e.mover.send_bufs), e.plan.rounds) for k, e in end.items()}
+        res["send_buffers"] = {k: (len(e.mover.send_bufs), e.plan.rounds) for k, e in end.items() if k != "undo"}
+        R.train_step(model, state, 3)  # new values, so that the rollout's in-place writes show
+        res["errors"]["undo"] = _error(lambda: end["undo"].update(R.shards(model, state), 3))
         res["errors"]["raises"] = _error(lambda: end["tp"].update(R.shards(model, state), 3))
         sh = R.shards(model, state)
         if ctx.rank == 1:
@@ -101,22 +106,34 @@ def main4(ctx):
         return res
     R.other_meshes(ctx, ep=True)
     man = R.manifest_of_model(MOE)
-    eng = {"tp": R.engine(ctx, MOE, man), "ep": R.engine(ctx, MOE, man, ep=True), "bc": R.engine(ctx, MOE, man)}
-    end = {k: (single if k == "ep" else p2p)(link[k], load_weights=e[0], targets=e[1], layout_key=e[2])
+    eng = {"tp": R.engine(ctx, MOE, man), "ep": R.engine(ctx, MOE, man, ep=True), "bc": R.engine(ctx, MOE, man),
+           "undo": R.engine(ctx, MOE, man)}
+    end = {k: {"ep": single, "undo": undo}.get(k, p2p)(link[k], load_weights=e[0], targets=e[1], layout_key=e[2])
            for k, e in eng.items() if k != "bc"}
     snap = res["snaps"]
     for _ in (1, 2):
-        for k in ("tp", "ep"):
+        for k in ("tp", "ep", "undo"):
             v = end[k].update()
             snap[(k, v)] = _clone(eng[k][1])  # (a[f()] = g() runs g first: update before the clone)
     twin(link["bc"], load_weights=eng["bc"][0], targets=eng["bc"][1]).update()
     snap[("bc", 2)] = _clone(eng["bc"][1])
+    ut, seen = eng["undo"][1], {}
+
+    def midway(r):  # before the last round: the earlier rounds are in place; then the last rank fails
+        if r == end["undo"].plan.rounds - 1:
+            seen["mid"] = _clone(ut)
+            if ctx.rank == ctx.rollouts[-1]:
+                raise RuntimeError("receiver failed mid-update")
+    end["undo"].on_round = midway
+    res["errors"]["undo"] = _error(end["undo"].update)
+    res["undo_wrote"] = not _same(seen["mid"], snap[("undo", 2)])
+    res["intact"] = {"undo": _same(ut, snap[("undo", 2)])}
     tp = eng["tp"][1]
     if ctx.rank == ctx.rollouts[-1]:
         end["tp"].on_round = _raise_at(0)
     res["errors"]["raises"] = _error(end["tp"].update)
     end["tp"].on_round = None
-    res["intact"] = {"raises": _same(tp, snap[("tp", 2)])}
+    res["intact"]["raises"] = _same(tp, snap[("tp", 2)])
     res["errors"]["dtype"] = _error(end["tp"].update)
     res["intact"]["dtype"] = _same(tp, snap[("tp", 2)])
     v = end["tp"].update()
@@ -164,6 +181,7 @@ def test_fsdp2_ep_trainer_to_tp_and_ep_engines_bitwise(main):
         for v in (1, 2):
             assert _same(main[rank]["snaps"][("tp", v)], _want(full[v], i)), (rank, v)
             assert _same(main[rank]["snaps"][("ep", v)], _want(full[v], i, ep_rank=i, ep_size=2)), (rank, v)
+            assert _same(main[rank]["snaps"][("undo", v)], _want(full[v], i)), (rank, v)  # landed in place
         assert _same(main[rank]["snaps"][("tp", 5)], _want(full[5], i))
         assert _same(main[rank]["snaps"][("tp", 6)], _want(full[6], i))
     for rank in (0, 1):  # both send paths ran, over several rounds: tp double-buffered, ep one buffer
@@ -180,7 +198,8 @@ def test_twin_gives_the_same_weights_for_more_bytes(main):
 
 
 def test_failures_raise_everywhere_and_keep_the_previous_weights(main):
-    for case, words in (("raises", "receiver failed mid-update"), ("dtype", "changed since the plan"),
+    for case, words in (("raises", "receiver failed mid-update"), ("undo", "receiver failed mid-update"),
+                        ("dtype", "changed since the plan"),
                         ("missing", "['lm_head.weight'] receive nothing"), ("extra", "KeyError: 'model.extra.weight'")):
         for rank, r in enumerate(main):
             assert r["errors"][case] is not None and words in r["errors"][case], (case, rank, r["errors"][case])
@@ -188,6 +207,7 @@ def test_failures_raise_everywhere_and_keep_the_previous_weights(main):
             assert main[rank]["intact"][case], (case, rank)
     for rank in (2, 3):
         assert main[rank]["errors"]["in_flight"].startswith("TransferInFlight"), main[rank]["errors"]["in_flight"]
+        assert main[rank]["undo_wrote"], rank  # the undo update had written rounds in place, then put them back
 
 
 def test_async_rollout_polls_the_newest_version(main):
