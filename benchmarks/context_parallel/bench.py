@@ -149,7 +149,9 @@ def _check_gdn(s, device, cp, rank, batch):
     T, dtype = s["check_tokens"], s["dtype"]
     hk, hv, dk, dv = s["gdn"]
     torch.manual_seed(0)  # the same weights on every rank
-    layer32 = registry.resolve("linear_attention", None)(s["hidden"], hk, hv, dk, dv).to(device)
+    # the fp32 reference is the twin (torch, chunked): independent of fla, and it spares fla's cold
+    # autotuning of a third set of kernels (fp32), minutes on a fresh GPU machine
+    layer32 = registry.resolve("linear_attention", "torch_chunked")(s["hidden"], hk, hv, dk, dv).to(device)
     layer = registry.resolve("linear_attention", None)(s["hidden"], hk, hv, dk, dv).to(device, dtype)
     layer.load_state_dict(layer32.state_dict())
     x, wx = (_randn((1, T, s["hidden"]), device, torch.float32, i, False) for i in (5, 6))
