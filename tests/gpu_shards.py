@@ -17,7 +17,13 @@ two GPUs), shard 5 523 s (fla's autotuning for the Qwen3.5 step is 253 s of it; 
 At e7087c0, five at once again: shard 2 102 s, shard 3 482 s, shard 4 111 s, shard 5 451 s; shard 1,
 then holding the context-parallel file, passed 30 tests and then spent the rest of 540 s in fla's first
 autotuning of a packed-row test while shard 3 autotuned beside it (alone, that test took 55 s). The
-file moved to shard 2, whose run is short. `tests/core/test_gpu_shards.py` checks that every file
+file moved to shard 2, whose run is short. At f7d5021 on four H200s (Triton's cache kept between
+calls, OMP_NUM_THREADS=8 a shard): shard 4 53 passed (its NCCL test included) in 176 s beside shards
+3 and 5; shard 5 11 passed, 3 skipped (Ray, verl absent) in 514 s sharing a GPU with shard 3, which
+then stalled in fla's cold autotuning; alone on a warm cache shard 3 passed in 143 s and shard 1 in
+118 s. Shard 2 stalled in the cp rule's fla test (fla's cold autotuning at a new value width, over
+400 s; its width now matches the test before it); the rest of that file passed alone in 21 s.
+`tests/core/test_gpu_shards.py` checks that every file
 with a `gpu` mark is in exactly one shard.
 """
 from __future__ import annotations
@@ -84,7 +90,8 @@ def gpu_files(root: Path = ROOT) -> set[str]:
 def command(shard: int, extra: list[str]) -> list[str]:
     if shard not in SHARDS:
         raise ValueError(f"shard must be one of {sorted(SHARDS)} or 'all', got {shard!r}")
-    return [sys.executable, "-m", "pytest", "-m", "gpu", "-q", *SHARDS[shard][1], *extra]
+    quiet = [] if any(a in ("-v", "-vv", "--verbose") for a in extra) else ["-q"]  # -q would cancel a -v
+    return [sys.executable, "-m", "pytest", "-m", "gpu", *quiet, *SHARDS[shard][1], *extra]
 
 
 def main(argv: list[str]) -> int:

@@ -19,6 +19,7 @@ def test_every_gpu_file_in_exactly_one_shard():
 def test_command_and_bad_shard():
     cmd = gpu_shards.command(1, ["-x"])
     assert cmd[1:6] == ["-m", "pytest", "-m", "gpu", "-q"] and cmd[-1] == "-x"
+    assert "-q" not in gpu_shards.command(1, ["-v"])  # a -v after -q would be cancelled
     assert set(gpu_shards.SHARDS[1][1]) <= set(cmd)
     with pytest.raises(ValueError, match="shard"):
         gpu_shards.command(99, [])
