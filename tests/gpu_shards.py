@@ -20,7 +20,7 @@ autotuning of a packed-row test while shard 3 autotuned beside it (alone, that t
 file moved to shard 2, whose run is short. At f7d5021 on four H200s (Triton's cache kept between
 calls, OMP_NUM_THREADS=8 a shard): shard 4 53 passed (its NCCL test included) in 176 s beside shards
 3 and 5; shard 5 11 passed, 3 skipped (Ray, verl absent) in 514 s sharing a GPU with shard 3, which
-then stalled in fla's cold autotuning; alone on a warm cache shard 3 passed in 143 s and shard 1 in
+then stalled in fla's cold autotuning; each on its own GPU with the cache warm, shard 3 passed in 143 s and shard 1 in
 118 s. Shard 2 stalled in the cp rule's fla test (fla's cold autotuning at a new value width, over
 400 s; its width now matches the test before it); the rest of that file passed alone in 21 s.
 `tests/core/test_gpu_shards.py` checks that every file
