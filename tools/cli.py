@@ -101,7 +101,8 @@ RESULTS_EPILOG = """example:
   bumblebee results                      # the slots and their files
   bumblebee results training_step        # tokens/s, peak GiB, ratios against transformers + Liger
   bumblebee results --file benchmarks/training_step/results/training_step_qwen3-30b-a3b_h200_x1.json
-  bumblebee results moe_dispatch --history   # and every older run of moe_dispatch/results/history.jsonl"""
+  bumblebee results moe_dispatch --history   # and every older run of moe_dispatch/results/history.jsonl
+  bumblebee results --stale              # which result files measure code changed since their commit"""
 
 
 def parser() -> argparse.ArgumentParser:
@@ -138,6 +139,9 @@ def parser() -> argparse.ArgumentParser:
                    help="the folder searched for result files (default: benchmarks/ of this checkout, its */results/)")
     r.add_argument("--history", action="store_true",
                    help="print each older run of a history.jsonl as its own tables (default: one row per run)")
+    r.add_argument("--stale", action="store_true",
+                   help="list each current result file and whether the code it measures changed since its commit "
+                        "(git; with SLOT: that slot's files only)")
     rl = sub.add_parser("rl", help="an asynchronous RL run (GRPO on the pipeline) from a TOML or JSON config",
                         formatter_class=_HelpFormatter, epilog=RL_EPILOG,
                         description="Train from a typed config file: a progress line per step, a JSONL log "
@@ -202,6 +206,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "results":
         from bumblebee.tools import results
         try:
+            if args.stale:
+                from bumblebee.tools import staleness
+                rows = [r for r in staleness.report(args.dir) if args.slot in (None, r["slot"])]
+                print(staleness.render(rows))
+                return 0
             print(results.main(args.slot, file=args.file, directory=args.dir, history=args.history))
         except (ValueError, OSError) as e:
             print(f"bumblebee results: {e}", file=sys.stderr)

@@ -1,0 +1,72 @@
+"""`bumblebee results --stale` on a throwaway git repository: a result file is current until a file its
+benchmark measures changes (the slot's primitive, its benchmark script), not when its notes, its own
+results or another slot's code change; a commit git does not know is reported unknown, never current."""
+import json
+import shutil
+import subprocess
+
+import pytest
+
+from bumblebee.tools import staleness
+
+pytestmark = pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
+
+
+def _git(root, *args):
+    return subprocess.run(["git", "-C", str(root), "-c", "user.name=t", "-c", "user.email=t@t", *args],
+                          check=True, capture_output=True, text=True).stdout.strip()
+
+
+def _write(root, rel, text):
+    path = root / rel
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+def _commit(root, message):
+    _git(root, "add", "-A")
+    _git(root, "commit", "-q", "-m", message)
+    return _git(root, "rev-parse", "HEAD")
+
+
+def test_a_result_is_stale_once_its_measured_code_changes(tmp_path):
+    _git(tmp_path, "init", "-q")
+    for rel in ("primitives/router.py", "kernels/router_softmax.py", "primitives/mla.py",
+                "benchmarks/router/bench.py", "benchmarks/router/NOTES.md"):
+        _write(tmp_path, rel, "x = 1\n")
+    measured = _commit(tmp_path, "code")
+    _write(tmp_path, "benchmarks/router/results/router.json", json.dumps({"commit": measured, "rows": []}))
+    _write(tmp_path, "benchmarks/router/results/history.jsonl", "")
+    _write(tmp_path, "benchmarks/mla/results/mla.json", json.dumps({"commit": "f" * 40, "rows": []}))
+    _commit(tmp_path, "results")
+
+    def state():
+        rows = staleness.report(tmp_path / "benchmarks", tmp_path)
+        return {r["file"]: r["changed"] for r in rows}
+    assert state() == {"router/results/router.json": [], "mla/results/mla.json": None}  # history not checked
+
+    _write(tmp_path, "benchmarks/router/NOTES.md", "notes\n")  # notes, results and another slot: still current
+    _write(tmp_path, "primitives/mla.py", "x = 2\n")
+    _commit(tmp_path, "notes")
+    assert state()["router/results/router.json"] == []
+
+    _write(tmp_path, "kernels/router_softmax.py", "x = 2\n")
+    _write(tmp_path, "benchmarks/router/bench.py", "x = 2\n")
+    _commit(tmp_path, "kernel")
+    assert state()["router/results/router.json"] == ["benchmarks/router/bench.py", "kernels/router_softmax.py"]
+    text = staleness.render(staleness.report(tmp_path / "benchmarks", tmp_path))
+    assert "STALE: 2 measured files changed" in text and "commit unknown to git" in text
+
+
+def test_whole_step_benchmarks_measure_models_but_not_the_rl_system():
+    specs = staleness.measured_paths("training_step")
+    assert "models*" in specs and "primitives*" in specs and ":(exclude)*weight_transfer*" in specs
+    assert ":(exclude)*weight_transfer*" not in staleness.measured_paths("rl_pipeline")
+    assert staleness.measured_paths("router")[-1] == "common/router*"
+
+
+def test_the_cli_lists_this_checkouts_result_files(capsys):
+    from bumblebee.tools import cli
+    assert cli.main(["results", "router", "--stale"]) == 0
+    out = capsys.readouterr().out
+    assert "router/results/router.json" in out and "current result files" in out
