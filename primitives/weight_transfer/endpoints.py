@@ -105,6 +105,8 @@ class _Endpoint:
                     self._setup(n, sent[:2] if is_sender else None, wait_s)
                 err = self._check(sent)
                 read = read_from(sent[2]) if is_sender else None
+                if is_sender and err is None:  # round 0 packs while the agreement is out
+                    self.mover.prepack(read)
                 got = agree(self.ctl, f"{n}/prep", self.rank, err, timeout_s=wait_s, version=version)
             version = got[self.link.trainer_ranks[0]]["version"]
         except TransferError as e:

@@ -175,6 +175,7 @@ class Mover:
             [torch.empty(max(recv_round.values(), default=0), dtype=torch.uint8, device=device)
              for _ in range(2 if rounds_in > 1 else 1)]
         self.keep = None  # the undo backup, laid out on the first update (it needs the targets' dtypes)
+        self.prepacked, self.last_prepacked = set(), 0  # round-0 messages packed before the agreement
         self.staged_bytes = total if transactional else 0  # staging, or the backup of the same elements
         # copy programs, per plan (a new plan gets a new Mover); `keep_programs`: how many source
         # identities to keep them for (the async sender's snapshots: 3)
@@ -206,6 +207,18 @@ class Mover:
         make = lambda: copies.build(self._pack_pairs(key, read))  # noqa: E731
         (make() if ident is None else self.programs.get(ident, ("pack", key), make)).run()
         return self.send_buf(key)
+
+    def prepack(self, read) -> None:
+        """Pack this rank's round-0 messages ahead, while the agreement is still out (the receivers'
+        answer then finds round 0 packed); a failure leaves them to `move`, which reports it."""
+        self.prepacked = set()
+        ident = _ident_of(read)
+        try:
+            for key in sorted(k for k in self.msgs if k[0] == 0 and k[1] == self.rank):
+                self.pack(key, read, ident)
+                self.prepacked.add(key)
+        except Exception:
+            self.prepacked = set()
 
     def _unpack_pairs(self, keys, targets):
         pairs = []
@@ -266,6 +279,8 @@ class Mover:
     def move(self, read=None, targets=None, timeout_s: float = 60.0, on_round=None) -> list[str]:
         """Run every round; the errors met (empty: all of this rank's messages went through)."""
         errors, self.peer_failed = [], False
+        prepacked, self.prepacked = self.prepacked, set()  # used once: a later update packs again
+        self.last_prepacked = len(prepacked)
         timeout = datetime.timedelta(seconds=timeout_s)
         # NCCL's wait with a timeout blocks the host until the round is done (no packing of the next
         # round meanwhile); without one it only orders the streams. This rank's last timed wait still
@@ -331,7 +346,7 @@ class Mover:
                 _, src, dst = key
                 if src == self.rank:
                     try:
-                        buf = self.pack(key, read, src_ident)
+                        buf = self.send_buf(key) if key in prepacked else self.pack(key, read, src_ident)
                     except Exception as e:  # still send: the receiver is waiting for these bytes
                         errors.append(f"packing {key}: {type(e).__name__}: {e}")
                         buf = self.send_buf(key)

@@ -74,6 +74,7 @@ def main4(ctx):
         b.update(R.shards(model, state), 2)
         res["bytes"] = {"p2p": end["tp"].stats["bytes_sent"], "broadcast": b.stats["bytes_sent"]}
         res["send_buffers"] = {k: (len(e.mover.send_bufs), e.plan.rounds) for k, e in end.items() if k != "undo"}
+        res["prepacked"] = end["tp"].mover.last_prepacked  # round 0 packed while the agreement was out
         R.train_step(model, state, 3)  # new values, so that the rollout's in-place writes show
         res["errors"]["undo"] = _error(lambda: end["undo"].update(R.shards(model, state), 3))
         res["errors"]["raises"] = _error(lambda: end["tp"].update(R.shards(model, state), 3))
@@ -187,6 +188,7 @@ def test_fsdp2_ep_trainer_to_tp_and_ep_engines_bitwise(main):
     for rank in (0, 1):  # both send paths ran, over several rounds: tp double-buffered, ep one buffer
         (tp_bufs, tp_rounds), (ep_bufs, ep_rounds) = main[rank]["send_buffers"]["tp"], main[rank]["send_buffers"]["ep"]
         assert (tp_bufs, ep_bufs) == (2, 1) and tp_rounds > 2 and ep_rounds > 2, main[rank]["send_buffers"]
+        assert main[rank]["prepacked"] > 0
 
 
 def test_twin_gives_the_same_weights_for_more_bytes(main):
