@@ -264,16 +264,17 @@ class Mover:
         return [(self.keep[at:at + v.numel() * v.element_size()].view(v.dtype).view(v.shape), v) for at, v in views]
 
     def backup(self, targets, ident=None) -> None:
-        """Copy every element this rank's update writes into the backup (undo mode)."""
+        """Copy every element this rank's update writes into the backup (undo mode), through a program
+        cached under the targets' identity (`ident`, taken here when not given)."""
         keys = tuple(k for k in sorted(self.msgs) if k[2] == self.rank)
         make = lambda: copies.build(self._keep_pairs(keys, targets))  # noqa: E731
-        (make() if ident is None else self.programs.get(ident, ("backup", keys), make)).run()
+        self.programs.get(ident or _targets_ident(targets), ("backup", keys), make).run()
 
     def restore(self, targets, ident=None) -> None:
         """Copy the backup back into the targets: the previous version, where an undo update failed."""
         keys = tuple(k for k in sorted(self.msgs) if k[2] == self.rank)
         make = lambda: copies.build([(v, b) for b, v in self._keep_pairs(keys, targets)])  # noqa: E731
-        (make() if ident is None else self.programs.get(ident, ("restore", keys), make)).run()
+        self.programs.get(ident or _targets_ident(targets), ("restore", keys), make).run()
 
     @torch.no_grad()
     def move(self, read=None, targets=None, timeout_s: float = 60.0, on_round=None) -> list[str]:
