@@ -52,14 +52,18 @@ def files(directory: Path = RESULTS_DIR) -> list[Path]:
     return sorted(p for p in directory.rglob("*") if p.suffix in (".json", ".jsonl") and p.is_file())
 
 
+def is_older_run(path: Path, directory: Path = RESULTS_DIR) -> bool:
+    """A history.jsonl, or a file under a history/ or before_* folder: a run the current files replaced."""
+    return Path(path).name == HISTORY or any(part == "history" or part.startswith("before_")
+                                             for part in Path(path).relative_to(directory).parts)
+
+
 def by_slot(directory: Path = RESULTS_DIR) -> dict[str, list[Path]]:
     """{slot: its result files}, current files (outside history/ and before_* folders) first."""
     directory, out = Path(directory), {}
     for path in files(directory):
         out.setdefault(slot_of(path.relative_to(directory), load(path)), []).append(path)
-    old = lambda p: p.name == HISTORY or any(part == "history" or part.startswith("before_")  # noqa: E731
-                                             for part in p.relative_to(directory).parts)
-    return {slot: sorted(paths, key=lambda p: (old(p), str(p))) for slot, paths in sorted(out.items())}
+    return {slot: sorted(paths, key=lambda p: (is_older_run(p, directory), str(p))) for slot, paths in sorted(out.items())}
 
 
 def tables(data: dict) -> list[tuple[str, list[dict]]]:

@@ -54,13 +54,8 @@ def changed_since(commit: str, slot: str, root: Path) -> list[str] | None:
 
 def current_files(directory: Path) -> list[tuple[str, Path]]:
     """(slot, file) of every current result file: older runs left out."""
-    out = []
-    for slot, paths in results.by_slot(directory).items():
-        for p in paths:
-            parts = p.relative_to(directory).parts
-            if p.name != results.HISTORY and not any(x == "history" or x.startswith("before_") for x in parts):
-                out.append((slot, p))
-    return out
+    return [(slot, p) for slot, paths in results.by_slot(directory).items() for p in paths
+            if not results.is_older_run(p, directory)]
 
 
 def report(directory: Path | None = None, root: Path | None = None) -> list[dict]:

@@ -139,7 +139,6 @@ class Mover:
         if commit not in ("stage", "undo"):
             raise ValueError(f"Mover: commit must be 'stage' or 'undo'; got {commit!r}")
         self.plan, self.rank, self.group = plan, rank, group
-        self.transactional = transactional
         self.staging = transactional and commit == "stage"  # else rounds land in place as they arrive
         self.undo = transactional and commit == "undo"
         self.msgs = plan.messages(rank)
@@ -175,6 +174,7 @@ class Mover:
             [torch.empty(max(recv_round.values(), default=0), dtype=torch.uint8, device=device)
              for _ in range(2 if rounds_in > 1 else 1)]
         self.keep = None  # the undo backup, laid out on the first update (it needs the targets' dtypes)
+        self.backed_up = False  # this update's backup was taken: a failed vote may restore it
         self.prepacked, self.last_prepacked = set(), 0  # round-0 messages packed before the agreement
         self.staged_bytes = total if transactional else 0  # staging, or the backup of the same elements
         # copy programs, per plan (a new plan gets a new Mover); `keep_programs`: how many source
@@ -263,18 +263,20 @@ class Mover:
             self.staged_bytes = total
         return [(self.keep[at:at + v.numel() * v.element_size()].view(v.dtype).view(v.shape), v) for at, v in views]
 
+    def _keep_copy(self, targets, ident, back: bool) -> None:
+        keys = tuple(k for k in sorted(self.msgs) if k[2] == self.rank)
+        make = lambda: copies.build([(v, b) if back else (b, v)  # noqa: E731
+                                     for b, v in self._keep_pairs(keys, targets)])
+        self.programs.get(ident or _targets_ident(targets), ("restore" if back else "backup", keys), make).run()
+
     def backup(self, targets, ident=None) -> None:
         """Copy every element this rank's update writes into the backup (undo mode), through a program
         cached under the targets' identity (`ident`, taken here when not given)."""
-        keys = tuple(k for k in sorted(self.msgs) if k[2] == self.rank)
-        make = lambda: copies.build(self._keep_pairs(keys, targets))  # noqa: E731
-        self.programs.get(ident or _targets_ident(targets), ("backup", keys), make).run()
+        self._keep_copy(targets, ident, back=False)
 
     def restore(self, targets, ident=None) -> None:
         """Copy the backup back into the targets: the previous version, where an undo update failed."""
-        keys = tuple(k for k in sorted(self.msgs) if k[2] == self.rank)
-        make = lambda: copies.build([(v, b) for b, v in self._keep_pairs(keys, targets)])  # noqa: E731
-        self.programs.get(ident or _targets_ident(targets), ("restore", keys), make).run()
+        self._keep_copy(targets, ident, back=True)
 
     @torch.no_grad()
     def move(self, read=None, targets=None, timeout_s: float = 60.0, on_round=None) -> list[str]:
@@ -390,12 +392,12 @@ class Mover:
     @torch.no_grad()
     def abort(self, targets) -> None:
         """After a failed vote: an undo receiver copies the backup back (after every unpack it made)."""
-        if self.undo and getattr(self, "backed_up", False):
+        if self.undo and self.backed_up:
             # not after the caller's stream: after a timed-out receive it may wait on NCCL for good;
             # the side stream holds the backup and every unpack, each of a receive seen complete
             side = _Side(self.recv_bufs[0].device, after_caller=False)
             with side.run():
-                self.restore(targets, _targets_ident(targets))
+                self.restore(targets)
             if self.recv_bufs[0].device.type == "cuda":
                 torch.cuda.current_stream(self.recv_bufs[0].device).wait_stream(side.stream)
 
