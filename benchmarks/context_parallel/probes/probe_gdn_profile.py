@@ -1,0 +1,90 @@
+"""Probe: where a gated DeltaNet layer's forward + backward spends its kernel time at CP = world size
+against the single-GPU layer on the whole sequence (bench.py's shapes), by kernel, from the profiler.
+
+Rank 0 profiles the single layer on T tokens, then every rank profiles `gdn_forward` on its T / CP
+tokens (rank 0's table is printed). Also times the rule alone (`fla_rule`) at the value width the cp
+path runs (Dv + Dk) and at the single layer's (Dv), to split the cp path's cost between the widened
+rule and the rest. One JSON line per case, the tables in text.
+
+    torchrun --standalone --nproc_per_node=2 benchmarks/context_parallel/probes/probe_gdn_profile.py [--tokens 65536]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # benchmarks/: timing
+from timing import median_ms  # noqa: E402
+
+from bumblebee import registry  # noqa: E402
+from bumblebee.primitives.context_parallel import layout  # noqa: E402
+from bumblebee.primitives.context_parallel.gdn import fla_rule, gdn_forward  # noqa: E402
+
+HK, HV, DK, DV, HIDDEN = 16, 32, 128, 128, 2048
+
+
+def _step(fn, x):
+    out = fn(x)
+    out.backward(torch.ones_like(out))
+
+
+def _table(fn, x, label, rank):
+    for _ in range(2):  # warm: autotuning and compilation stay out of the table
+        _step(fn, x)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        _step(fn, x)
+        torch.cuda.synchronize()
+    if rank == 0:
+        print(f"==== {label}")
+        print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=70))
+
+
+def _rule_ms(L, rows, width, device):
+    g = torch.Generator(device=device).manual_seed(0)
+    q, k = (torch.randn(rows, L, HV, DK, device=device, dtype=torch.bfloat16, generator=g) for _ in range(2))
+    v = torch.randn(rows, L, HV, width, device=device, dtype=torch.bfloat16, generator=g)
+    gl = -torch.rand(rows, L, HV, device=device, generator=g) * 0.1
+    beta = torch.rand(rows, L, HV, device=device, dtype=torch.bfloat16, generator=g)
+    h0 = torch.zeros(rows, HV, DK, width, device=device)
+    leaves = [t.requires_grad_() for t in (q, k, v)]
+
+    def call():
+        o, _ = fla_rule(*leaves, gl, beta, scale=DK ** -0.5, initial_state=h0)
+        o.backward(torch.ones_like(o))
+    return median_ms(call, iters=5, warmup=2, cuda=True)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--tokens", type=int, default=65536)
+    a = p.parse_args()
+    dist.init_process_group("nccl")
+    rank, cp = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", rank % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    T = a.tokens
+    torch.manual_seed(0)
+    layer = registry.resolve("linear_attention", None)(HIDDEN, HK, HV, DK, DV).to(device, torch.bfloat16)
+    if rank == 0:
+        x = torch.randn(1, T, HIDDEN, device=device, dtype=torch.bfloat16, requires_grad=True)
+        _table(layer, x, f"single layer, {T} tokens", rank)
+        L = T // (2 * cp)
+        for width in (DV, DV + DK):
+            print(json.dumps({"rule": "fla_rule", "rows": 2, "chunk": L, "value_width": width,
+                              "fwd_bwd_ms": _rule_ms(L, 2, width, device)}), flush=True)
+    dist.barrier()
+    batch = layout.make_batch(dist.group.WORLD, T, None, device)
+    xs = torch.randn(1, T // cp, HIDDEN, device=device, dtype=torch.bfloat16, requires_grad=True)
+    _table(lambda t: gdn_forward(layer, t, batch), xs, f"cp layer, CP = {cp}, {T // cp} tokens a rank", rank)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
