@@ -17,7 +17,7 @@ single / cp and efficiency = speed-up / CP (1.0 ideal) against each single row; 
 T / (CP x seconds). A case that fails (a missing kernel, out of memory) is recorded with its error
 and the others still run. CUDA: bf16, Qwen3.5-35B-A3B's attention (16 query / 2 key-value heads of
 256) and DeltaNet (16 key / 32 value heads of 128, hidden 2048) shapes; --cpu-smoke: gloo, fp32, tiny
-shapes, to check the script runs (its numbers mean nothing). Rank 0 writes DIR/context_parallel_cp<CP>.json
+shapes, to check the script runs (its numbers mean nothing). Rank 0 writes DIR/context_parallel_cp<CP>.json (`_gdn` added under `--layers gated_deltanet`)
 (stamped) after every case, so a run cut short keeps what it measured.
 """
 from __future__ import annotations
@@ -239,7 +239,9 @@ def main():
     result = {**stamp(device), "slot": "context_parallel", "ranks": cp, "dtype": str(s["dtype"]), "iters": iters,
               "warmup": 1, "shapes": {k: v for k, v in s.items() if k not in ("dtype", "tokens")},
               "checks": _check(s, device, cp, rank, args.layers), "rows": []}
-    path = args.out / f"context_parallel_cp{cp}.json"
+    only = {"attention": "", "gated_deltanet": "_gdn"}  # one layer kind: its own file, the other kind's stays
+    suffix = only[args.layers[0]] if len(set(args.layers)) == 1 else ""
+    path = args.out / f"context_parallel_cp{cp}{suffix}.json"
     if rank == 0:
         args.out.mkdir(parents=True, exist_ok=True)
         for row in result["checks"]:

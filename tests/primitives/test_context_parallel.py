@@ -27,6 +27,7 @@ from bumblebee.baselines.linear_attention import ChunkedGatedDeltaNet
 from bumblebee.primitives.context_parallel import layout
 from bumblebee.primitives.context_parallel.attention import EXCHANGES, masked_ring
 from bumblebee.primitives.context_parallel.gdn import gdn_forward
+from bumblebee.primitives.linear_attention_torch import causal_conv1d_silu_taps
 from tests.primitives.context_parallel_ranks import compare_module, cp_groups, error, error64, spawn, within
 
 PACKED = torch.tensor([0, 5, 6, 30, 31, 48])  # one-token documents at 5 and 30; 48 tokens
@@ -345,6 +346,12 @@ def _gdn_checks(group, errors, off, refs):
                        _twins(ChunkedGatedDeltaNet, 32, 2, 4, 8, 8),  # 2 key heads, 4 value heads
                        lambda layer, t: layer(t, cu_seqlens=cu), lambda layer, t: gdn_forward(layer, t, batch),
                        *_inputs([(B, T, 32), (B, T, 32)], seed=T), batch.index)
+        if cu is None:  # the rows path fla's conv takes on CUDA, here with the torch conv in its place
+            _module_checks(group, errors, off, refs, f"gdn T={T} conv rows",
+                           _twins(ChunkedGatedDeltaNet, 32, 2, 4, 8, 8),
+                           lambda layer, t: layer(t, cu_seqlens=cu),
+                           lambda layer, t: gdn_forward(layer, t, batch, row_conv=causal_conv1d_silu_taps),
+                           *_inputs([(B, T, 32), (B, T, 32)], seed=T), batch.index)
 
 
 def layers(world):

@@ -7,7 +7,7 @@
   the `mla` slot's layer;
 - gated DeltaNet's `fla_rule` (fla's kernel with an entering state, its final state and their
   gradients) against `torch_rule` (the torch chunked rule), unpacked and packed, and the whole
-  cp rule on fla against it.
+  cp rule on fla against it; the halo conv on fla's conv against the fp32 halo path.
 Tolerances: bf16 paths within 4x the error of a plain bf16 SDPA call (the same kernels' class) plus a
 floor; fla in fp32 against torch fp32 by relative norm (fla's dots may use TF32).
 """
@@ -174,6 +174,25 @@ def test_cp_rule_on_fla_equals_torch(packed):
         outs.append([o] + [t.grad for t in leaves])
     for a, b in zip(*outs):
         assert _rel(a, b) < 5e-3
+
+
+@cuda
+def test_halo_conv_rows_on_fla_equals_the_fp32_halo_conv():
+    """An unpacked shard's conv on fla's `causal_conv1d` (bf16, rows [halo | chunk]) at CP = 1 against the
+    fp32 halo path in float64; the fp32 path's own bf16 run gives the error scale. Output and input gradient."""
+    from bumblebee.primitives.context_parallel import gdn
+    from bumblebee.primitives.linear_attention import fla_falls_back
+    if fla_falls_back(torch.device("cuda"), torch.bfloat16) is not None:
+        pytest.skip("flash-linear-attention does not serve here")
+    B, T, C, W = 2, 256, 64, 4
+    batch = layout.make_batch(None, T, None, "cuda")
+    g = torch.Generator(device="cuda").manual_seed(5)
+    x, wo = (torch.randn(B, T, C, device="cuda", generator=g) for _ in range(2))
+    w = torch.randn(C, W, device="cuda", generator=g) * 0.3
+    ref = _grads(lambda t: gdn.halo_conv_silu(t, w.double(), batch) * wo, [x.double()], 1.0)
+    plain = _grads(lambda t: gdn.halo_conv_silu(t, w, batch) * wo, [x.bfloat16()], 1.0)
+    got = _grads(lambda t: gdn.halo_conv_rows(t, w, batch, gdn._fla_conv_silu) * wo, [x.bfloat16()], 1.0)
+    _close(got, ref, plain)
 
 
 @cuda
