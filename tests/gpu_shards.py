@@ -23,6 +23,9 @@ calls, OMP_NUM_THREADS=8 a shard): shard 4 53 passed (its NCCL test included) in
 then stalled in fla's cold autotuning; each on its own GPU with the cache warm, shard 3 passed in 143 s and shard 1 in
 118 s. Shard 2 stalled in the cp rule's fla test (fla's cold autotuning at a new value width, over
 400 s; its width now matches the test before it); the rest of that file passed alone in 21 s.
+At 1a4190f on four H200s: shard 4 55 passed in 127 s (two GPUs, beside a benchmark); the context-parallel
+file alone 29 passed in 120 s, its fla rule test 96 s of it (fla's autotuning, the cache warm from an
+earlier call that ran out of time beside two benchmarks).
 `tests/core/test_gpu_shards.py` checks that every file
 with a `gpu` mark is in exactly one shard.
 """
