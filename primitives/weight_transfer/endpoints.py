@@ -28,6 +28,11 @@ from bumblebee.primitives.weight_transfer.spec import SenderSpecs
 # wake it through the store: the request key is shared by every sender, so a wake posted there (and
 # then deleted) reached the other senders' services as a request, or vanished under their read.
 _IDLE_S = 0.5
+# A sender's answer when the version a rollout asked for was dropped between the rollout's pick (from
+# the senders' "pub" lists) and the service's turn: every rank sees it, and poll() picks again.
+_GONE = "this sender no longer holds the requested version"
+# How many times one poll() picks again after that (each pick is the newest version every sender holds).
+_POLL_PICKS = 3
 
 
 def _merge_manifests(manifests) -> tuple:
@@ -69,6 +74,9 @@ class _Endpoint:
         if self.rank in t:
             self.ctl.post(f"{n}/setup-s", self.rank, mine)
         senders = self.ctl.collect(f"{n}/setup-s", t, timeout_s=wait_s)
+        empty = sorted(r for r, (_, m) in senders.items() if m is None)
+        if empty:
+            raise TransferError(f"sender ranks {empty} hold no version to plan with")
         manifest = _merge_manifests(m for _, m in senders.values())
         if self.rank in r:
             try:
@@ -101,8 +109,8 @@ class _Endpoint:
         is_sender = self.rank in self.link.trainer_ranks
         try:
             with record_function("weight_transfer.prepare"):
-                if self.plan is None:
-                    self._setup(n, sent[:2] if is_sender else None, wait_s)
+                if self.plan is None:  # the layout: the same for every version (checked below)
+                    self._setup(n, self._layout(sent) if is_sender else None, wait_s)
                 err = self._check(sent)
                 read = read_from(sent[2]) if is_sender else None
                 if is_sender and err is None:  # round 0 packs while the agreement is out
@@ -153,12 +161,25 @@ class WeightSender(_Endpoint):
         self._specs = SenderSpecs()
 
     def _device(self):
-        return next(iter(self._sent[2].values())).device if self._sent[2] else torch.device("cpu")
+        local = self._sent[2]
+        if not local:  # a version that is gone (async): the newest held snapshot's device
+            with self._lock:
+                local = self._slots[-1][1][2] if self._slots else {}
+        return next(iter(local.values())).device if local else torch.device("cpu")
+
+    def _layout(self, sent):
+        """(spec, manifest) to plan with: the sent version's, or where that version is gone (async) the
+        newest held one's, so that the first update fails by `_check` on every rank, not in the setup."""
+        if sent[0] is not None:
+            return sent[:2]
+        with self._lock:
+            held = [s[1][:2] for s in self._slots]
+        return held[-1] if held else (None, None)
 
     def _check(self, sent):
         spec, manifest, _ = sent
         if spec is None:
-            return "this sender no longer holds the requested version"
+            return _GONE
         layout = getattr(self, "sent_layout", None)
         if layout is not None and (manifest, spec.boxes) != layout:
             changed = sorted(set(layout[0]) ^ set(manifest)) or sorted(set(layout[1]) ^ set(spec.boxes))
@@ -306,38 +327,47 @@ class WeightReceiver(_Endpoint):
         if isinstance(wait_s, bool) or not isinstance(wait_s, (int, float)) or wait_s < 0:
             raise ValueError(f"poll: wait_s must be a number >= 0; got {wait_s!r}")
         with self._flight():
-            leader, m = self.link.rollout_ranks[0], self._polls
-            self._polls += 1
-            if self.rank == leader:
-                deadline = time.monotonic() + wait_s
-                want = self._newest()
-                while want is None and time.monotonic() < deadline:
-                    senders = self.link.trainer_ranks
-                    if not all(self.ctl._has(f"pubn/{s}") for s in senders):  # nothing published yet
-                        nxt = {s: 1 for s in senders}
-                    else:
-                        nxt = {s: n + 1 for s, n in self.ctl.collect("pubn", senders).items()}
-                    want = self._newest()  # a publish between reading pubn and here
-                    if want is None:
-                        self.ctl.wait([f"pub-{n}/{s}" for s, n in nxt.items()], max(0.0, deadline - time.monotonic()))
-                        want = self._newest()
-                self.ctl.post(f"poll-{m}", leader, want)
-            want = self.ctl.collect(f"poll-{m}", [leader], timeout_s=wait_s + self.config.timeout_s)[leader]
-            # the previous answer goes once every rank has read it: a rank may still be on its way
-            # to it when the leader, with nothing new, comes back for the next poll
-            others = [r for r in self.link.rollout_ranks if r != leader]
-            if self.rank != leader:
-                self.ctl.post(f"poll-read-{m}", self.rank, True)
-            elif m > 0 and others:
-                self.ctl.collect(f"poll-read-{m - 1}", others)
-                for r in others:
-                    self.ctl.forget(f"poll-read-{m - 1}", r)
-            if self.rank == leader and m > 0:
-                self.ctl.forget(f"poll-{m - 1}", leader)
-            if want is None:
-                return None
-            if self.rank == leader:
-                self.ctl.post(f"{self.n}/req", leader, want)
-                self.ctl.forget(f"{self.n - 1}/req", leader)
-            return self._transfer(want, None, self.config.timeout_s)
+            for pick in range(_POLL_PICKS):
+                try:
+                    return self._poll_once(wait_s)
+                except TransferError as e:  # every rank gets the same message: every rank picks again
+                    if _GONE not in str(e) or pick == _POLL_PICKS - 1:
+                        raise
+
+    def _poll_once(self, wait_s):
+        """One pick of the newest version and its transfer (every rollout rank together)."""
+        leader, m = self.link.rollout_ranks[0], self._polls
+        self._polls += 1
+        if self.rank == leader:
+            deadline = time.monotonic() + wait_s
+            want = self._newest()
+            while want is None and time.monotonic() < deadline:
+                senders = self.link.trainer_ranks
+                if not all(self.ctl._has(f"pubn/{s}") for s in senders):  # nothing published yet
+                    nxt = {s: 1 for s in senders}
+                else:
+                    nxt = {s: n + 1 for s, n in self.ctl.collect("pubn", senders).items()}
+                want = self._newest()  # a publish between reading pubn and here
+                if want is None:
+                    self.ctl.wait([f"pub-{n}/{s}" for s, n in nxt.items()], max(0.0, deadline - time.monotonic()))
+                    want = self._newest()
+            self.ctl.post(f"poll-{m}", leader, want)
+        want = self.ctl.collect(f"poll-{m}", [leader], timeout_s=wait_s + self.config.timeout_s)[leader]
+        # the previous answer goes once every rank has read it: a rank may still be on its way
+        # to it when the leader, with nothing new, comes back for the next poll
+        others = [r for r in self.link.rollout_ranks if r != leader]
+        if self.rank != leader:
+            self.ctl.post(f"poll-read-{m}", self.rank, True)
+        elif m > 0 and others:
+            self.ctl.collect(f"poll-read-{m - 1}", others)
+            for r in others:
+                self.ctl.forget(f"poll-read-{m - 1}", r)
+        if self.rank == leader and m > 0:
+            self.ctl.forget(f"poll-{m - 1}", leader)
+        if want is None:
+            return None
+        if self.rank == leader:
+            self.ctl.post(f"{self.n}/req", leader, want)
+            self.ctl.forget(f"{self.n - 1}/req", leader)
+        return self._transfer(want, None, self.config.timeout_s)
 

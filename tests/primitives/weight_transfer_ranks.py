@@ -5,6 +5,8 @@ rollout ranks (a vLLM-style engine at TP n, or transformers' model) in one gloo 
 `spawn` runs `scenario(ctx)` on every rank; each rank returns a picklable result saved to disk. A
 rank may be killed on purpose (a dead sender): the harness then collects whatever ranks wrote,
 and every survivor leaves with os._exit (a gloo group with a dead peer cannot be torn down).
+A rank that raises fails the run: spawn ends the other ranks `CRASH_GRACE_S` later (they may wait on
+it up to the limit) and reports every rank's traceback.
 """
 from __future__ import annotations
 
@@ -63,9 +65,14 @@ def _worker(rank, world, port, module, scenario, trainers, out, params):
         import traceback
         result = {"crash": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"}
     torch.save(result, Path(out) / f"{scenario}-{rank}.pt")
+    if "crash" in result:  # tells spawn() to end the other ranks (they may wait on this one for long)
+        (Path(out) / f"{scenario}-{rank}.crash").touch()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+CRASH_GRACE_S = 10.0  # after a rank raised, how long its peers get to record their own errors
 
 
 def spawn(trainers: int, rollouts: int, module: str, scenario: str, out: Path, timeout_s=None, **params) -> list:
@@ -74,12 +81,18 @@ def spawn(trainers: int, rollouts: int, module: str, scenario: str, out: Path, t
     world = trainers + rollouts
     ctx = mp.start_processes(_worker, args=(world, _port(), module, scenario, trainers, str(out), params),
                              nprocs=world, join=False, start_method="spawn")
-    deadline = time.time() + timeout_s
+    deadline, crashed_at = time.time() + timeout_s, None
     while not ctx.join(timeout=1):
         if time.time() > deadline:
             for p in ctx.processes:
                 p.kill()
             raise TimeoutError(f"{scenario}: ranks still running after {timeout_s} s")
+        if crashed_at is None and any(Path(out).glob(f"{scenario}-*.crash")):
+            crashed_at = time.time()
+        if crashed_at is not None and time.time() > crashed_at + CRASH_GRACE_S:  # a rank raised: the run
+            for p in ctx.processes:  # failed; its peers may wait on it up to the limit, so end them
+                p.kill()
+            break
     res = []
     for r in range(world):
         f = Path(out) / f"{scenario}-{r}.pt"
