@@ -74,9 +74,6 @@ class _Endpoint:
         if self.rank in t:
             self.ctl.post(f"{n}/setup-s", self.rank, mine)
         senders = self.ctl.collect(f"{n}/setup-s", t, timeout_s=wait_s)
-        empty = sorted(r for r, (_, m) in senders.items() if m is None)
-        if empty:
-            raise TransferError(f"sender ranks {empty} hold no version to plan with")
         manifest = _merge_manifests(m for _, m in senders.values())
         if self.rank in r:
             try:
@@ -110,7 +107,7 @@ class _Endpoint:
         try:
             with record_function("weight_transfer.prepare"):
                 if self.plan is None:  # the layout: the same for every version (checked below)
-                    self._setup(n, self._layout(sent) if is_sender else None, wait_s)
+                    self._setup(n, self._planned(sent)[:2] if is_sender else None, wait_s)
                 err = self._check(sent)
                 read = read_from(sent[2]) if is_sender else None
                 if is_sender and err is None:  # round 0 packs while the agreement is out
@@ -160,21 +157,18 @@ class WeightSender(_Endpoint):
         self.error: BaseException | None = None
         self._specs = SenderSpecs()
 
-    def _device(self):
-        local = self._sent[2]
-        if not local:  # a version that is gone (async): the newest held snapshot's device
-            with self._lock:
-                local = self._slots[-1][1][2] if self._slots else {}
-        return next(iter(local.values())).device if local else torch.device("cpu")
-
-    def _layout(self, sent):
-        """(spec, manifest) to plan with: the sent version's, or where that version is gone (async) the
-        newest held one's, so that the first update fails by `_check` on every rank, not in the setup."""
+    def _planned(self, sent):
+        """(spec, manifest, local) to plan with: `sent`, or where its version is gone (async; the service
+        runs only after a publish, so a snapshot is held) the newest snapshot, so that the first update
+        fails by `_check` on every rank, not in the setup."""
         if sent[0] is not None:
-            return sent[:2]
+            return sent
         with self._lock:
-            held = [s[1][:2] for s in self._slots]
-        return held[-1] if held else (None, None)
+            return self._slots[-1][1]
+
+    def _device(self):
+        local = self._planned(self._sent)[2]
+        return next(iter(local.values())).device if local else torch.device("cpu")
 
     def _check(self, sent):
         spec, manifest, _ = sent
