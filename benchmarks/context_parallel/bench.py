@@ -11,7 +11,8 @@ alone runs the single-GPU layer on the whole sequence while the others wait (att
 as a user calls it, `single`, and on the flash backend with repeated K/V heads, `single_flash`, the
 cp forms' kernel where cuDNN's SDPA backend is off; gated DeltaNet: the `linear_attention` slot's default layer, fla on CUDA),
 then every rank runs its shard (T / CP tokens) of the cp forms: attention by `allgather` and by
-`ring`, gated DeltaNet's `cp` (fla's kernel with state passing, where fla serves). Each case: fixed
+`ring`, gated DeltaNet's `cp` (this project's affine maps, `ContextParallel(deltanet="maps")`, fla's
+rule where fla serves) and `cp_fla` (fla's own CP kernels, `deltanet="fla"`). Each case: fixed
 iteration counts, CUDA events, a barrier closing every call (so the slowest rank counts); speed-up =
 single / cp and efficiency = speed-up / CP (1.0 ideal) against each single row; tokens/s per GPU =
 T / (CP x seconds). A case that fails (a missing kernel, out of memory) is recorded with its error
@@ -45,6 +46,7 @@ from bumblebee.primitives.context_parallel.gdn import gdn_forward  # noqa: E402
 
 GPU = dict(tokens=(65536, 131072, 262144), heads=16, kv_heads=2, head_dim=256, hidden=2048,
            gdn=(16, 32, 128, 128), dtype=torch.bfloat16, check_tokens=8192, iters=3)
+GDN_ROWS = {"maps": "cp", "fla": "cp_fla"}  # ContextParallel.deltanet -> the row's impl
 SMOKE = dict(tokens=(256,), heads=4, kv_heads=2, head_dim=16, hidden=64, gdn=(2, 4, 16, 16), dtype=torch.float32,
              check_tokens=64, iters=2)
 
@@ -157,15 +159,18 @@ def _check_gdn(s, device, cp, rank, batch):
     x, wx = (_randn((1, T, s["hidden"]), device, torch.float32, i, False) for i in (5, 6))
     ref = _outputs_and_grads(layer32, [x], wx)
     single = _outputs_and_grads(layer, [x.to(dtype)], wx)
-    row = {"check": "gated_deltanet", "impl": "cp", "tokens": T, "cp": cp}
-    try:
-        got = _outputs_and_grads(lambda t: gdn_forward(layer, t, batch), [layout.shard(x, cp, rank).to(dtype)],
-                                 layout.shard(wx, cp, rank))
-        for part, a, b, c in zip(("out", "dx"), got, ref, single):
-            row[part] = _errors(a, b, c, batch.index, 1)
-    except Exception as e:
-        row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
-    return [row]
+    rows = []
+    for mode in s["deltanet"]:
+        row = {"check": "gated_deltanet", "impl": GDN_ROWS[mode], "tokens": T, "cp": cp}
+        try:
+            got = _outputs_and_grads(lambda t: gdn_forward(layer, t, batch, deltanet=mode),
+                                     [layout.shard(x, cp, rank).to(dtype)], layout.shard(wx, cp, rank))
+            for part, a, b, c in zip(("out", "dx"), got, ref, single):
+                row[part] = _errors(a, b, c, batch.index, 1)
+        except Exception as e:
+            row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
+        rows.append(row)
+    return rows
 
 
 # ---- timing at the benchmark lengths ---------------------------------------------------------
@@ -196,9 +201,10 @@ def _gdn(T, s, device, cp, rank, iters):
                                   device, iters)
     dist.barrier()
     batch = layout.make_batch(dist.group.WORLD, T, None, device)
-    rows["cp"] = _measure(lambda: _fwd_bwd(lambda t: gdn_forward(layer, t, batch),
-                                           [_randn((1, T // cp, s["hidden"]), device, s["dtype"], rank)]),
-                          device, iters, dist.group.WORLD)
+    for mode in s["deltanet"]:
+        rows[GDN_ROWS[mode]] = _measure(lambda: _fwd_bwd(lambda t: gdn_forward(layer, t, batch, deltanet=mode),
+                                                         [_randn((1, T // cp, s["hidden"]), device, s["dtype"], rank)]),
+                                        device, iters, dist.group.WORLD)
     return rows
 
 
@@ -226,6 +232,9 @@ def main():
     p.add_argument("--tokens", type=int, nargs="*", default=None, help="total lengths (default 64K 128K 256K)")
     p.add_argument("--layers", nargs="*", default=["attention", "gated_deltanet"],
                    choices=["attention", "gated_deltanet"])
+    p.add_argument("--deltanet", nargs="*", default=None, choices=sorted(GDN_ROWS),
+                   help="gated DeltaNet's cp forms (ContextParallel.deltanet; default maps and fla on CUDA, maps "
+                        "on the CPU smoke: fla's CP kernels need CUDA)")
     args = p.parse_args()
     cuda = torch.cuda.is_available() and not args.cpu_smoke
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
@@ -234,10 +243,11 @@ def main():
     # a rank stuck in a collective (another failed inside one) ends the run instead of hanging it
     dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=240))
     cp, rank = dist.get_world_size(), dist.get_rank()
-    s = GPU if cuda else SMOKE
+    s = {**(GPU if cuda else SMOKE), "deltanet": args.deltanet or (["maps", "fla"] if cuda else ["maps"])}
     iters = args.iters or s["iters"]
     result = {**stamp(device), "slot": "context_parallel", "ranks": cp, "dtype": str(s["dtype"]), "iters": iters,
-              "warmup": 1, "shapes": {k: v for k, v in s.items() if k not in ("dtype", "tokens")},
+              "warmup": 1, "deltanet": s["deltanet"],
+              "shapes": {k: v for k, v in s.items() if k not in ("dtype", "tokens", "deltanet")},
               "checks": _check(s, device, cp, rank, args.layers), "rows": []}
     only = {"attention": "", "gated_deltanet": "_gdn"}  # one layer kind: its own file, the other kind's stays
     suffix = only[args.layers[0]] if len(set(args.layers)) == 1 else ""

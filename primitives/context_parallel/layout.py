@@ -111,6 +111,7 @@ class CPBatch:
     packed: bool
     lo: tuple  # per local chunk: the first global position any of its queries may attend to
     cuts: tuple  # per local chunk: the local offsets where a document starts inside it (0: at its start)
+    bounds: tuple = ()  # the global cu_seqlens of a row ((0, T) unpacked)
     context_parallel = True  # models/causal_lm.py: positions and labels come set on the full sequence
 
     @property
@@ -142,7 +143,8 @@ def make_batch(group, T: int, cu_seqlens=None, device=None) -> CPBatch:
     lo = tuple(int(all_starts[c * L]) for c in rank_chunks(rank, cp))  # starts are non-decreasing
     cu = [0, T] if cu_seqlens is None else check_cu_seqlens(cu_seqlens, T)
     cuts = tuple(tuple(a - c * L for a in cu[:-1] if c * L <= a < (c + 1) * L) for c in rank_chunks(rank, cp))
-    return CPBatch(group, cp, rank, T, index, all_starts[index], all_starts, cu_seqlens is not None, lo, cuts)
+    return CPBatch(group, cp, rank, T, index, all_starts[index], all_starts, cu_seqlens is not None, lo, cuts,
+                   tuple(int(a) for a in cu))
 
 
 @dataclass

@@ -31,7 +31,7 @@ from bumblebee.distributed import reduce_from_group
 from bumblebee.options import check_choice, option
 from bumblebee.primitives.context_parallel.attention import EXCHANGES, check_batch
 from bumblebee.primitives.context_parallel.flash import BLOCK_KEYS
-from bumblebee.primitives.context_parallel.gdn import gdn_forward
+from bumblebee.primitives.context_parallel.gdn import DELTANET, gdn_forward
 from bumblebee.primitives.context_parallel.layout import Shard
 from bumblebee.primitives.context_parallel.mla import EXCHANGES as MLA_EXCHANGES, mla_forward
 
@@ -50,10 +50,15 @@ class ContextParallel:
                                "key, r + R numbers a token; K/V expanded by kv_b_proj on every rank), heads "
                                "(the expanded K/V, H x (qk + v) a token), or auto (whichever moves fewer bytes: "
                                "latent for DeepSeek-V3, 71x fewer)")
+    deltanet: str = option("maps", "how gated DeltaNet layers pass the conv halo and the recurrent state: maps "
+                           "(this project's exact fp32 affine maps from one widened call of the rule; any "
+                           "device) or fla (flash-linear-attention 0.6's own CP kernels: a transition-only "
+                           "chain pass, then the plain rule; CUDA)")
 
     def __post_init__(self):
         check_choice(self, "exchange", tuple(EXCHANGES))
         check_choice(self, "mla_exchange", MLA_EXCHANGES)
+        check_choice(self, "deltanet", DELTANET)
         if isinstance(self.allgather_block_keys, bool) or not isinstance(self.allgather_block_keys, int) \
                 or self.allgather_block_keys < 0:
             raise ValueError(f"ContextParallel.allgather_block_keys must be an int >= 0; got {self.allgather_block_keys!r}")
@@ -88,7 +93,7 @@ def apply(model: nn.Module, cp_group, config: ContextParallel | None = None) -> 
         raise ValueError("context parallelism is already applied to this model")
     for m in model.modules():
         if _is_gdn(m):
-            m.forward = functools.partial(gdn_forward, m)
+            m.forward = functools.partial(gdn_forward, m, deltanet=config.deltanet)
         elif _is_mla(m):
             m.forward = functools.partial(mla_forward, m, exchange=config.mla_exchange)
         elif hasattr(m, "attend"):

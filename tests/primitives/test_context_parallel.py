@@ -95,6 +95,19 @@ def test_bad_layout_input_names_the_argument():
     from bumblebee.primitives.context_parallel.model import ContextParallel
     with pytest.raises(ValueError, match="allgather_block_keys"):
         ContextParallel(allgather_block_keys=-1)
+    with pytest.raises(ValueError, match="ContextParallel.deltanet must be one of 'maps', 'fla'"):
+        ContextParallel(deltanet="ring")
+
+
+def test_deltanet_on_fla_names_why_it_cannot_run_on_cpu():
+    """ContextParallel(deltanet="fla") on a CPU tensor: a clear error naming the option and the reason
+    (fla's CP kernels need CUDA), not a silent fall-back to the maps."""
+    batch = layout.make_batch(None, 8)
+    layer = ChunkedGatedDeltaNet(32, 2, 4, 8, 8)
+    with pytest.raises(RuntimeError, match=r"deltanet='fla'.*need CUDA"):
+        gdn_forward(layer, torch.zeros(1, 8, 32), batch, deltanet="fla")
+    with pytest.raises(ValueError, match="deltanet must be one of"):
+        gdn_forward(layer, torch.zeros(1, 8, 32), batch, deltanet="widened")
 
 
 @pytest.mark.parametrize("block_keys", [0, 1, 3, 7, 100])

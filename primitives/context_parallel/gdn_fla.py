@@ -1,0 +1,96 @@
+"""Gated DeltaNet over a context-parallel shard on flash-linear-attention's own CP kernels (CUDA).
+
+fla 0.6's `build_cp_context(cu_seqlens, group, layout="zigzag")` is this project's layout: rank r
+holds the sequence's parts r and 2 CP - 1 - r, concatenated [front; back] (`layout.py`). With that
+context:
+- `causal_conv1d(..., cp_context=)` takes each part's W - 1 halo tokens from the part before it (one
+  all-gather of every part's tail) and sends the halo's gradient back in the backward;
+- `chunk_gated_delta_rule(..., cp_context=)` first computes every part's affine state map at the
+  state's width (the transition alone, from the WY factors the rule makes anyway), all-gathers and
+  composes them in the chain's order (TF32x3 dots: fp32-class accuracy), then runs the plain rule
+  from the entering state; its backward runs the same chain for the state gradients.
+So each rank runs the single layer's kernels on its tokens (q, k and v projected and convolved
+apart, contiguous, as `primitives/linear_attention.py` does) plus the chain pass: no widened values
+and no fp32 copies of [T, C] activations, the costs `gdn.py`'s own maps pay
+(`benchmarks/context_parallel/NOTES.md`).
+
+fla's context describes one row of packed documents (B = 1): unpacked rows of B > 1 run one by one.
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+import torch.nn.functional as F
+
+from bumblebee.norms import to_acc
+from bumblebee.primitives.context_parallel.layout import CPBatch
+from bumblebee.primitives.linear_attention import fla_falls_back, fla_ops, scoped
+
+_CONTEXTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # CPBatch -> fla's context: one a batch
+
+
+def fla_cp_available() -> bool:
+    """Whether the installed fla has the CP kernels with the zigzag layout (fla >= 0.6)."""
+    try:
+        from fla.ops.cp import build_cp_context  # noqa: F401
+        from fla.ops.cp.context import FLACPContext
+    except Exception:
+        return False
+    return "layout" in getattr(FLACPContext, "__dataclass_fields__", {})
+
+
+def why_not_fla_cp(x: torch.Tensor) -> str | None:
+    """Why fla's CP kernels cannot run the layer on x, or None."""
+    why = fla_falls_back(x.device, x.dtype, training=torch.is_grad_enabled())
+    if why is not None:
+        return why
+    if not fla_cp_available():
+        return "the installed flash-linear-attention has no context-parallel kernels (fla.ops.cp, fla >= 0.6)"
+    return None
+
+
+def fla_context(batch: CPBatch, conv_width: int, device):
+    """fla's zigzag CP context of `batch` (built once a batch: the layers of a step share it)."""
+    ctx = _CONTEXTS.get(batch)
+    if ctx is None:
+        from fla.ops.cp import build_cp_context
+        cu_cpu = torch.tensor(batch.bounds, dtype=torch.long)
+        ctx = build_cp_context(cu_cpu.to(device), group=batch.group, conv1d_kernel_size=conv_width,
+                               cu_seqlens_cpu=cu_cpu, layout="zigzag")
+        _CONTEXTS[batch] = ctx
+    return ctx
+
+
+def fla_cp_forward(layer, x_BTD, batch: CPBatch):
+    """The layer (the `linear_attention` slot's parameters) on this rank's two parts through fla's CP
+    kernels: x [B, 2L, D] -> [B, 2L, D]. Raises where they cannot run (`why_not_fla_cp`)."""
+    why = why_not_fla_cp(x_BTD)
+    if why is not None:
+        raise RuntimeError(f"ContextParallel(deltanet='fla') cannot run here: {why}")
+    causal_conv1d, rule = fla_ops()
+    B, T, _ = x_BTD.shape
+    W = layer.conv1d.weight.shape[-1]
+    ctx = fla_context(batch, W, x_BTD.device)
+    w_qkv, w_conv = layer.in_proj_qkv.weight, layer.conv1d.weight[:, 0].to(x_BTD.dtype)
+    scale = layer.head_k_dim ** -0.5
+    heads = ((layer.key_dim, layer.num_k_heads, layer.head_k_dim),) * 2 + \
+        ((layer.value_dim, layer.num_v_heads, layer.head_v_dim),)
+
+    def one_row(x_1TD):
+        parts, lo = [], 0
+        for n, h, d in heads:  # q, k, v apart: each contiguous, as fla's rule takes it
+            y, _ = causal_conv1d(F.linear(x_1TD, w_qkv[lo:lo + n]), weight=w_conv[lo:lo + n], activation="silu",
+                                 cp_context=ctx)
+            parts.append(y.reshape(1, T, h, d))
+            lo += n
+        beta = layer.in_proj_b(x_1TD).sigmoid()
+        g = -to_acc(layer.A_log).exp() * F.softplus(to_acc(layer.in_proj_a(x_1TD)) + layer.dt_bias)
+
+        def run(q, k, v, g, beta):
+            return rule(q, k, v, g, beta, scale=scale, use_qk_l2norm_in_kernel=True, cp_context=ctx)[0]
+        return scoped(run, *parts, g.float(), beta.to(parts[0].dtype))
+
+    o = torch.cat([one_row(x_BTD[b:b + 1]) for b in range(B)]) if B > 1 else one_row(x_BTD)
+    z = layer.in_proj_z(x_BTD).reshape(B, T, layer.num_v_heads, layer.head_v_dim)
+    return layer.out_proj(layer.norm(o, z).reshape(B, T, layer.value_dim))
