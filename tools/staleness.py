@@ -4,7 +4,8 @@ A result file is stamped with the commit whose code ran it (`benchmarks/stamp.py
 the current code when none of the files its benchmark measures changed between that commit and HEAD:
 the benchmark's folder (its results and notes aside) and the shared timing helper, plus the slot's
 primitive, twin, kernels and common types (the files and folders named for the slot); a benchmark of
-a whole step measures every primitive, twin, kernel, model, the runtime and the core package. Older runs (history.jsonl,
+a whole step measures every primitive (context parallelism only where it applies it), twin, kernel,
+model, the runtime and the core package. Older runs (history.jsonl,
 history/ and before_* folders) are not checked: they say what they measured. Reads git; a commit
 that git does not know (a shallow clone) is reported as unknown, not as current.
 """
@@ -27,13 +28,16 @@ MEASURES = {
 }
 # what a training step never runs: the RL system around it
 NOT_IN_STEP = (":(exclude)*weight_transfer*", ":(exclude)runtime/pipeline", ":(exclude)bumblebee/integrations")
+# context parallelism runs only where a benchmark applies it (composed_step's --cp, its own slot)
+RUNS_CP = ("composed_step", "context_parallel")
 
 
 def measured_paths(slot: str) -> list[str]:
     """git pathspecs of the code a slot's benchmark measures (a `*` crosses folders, as git's default)."""
     own = [f"benchmarks/{slot}/", "benchmarks/timing.py", f":(exclude)benchmarks/{slot}/results", ":(exclude)*.md"]
     if slot in MEASURES:
-        return own + [f"{p}*" for p in MEASURES[slot]] + (list(NOT_IN_STEP) if slot != "rl_pipeline" else [])
+        return own + [f"{p}*" for p in MEASURES[slot]] + (list(NOT_IN_STEP) if slot != "rl_pipeline" else []) \
+            + ([] if slot in RUNS_CP else [":(exclude)primitives/context_parallel"])
     return own + [f"{d}/{slot}*" for d in CODE]
 
 

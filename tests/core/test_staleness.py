@@ -65,6 +65,25 @@ def test_whole_step_benchmarks_measure_models_but_not_the_rl_system():
     assert staleness.measured_paths("router")[-1] == "common/router*"
 
 
+def test_context_parallel_counts_only_for_the_benchmarks_that_apply_it(tmp_path):
+    _git(tmp_path, "init", "-q")
+    for rel in ("primitives/context_parallel/gdn.py", "primitives/attention.py",
+                "benchmarks/training_step/bench.py", "benchmarks/composed_step/bench.py"):
+        _write(tmp_path, rel, "x = 1\n")
+    measured = _commit(tmp_path, "code")
+    for slot in ("training_step", "composed_step"):
+        _write(tmp_path, f"benchmarks/{slot}/results/{slot}.json", json.dumps({"commit": measured, "rows": []}))
+    _commit(tmp_path, "results")
+    _write(tmp_path, "primitives/context_parallel/gdn.py", "x = 2\n")
+    _commit(tmp_path, "cp")
+    state = {r["slot"]: r["changed"] for r in staleness.report(tmp_path / "benchmarks", tmp_path)}
+    assert state == {"training_step": [], "composed_step": ["primitives/context_parallel/gdn.py"]}
+    _write(tmp_path, "primitives/attention.py", "x = 2\n")  # a primitive every step runs
+    _commit(tmp_path, "attention")
+    state = {r["slot"]: r["changed"] for r in staleness.report(tmp_path / "benchmarks", tmp_path)}
+    assert state["training_step"] == ["primitives/attention.py"]
+
+
 def test_the_cli_lists_this_checkouts_result_files(capsys):
     from bumblebee.tools import cli
     assert cli.main(["results", "router", "--stale"]) == 0
