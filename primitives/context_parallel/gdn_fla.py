@@ -70,6 +70,8 @@ def fla_cp_forward(layer, x_BTD, batch: CPBatch):
         raise RuntimeError(f"ContextParallel(deltanet='fla') cannot run here: {why}")
     causal_conv1d, rule = fla_ops()
     B, T, _ = x_BTD.shape
+    if batch.packed and B != 1:
+        raise ValueError(f"packed documents under context parallelism come as one row: x [1, T/CP, D], got B={B}")
     W = layer.conv1d.weight.shape[-1]
     ctx = fla_context(batch, W, x_BTD.device)
     w_qkv, w_conv = layer.in_proj_qkv.weight, layer.conv1d.weight[:, 0].to(x_BTD.dtype)
