@@ -1,0 +1,174 @@
+"""Probe (CPU, no GPU): gated DeltaNet under context parallelism on fla's Triton kernels, run by Triton's
+interpreter on CPU tensors, at CP = 2 and 4 over gloo, against the single layer on the whole sequence:
+`ContextParallel(deltanet="fla")` (fla's own CP kernels) and the default maps as they run on CUDA
+(fla's rule with an entering state, fla's conv over [halo | chunk] rows for unpacked shards).
+
+fla's CP path needs CUDA; this runs the same Python and the same Triton kernel code on a CPU machine,
+to check our wiring (zigzag context, q/k/v conv halos, the chain, the row loop, packed documents)
+before a GPU does. What it changes, in a private copy of fla (never the installed one) and in its own
+processes only:
+- fla-core 0.6.0 and einops are pip-installed into a temporary folder;
+- two kernel lines the interpreter cannot run are rewritten to equivalent forms (`i_t.to(tl.int64)`
+  on a Python loop counter; a mask made of a Python bool and a tensor);
+- Triton's autotuner keeps each kernel's first config (benchmarking configs needs a GPU driver);
+- fla's CUDA-only device guard is lifted, and gloo's all-gather takes fla's stacked output as a view.
+Numbers (fp32): per rank, output, input gradient and every parameter gradient (summed over the
+group) against the float64 twin; beside them the fp32 twin's error and fla's own single layer's
+(same interpreter, no CP). A check passes within 4x the larger of those two plus 1e-5 of the
+reference's max. Writes results/probe_fla_cp_interpreter.json (stamped).
+
+    python benchmarks/context_parallel/probes/probe_fla_cp_interpreter.py [--ranks 2 4]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+T, HIDDEN, DIMS = 128, 32, (2, 4, 16, 16)  # 2 key / 4 value heads of 16; parts of 32 (CP 2) or 16 (CP 4)
+CASES = {"unpacked B=1": (1, None), "unpacked B=2": (2, None), "packed": (1, (0, 5, 6, 70, 128))}
+MODES = {"fla": "fla", "maps on fla": "maps"}  # row mode -> ContextParallel.deltanet (both on fla's kernels)
+PATCHES = {  # file in fla -> (text, replacement): interpreter limits, same arithmetic
+    "ops/common/chunk_delta_h.py": ("i_t.to(tl.int64)", "tl.cast(i_t, tl.int64)"),
+    "modules/causal_conv1d/ops.py": ("m_t = (t < seq_len) & m_d", "m_t = (tl.full([BD], t, tl.int64) < seq_len) & m_d"),
+}
+
+
+def _private_fla(folder: Path) -> Path:
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(folder),
+                    "fla-core==0.6.0", "einops"], check=True)
+    for rel, (old, new) in PATCHES.items():
+        path = folder / "fla" / rel
+        text = path.read_text()
+        if old not in text:
+            raise RuntimeError(f"fla's {rel} no longer has {old!r}: update the probe's patches")
+        path.write_text(text.replace(old, new))
+    return folder
+
+
+def _interpreter_shims():
+    import torch.distributed as dist
+    from triton.runtime import autotuner
+    prune = autotuner.Autotuner.prune_configs
+    autotuner.Autotuner.prune_configs = lambda self, kwargs: prune(self, kwargs)[:1]
+    import fla.ops.cp.chunk_bwd, fla.ops.cp.chunk_delta_h, fla.ops.cp.chunk_fwd, fla.ops.cp.chunk_merge  # noqa: F401,E401
+    import fla.ops.cp.context  # noqa: F401
+    for name, mod in list(sys.modules.items()):
+        if name.startswith("fla.") and hasattr(mod, "_check_cp_device"):
+            mod._check_cp_device = lambda device: None
+    gather = dist.all_gather_into_tensor
+
+    def stacked_as_concatenated(out, inp, group=None, async_op=False):  # NCCL takes either, gloo the latter
+        return gather(out.view(-1, *inp.shape[1:]) if out.dim() == inp.dim() + 1 else out, inp,
+                      group=group, async_op=async_op)
+    dist.all_gather_into_tensor = stacked_as_concatenated
+
+
+def _grads(fn, module, x, w):
+    import torch
+    x = x.detach().clone().requires_grad_()
+    out = fn(x)
+    params = dict(module.named_parameters())
+    got = torch.autograd.grad((out.double() * w).sum(), [x] + list(params.values()))
+    return {"out": out.detach(), "dx": got[0], **{f"d{n}": g for n, g in zip(params, got[1:])}}
+
+
+def _worker(rank, world, port, out_dir):
+    import torch
+    import torch.distributed as dist
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    _interpreter_shims()
+    from bumblebee.baselines.linear_attention import ChunkedGatedDeltaNet
+    from bumblebee.primitives import linear_attention as la
+    from bumblebee.primitives.context_parallel import gdn, gdn_fla, layout
+    from bumblebee.primitives.context_parallel.gdn import gdn_forward
+    gdn_fla.why_not_fla_cp = lambda x: None  # fla's kernels need CUDA: here the interpreter runs them
+    gdn.fla_falls_back = lambda *a, **k: None  # the maps on fla's rule and conv, as on CUDA
+    la.FLAGatedDeltaNet._fast = lambda self, x: True
+    rows = []
+    for case, (B, cu) in CASES.items():
+        torch.manual_seed(0)
+        ref = ChunkedGatedDeltaNet(HIDDEN, *DIMS, conv_kernel_size=4).double()
+        twin = ChunkedGatedDeltaNet(HIDDEN, *DIMS, conv_kernel_size=4)
+        fla_single = la.FLAGatedDeltaNet(la.FLAConfig(), HIDDEN, *DIMS, conv_kernel_size=4)
+        for m in (twin, fla_single):
+            m.load_state_dict(ref.state_dict())
+        x, w = (torch.randn(B, T, HIDDEN, dtype=torch.float64) for _ in range(2))
+        cu_t = None if cu is None else torch.tensor(cu)
+        want = _grads(lambda t: ref(t, cu_seqlens=cu_t), ref, x, w)
+        singles = [_grads(lambda t: m(t, cu_seqlens=cu_t), m, x.float(), w) for m in (twin, fla_single)]
+        batch = layout.make_batch(dist.group.WORLD, T, cu_t)
+        for mode in MODES:
+            _compare(rows, mode, case, world, rank, batch, want, singles,
+                     _grads(lambda t: gdn_forward(twin, t, batch, deltanet=MODES[mode]), twin,
+                            layout.shard(x, world, rank).float(), layout.shard(w, world, rank)))
+    (Path(out_dir) / f"{world}-{rank}.json").write_text(json.dumps(rows))
+    dist.destroy_process_group()
+
+
+def _compare(rows, mode, case, world, rank, batch, want, singles, got):
+    import torch.distributed as dist
+    for name, g in got.items():
+        local = name in ("out", "dx")  # this rank's positions; parameter gradients summed over the group
+        if not local:
+            g = g.clone()
+            dist.all_reduce(g)
+
+        def err(t, local=local, name=name):
+            pick = t[:, batch.index] if local and t.shape[1] == T else t
+            want_t = want[name][:, batch.index] if local else want[name]
+            return (pick.double() - want_t.double()).abs().max().item()
+        row = {"mode": mode, "ranks": world, "rank": rank, "case": case, "tensor": name, "err": err(g),
+               "twin_fp32_err": err(singles[0][name]), "fla_single_err": err(singles[1][name]),
+               "ref_max": (want[name][:, batch.index] if local else want[name]).abs().max().item()}
+        row["ok"] = row["err"] <= 4 * max(row["twin_fp32_err"], row["fla_single_err"]) + 1e-5 * row["ref_max"]
+        rows.append(row)
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--ranks", type=int, nargs="*", default=[2, 4])
+    p.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)  # world, port, out dir (the re-executed run)
+    args = p.parse_args()
+    if args.worker:
+        import torch.multiprocessing as mp
+        world, port, out = int(args.worker[0]), int(args.worker[1]), args.worker[2]
+        mp.spawn(_worker, args=(world, port, out), nprocs=world, join=True)
+        return
+    sys.path.insert(0, str(HERE.parents[1]))
+    from stamp import stamp
+    with tempfile.TemporaryDirectory() as tmp:
+        site, out = _private_fla(Path(tmp) / "site"), Path(tmp) / "out"
+        out.mkdir()
+        env = {**os.environ, "TRITON_INTERPRET": "1",
+               "PYTHONPATH": os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))}
+        for world in args.ranks:
+            subprocess.run([sys.executable, __file__, "--worker", str(world), str(_port()), str(out)], env=env,
+                           check=True)
+        rows = [r for f in sorted(out.glob("*.json")) for r in json.loads(f.read_text())]
+    result = {**stamp(), "probe": "fla_cp_interpreter", "fla": "fla-core 0.6.0 (private copy, interpreter patches)",
+              "tokens": T, "hidden": HIDDEN, "heads_dims": DIMS, "cases": {k: list(v[1] or []) for k, v in CASES.items()},
+              "all_ok": all(r["ok"] for r in rows), "rows": rows}
+    (HERE.parent / "results" / "probe_fla_cp_interpreter.json").write_text(json.dumps(result, indent=1) + "\n")
+    for r in rows:
+        if not r["ok"] or r["rank"] == 0 and r["tensor"] in ("out", "dx", "ddt_bias"):
+            print(json.dumps(r))
+    print("all within the rule:", result["all_ok"])
+
+
+if __name__ == "__main__":
+    main()
