@@ -17,7 +17,7 @@ group) against the float64 twin; beside them the fp32 twin's error and fla's own
 (same interpreter, no CP). A check passes within 4x the larger of those two plus 1e-5 of the
 reference's max. Writes results/probe_fla_cp_interpreter.json (stamped).
 
-    python benchmarks/context_parallel/probes/probe_fla_cp_interpreter.py [--ranks 2 4]
+    python benchmarks/context_parallel/probes/probe_fla_cp_interpreter.py [--ranks 2 4] [--dqkwg ours]
 """
 from __future__ import annotations
 
@@ -79,7 +79,22 @@ def _grads(fn, module, x, w):
     return {"out": out.detach(), "dx": got[0], **{f"d{n}": g for n, g in zip(params, got[1:])}}
 
 
-def _worker(rank, world, port, out_dir):
+def _ours_dqkwg():
+    """Hand fla's gated dq/dk/dw/dg to kernels/linear_attention_gdn_backward.py, as on the GPU machines
+    where fla refuses its own (Hopper, Triton in [3.4, 3.7.1)); returns the call counter."""
+    from bumblebee.kernels import linear_attention_gdn_backward as ours
+    from bumblebee.primitives import linear_attention as la
+    calls, real = [0], ours.chunk_bwd_dqkwg
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return real(*args, **kwargs)
+    ours.chunk_bwd_dqkwg = counted
+    la.DQKWG_HOOK = la._install_dqkwg()
+    return calls
+
+
+def _worker(rank, world, port, out_dir, dqkwg):
     import torch
     import torch.distributed as dist
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -93,6 +108,7 @@ def _worker(rank, world, port, out_dir):
     gdn_fla.why_not_fla_cp = lambda x: None  # fla's kernels need CUDA: here the interpreter runs them
     gdn.fla_falls_back = lambda *a, **k: None  # the maps on fla's rule and conv, as on CUDA
     la.FLAGatedDeltaNet._fast = lambda self, x: True
+    calls = _ours_dqkwg() if dqkwg == "ours" else None
     rows = []
     for case, (B, cu) in CASES.items():
         torch.manual_seed(0)
@@ -110,6 +126,11 @@ def _worker(rank, world, port, out_dir):
             _compare(rows, mode, case, world, rank, batch, want, singles,
                      _grads(lambda t: gdn_forward(twin, t, batch, deltanet=MODES[mode]), twin,
                             layout.shard(x, world, rank).float(), layout.shard(w, world, rank)))
+    if calls is not None:
+        if not calls[0]:
+            raise RuntimeError("--dqkwg ours: our kernel was never called: the hook did not take fla's calls")
+        for r in rows:
+            r["ours_dqkwg_calls"] = calls[0]
     (Path(out_dir) / f"{world}-{rank}.json").write_text(json.dumps(rows))
     dist.destroy_process_group()
 
@@ -142,12 +163,15 @@ def _port() -> int:
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--ranks", type=int, nargs="*", default=[2, 4])
-    p.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)  # world, port, out dir (the re-executed run)
+    p.add_argument("--dqkwg", choices=["fla", "ours"], default="fla",
+                   help="whose gated dq/dk/dw/dg kernel fla's backward runs: fla's, or ours as the GPU machines "
+                        "install it where fla refuses its own (results/probe_fla_cp_interpreter_ours_dqkwg.json)")
+    p.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)  # world, port, out dir, dqkwg (the re-executed run)
     args = p.parse_args()
     if args.worker:
         import torch.multiprocessing as mp
-        world, port, out = int(args.worker[0]), int(args.worker[1]), args.worker[2]
-        mp.spawn(_worker, args=(world, port, out), nprocs=world, join=True)
+        world, port, out, dqkwg = int(args.worker[0]), int(args.worker[1]), args.worker[2], args.worker[3]
+        mp.spawn(_worker, args=(world, port, out, dqkwg), nprocs=world, join=True)
         return
     sys.path.insert(0, str(HERE.parents[1]))
     from stamp import stamp
@@ -157,13 +181,15 @@ def main():
         env = {**os.environ, "TRITON_INTERPRET": "1",
                "PYTHONPATH": os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))}
         for world in args.ranks:
-            subprocess.run([sys.executable, __file__, "--worker", str(world), str(_port()), str(out)], env=env,
-                           check=True)
+            subprocess.run([sys.executable, __file__, "--worker", str(world), str(_port()), str(out), args.dqkwg],
+                           env=env, check=True)
         rows = [r for f in sorted(out.glob("*.json")) for r in json.loads(f.read_text())]
     result = {**stamp(), "probe": "fla_cp_interpreter", "fla": "fla-core 0.6.0 (private copy, interpreter patches)",
+              "dqkwg": args.dqkwg,
               "tokens": T, "hidden": HIDDEN, "heads_dims": DIMS, "cases": {k: list(v[1] or []) for k, v in CASES.items()},
               "all_ok": all(r["ok"] for r in rows), "rows": rows}
-    (HERE.parent / "results" / "probe_fla_cp_interpreter.json").write_text(json.dumps(result, indent=1) + "\n")
+    name = "probe_fla_cp_interpreter" + ("_ours_dqkwg" if args.dqkwg == "ours" else "")
+    (HERE.parent / "results" / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
     for r in rows:
         if not r["ok"] or r["rank"] == 0 and r["tensor"] in ("out", "dx", "ddt_bias"):
             print(json.dumps(r))
