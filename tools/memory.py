@@ -60,7 +60,8 @@ attention layer the exchange adds what grows with the whole sequence (`_cp_atten
 keeps the gathered K/V repeated to the query heads for the fused kernel and, in the backward, their
 gradients (MLA: the gathered latent, and one key chunk's expanded K/V at a time); the ring
 only blocks of T / cp. The DeltaNet rule carries Dk more value columns (`_cp_deltanet`), and its conv
-keeps fp32 copies.
+keeps fp32 copies; on fla's own CP kernels (`cp_deltanet="fla"`) it carries neither: the layer is
+the single one on T / cp tokens plus the chain's gathered maps (`_cp_deltanet_fla`).
 """
 from __future__ import annotations
 
@@ -95,6 +96,7 @@ class Parallel:
     cp_exchange: str = "allgather"  # how cp attention gets the other ranks' K/V: "allgather" | "ring"
     cp_block_keys: int = 65536    # all-gather: the most keys a fused block takes (ContextParallel's
                                   # allgather_block_keys; 0: a piece's earlier keys in one block)
+    cp_deltanet: str = "maps"     # ContextParallel.deltanet: "maps" (widened rule, fp32 conv) | "fla"
     sharding: str = "fsdp2"       # "fsdp2" | "zero1"
     mixed_precision: str = "bf16"  # compute dtype: "bf16" | "fp32"
     micro_batch: int = 1
@@ -557,6 +559,8 @@ def _check(par: Parallel) -> None:
         raise ValueError(f"seq_len={par.seq_len} must be divisible by 2 x cp = {2 * par.cp} (pad the sequence)")
     if par.cp_exchange not in ("allgather", "ring"):
         raise ValueError(f"cp_exchange {par.cp_exchange!r} not supported; accepted: ['allgather', 'ring']")
+    if par.cp_deltanet not in ("maps", "fla"):
+        raise ValueError(f"cp_deltanet {par.cp_deltanet!r} not supported; accepted: ['maps', 'fla']")
 
 
 def _state_terms(est: Estimate, model, g: dict, par: Parallel, b: int, mtp: bool) -> tuple[dict, dict]:
@@ -641,6 +645,13 @@ def _cp_deltanet(cfg, b: int) -> tuple[int, int]:
     return 2 * b * Hv * dk + 8 * conv, b * (5 * Hv * dk + 2 * Hv * dk * dk // FLA_CHUNK)
 
 
+def _cp_deltanet_fla(cfg, cp: int) -> int:
+    """Bytes (per layer, not per token) fla's CP kernels add at once: every part's state map
+    [HV, Dk, Dv + Dk] fp32 all-gathered (2 cp parts; the backward's chain the same again)."""
+    Hv, dk, dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    return 2 * (2 * cp) * Hv * dk * (dv + dk) * 4
+
+
 def _num_experts(cfg) -> int:
     return getattr(cfg, "num_experts", 0) or getattr(cfg, "n_routed_experts", 0)
 
@@ -673,8 +684,8 @@ def _activation_terms(est: Estimate, cfg, g: dict, par: Parallel, b: int, mtp: b
         first_type = "full_attention" if mtp else types[-1]  # Qwen3.5's MTP block: full attention
         compiled = par.device == "cuda" and par.compiled_norms
         per_type = {t: _hybrid_layer(cfg, t, b, dispatch, par.recompute, compiled) for t in set(types) | {first_type}}
-        if par.cp > 1 and "linear_attention" in per_type:
-            extra = _cp_deltanet(cfg, b)
+        if par.cp > 1 and "linear_attention" in per_type:  # per token; fla's few maps (per layer) are in
+            extra = _cp_deltanet(cfg, b) if par.cp_deltanet == "maps" else (0, -(-_cp_deltanet_fla(cfg, par.cp) // n_tok))
             saved, peak = per_type["linear_attention"]
             per_type["linear_attention"] = (saved + extra[0], peak + sum(extra) if par.recompute else peak + extra[1])
         norm = _zc_norm(d, b, compiled)

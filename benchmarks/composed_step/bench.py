@@ -33,7 +33,7 @@ Writes DIR/composed_step.json (rows so far, rewritten after each length); with -
 the top kernels of one profiled step at S (rank 0's view; the profile does not enter the timings).
 
 `--cp N` (context parallelism, `primitives/context_parallel`): each sequence of `seq_len` tokens is
-sharded over N ranks (its layers' cp forms, `--cp-exchange`), dp = world / N sequences a step, dense
+sharded over N ranks (its layers' cp forms, `--cp-exchange`, `--cp-deltanet`), dp = world / N sequences a step, dense
 state sharded over all ranks, experts over EP ranks adjacent inside a cp group; tokens/s counts dp x
 seq_len. `seq_len` is then the whole sequence's length. Before each length the file records it as
 `unfinished_seq_len` and clears it after its row: a run that dies there (out of memory) leaves the
@@ -90,6 +90,7 @@ def memory_estimate(hf: dict, args, world: int, ep: int, seq_len: int, mixed: st
     what the peak of a run of one step lacks (`optimizer_state_at_peak` false)."""
     from bumblebee.tools import memory
     est = memory.estimate(hf, memory.Parallel(dp=world, ep=ep, cp=args.cp, cp_exchange=args.cp_exchange,
+                                              cp_deltanet=args.cp_deltanet,
                                               seq_len=seq_len, mixed_precision=mixed, device=device.type,
                                               moe_fused_recompute=fused))
     return {"estimate_peak_GiB": est.peak / 2 ** 30, "estimate_optimizer_GiB": est.optimizer / 2 ** 30}
@@ -179,6 +180,8 @@ def main() -> None:
     ap.add_argument("--ep", type=int, default=0, help="expert parallel size (default: the world size)")
     ap.add_argument("--cp", type=int, default=1, help="context parallel size (a sequence over this many ranks)")
     ap.add_argument("--cp-exchange", default="allgather", help="attention's cp exchange: allgather or ring")
+    ap.add_argument("--cp-deltanet", default="maps", choices=["maps", "fla"],
+                    help="gated DeltaNet under cp (ContextParallel.deltanet): maps or fla's own CP kernels")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
@@ -224,13 +227,14 @@ def main() -> None:
     shard_experts(model, ep_mesh["ep"].get_group())
     model.set_recompute(True)
     if cp_group is not None:
-        cp_model.apply(model, cp_group, cp_model.ContextParallel(exchange=args.cp_exchange))
+        cp_model.apply(model, cp_group, cp_model.ContextParallel(exchange=args.cp_exchange, deltanet=args.cp_deltanet))
     loss_of = step_loss(model, cp_group, len(model.mtp.layers) if hasattr(model, "mtp") else 0)
     state = registry.resolve("state_sharding", "fsdp2")(model, mesh, lr=1e-4, weight_decay=0.1, grad_clip=1.0,
                                                          mixed_precision=mixed, ep_mesh=ep_mesh)
     report = {
         **stamp(device), "slot": "composed_step", "world_size": world, "ep": ep, "cp": args.cp,
         "cp_exchange": args.cp_exchange if args.cp > 1 else None,
+        "cp_deltanet": args.cp_deltanet if args.cp > 1 else None,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (smoke run)",
         "model": name, "layers": args.layers, "layer_types": list(model.config.layer_types), "params": n_params,
         "impl": {**impl, "state_sharding": "fsdp2", "recompute": "full", "mixed_precision": mixed,

@@ -222,6 +222,21 @@ def test_estimator_refuses_a_bad_cp():
         memory.estimate("qwen3-tiny", memory.Parallel(dp=4, cp=4, seq_len=100))
     with pytest.raises(ValueError, match="cp_exchange"):
         memory.estimate("qwen3-tiny", memory.Parallel(dp=2, cp=2, cp_exchange="a2a"))
+    with pytest.raises(ValueError, match="cp_deltanet"):
+        memory.estimate("qwen3-tiny", memory.Parallel(dp=2, cp=2, cp_deltanet="widened"))
+
+
+def test_estimator_deltanet_on_fla_drops_the_maps_widening():
+    """Qwen3.5 under cp: fla's CP kernels carry no widened values and no fp32 conv copies, only the
+    chain's maps (per layer); a model without DeltaNet layers does not change."""
+    from bumblebee.tools import memory
+    cfg, T = _slice("qwen3.5-35b-a3b", 4), 131072
+    maps, fla = (memory.estimate(cfg, memory.Parallel(dp=4, cp=4, seq_len=T, cp_deltanet=m)) for m in ("maps", "fla"))
+    one = memory.estimate(cfg, memory.Parallel(dp=4, seq_len=T // 4))  # a quarter of the sequence, no cp
+    assert maps.peak > fla.peak >= one.peak  # full recompute: the layer's extra lives at its backward
+    dense = _slice("qwen3-30b-a3b", 4)
+    assert memory.estimate(dense, memory.Parallel(dp=4, cp=4, seq_len=T, cp_deltanet="fla")).peak == \
+        memory.estimate(dense, memory.Parallel(dp=4, cp=4, seq_len=T)).peak
 
 
 # ---- the layers at CP = 2 and 4 ----------------------------------------------------------------
