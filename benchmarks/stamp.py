@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import subprocess
 from pathlib import Path
@@ -54,3 +55,11 @@ def stamp(device=None) -> dict:
     return {**commit(), "torch": torch.__version__, "triton": _triton(), "cuda": torch.version.cuda,
             "device": device_name(device),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+
+
+def print_stamp(**extra) -> None:
+    """A probe's first output line: this run's stamp (on rank 0 of a torchrun launch), so the JSON lines
+    it prints into a results file carry the commit that ran them (`bumblebee results` reads a .jsonl
+    file's stamp from its first line)."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(json.dumps({**stamp(), **extra}), flush=True)

@@ -4,7 +4,7 @@ Shared by the `attention` and `mla` slots (their primitives' FA4 path).
 FA4 runs q/k head dim 192 with v head dim 128 (MLA) on Hopper and Blackwell, dense or packed
 (`cu_seqlens`, all sequences in one launch). At 16K-32K tokens its MLA forward ran 1.12-1.14x faster
 than SDPA's cuDNN backend on an H200 (1.19-1.24x on an H100) and forward + backward 1.03-1.05x
-(benchmarks/mla/NOTES.md); GQA with head dim 128 1.10-1.13x (benchmarks/attention/results/probe_fa4_gqa.jsonl).
+(benchmarks/mla/NOTES.md); GQA with head dim 128 1.10-1.13x (benchmarks/attention/results/history/probe_fa4_gqa.jsonl).
 
 Its forward and backward are wrapped as two torch custom ops so that a selective activation
 checkpoint sees one op (`bumblebee::fa4_causal_fwd`) whose outputs (o, lse) it can keep, as it keeps

@@ -2,7 +2,7 @@
 stream in one launch (`aten._flash_attention_forward` with cu_seqlens; native GQA; differentiable).
 
 Shared by the `attention` and `mla` slots: their primitives' packed path where FA4 is not installed.
-Forward + backward on an H200 over 32K tokens (benchmarks/attention/results/probe_varlen_backends.jsonl) against
+Forward + backward on an H200 over 32K tokens (benchmarks/attention/results/history/probe_varlen_backends.jsonl) against
 one SDPA call per sequence (cuDNN):
 
 | packing | Qwen3 (32/8 heads, d 128) | Qwen3.5 (16/2, d 256) | MLA core (128 heads, 192/128) |

@@ -5,7 +5,7 @@ On CUDA the cuDNN backend ran causal GQA 1.8x faster than flash on an H200; it i
 flash, then memory-efficient, then the math fallback. The CPU uses SDPA's own choice.
 FA4 (`kernels/attention_fa4.py`, package flash-attn-4) ran head dim 128 (32 query heads, 8 or 4
 key/value heads) 1.10-1.13x faster than cuDNN forward + backward at 8K-64K tokens on an H200, but head
-dim 256 (Qwen3.5's full attention) 0.91-1.04x (`benchmarks/attention/results/probe_fa4_gqa.jsonl`): so dense
+dim 256 (Qwen3.5's full attention) 0.91-1.04x (`benchmarks/attention/results/history/probe_fa4_gqa.jsonl`): so dense
 batches take FA4 for head dims up to `FA4_MAX_HEAD_DIM`, packed batches (one varlen launch instead of
 one SDPA call per sequence) for every head dim it runs (`benchmarks/attention/bench.py`). Option
 `SDPA.fa4` ("auto"; "on" for every shape FA4 runs, "off" for SDPA).

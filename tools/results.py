@@ -25,10 +25,14 @@ MAX_TEXT = 28  # longer strings (error tails, notes) are cut: the file holds the
 
 
 def load(path: Path) -> dict:
-    """A result file as a dict; a .jsonl file becomes {"rows": [one record a line]}."""
+    """A result file as a dict; a .jsonl file becomes {"rows": [one record a line]}, its stamp (a first
+    line with a "commit", as probes print it: `benchmarks/stamp.py` print_stamp) lifted to the top."""
     text = Path(path).read_text()
     if Path(path).suffix == ".jsonl":
-        return {"rows": [json.loads(line) for line in text.splitlines() if line.strip()]}
+        rows = [json.loads(line) for line in text.splitlines() if line.strip()]
+        if rows and isinstance(rows[0], dict) and "commit" in rows[0]:
+            return {**rows[0], "rows": rows[1:]}
+        return {"rows": rows}
     data = json.loads(text)
     return data if isinstance(data, dict) else {"rows": data}
 

@@ -2,15 +2,17 @@
 
 A result file is stamped with the commit whose code ran it (`benchmarks/stamp.py`). It still measures
 the current code when none of the files its benchmark measures changed between that commit and HEAD:
-the benchmark's folder (its results and notes aside) and the shared timing helper, plus the slot's
-primitive, twin, kernels and common types (the files and folders named for the slot); a benchmark of
-a whole step measures every primitive (context parallelism only where it applies it), twin, kernel,
-model, the runtime and the core package. Older runs (history.jsonl,
-history/ and before_* folders) are not checked: they say what they measured. Reads git; a commit
-that git does not know (a shallow clone) is reported as unknown, not as current.
+the benchmark's folder (its results and notes aside; of its probes only the one that wrote the file)
+and the shared timing helper, plus the slot's primitive, twin, kernels and common types (the files
+and folders named for the slot); a benchmark of a whole step measures every primitive (context
+parallelism only where it applies it), twin, kernel, model, the runtime and the core package. Older
+runs (history.jsonl, history/ and before_* folders) are not checked: they say what they measured.
+A Python file whose change leaves its code alone (comments, docstrings) does not count. Reads git; a
+commit that git does not know (a shallow clone) is reported as unknown, not as current.
 """
 from __future__ import annotations
 
+import ast
 import subprocess
 from pathlib import Path
 
@@ -45,15 +47,54 @@ def _git(root: Path, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True)
 
 
-def changed_since(commit: str, slot: str, root: Path) -> list[str] | None:
+def _measured_by(name: str, changed: str, slot: str) -> bool:
+    """Whether a changed file under the slot's probes/ measures the result file `name`: only the probe
+    that wrote it (`probe_<x>.py` writes `probe_<x>*.json[l]`) does; the benchmark's own files never
+    import a probe."""
+    prefix = f"benchmarks/{slot}/probes/"
+    if not changed.startswith(prefix):
+        return True
+    script = Path(changed).stem
+    return name.startswith("probe_") and Path(name).stem.startswith(script)
+
+
+def _code_of(text: str | None):
+    """A Python file's syntax tree without its docstrings (comments never reach it), or None."""
+    if text is None:
+        return None
+    try:
+        tree = ast.parse(text)
+    except SyntaxError:
+        return None
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if isinstance(body, list) and body and isinstance(body[0], ast.Expr) \
+                and isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str):
+            node.body = body[1:] or [ast.Pass()]
+    return ast.dump(tree)
+
+
+def _only_words(root: Path, commit: str, path: str) -> bool:
+    """Whether a .py file changed only in comments and docstrings between `commit` and HEAD."""
+    if not path.endswith(".py"):
+        return False
+    old, new = (_git(root, "show", f"{rev}:{path}") for rev in (commit, "HEAD"))
+    if old.returncode or new.returncode:  # added or removed
+        return False
+    a = _code_of(old.stdout)
+    return a is not None and a == _code_of(new.stdout)
+
+
+def changed_since(commit: str, slot: str, root: Path, name: str = "") -> list[str] | None:
     """Files the slot's benchmark measures that differ between `commit` and HEAD (None: git does not
-    know the commit)."""
+    know the commit); `name`, the result file's name, keeps the slot's probes out of what other files
+    measure (`_measured_by`)."""
     if _git(root, "cat-file", "-e", f"{commit}^{{commit}}").returncode:
         return None
     got = _git(root, "diff", "--name-only", commit, "HEAD", "--", *measured_paths(slot))
     if got.returncode:
         raise RuntimeError(f"git diff failed: {got.stderr.strip()}")
-    return sorted(got.stdout.split())
+    return sorted(f for f in got.stdout.split() if _measured_by(name, f, slot) and not _only_words(root, commit, f))
 
 
 def current_files(directory: Path) -> list[tuple[str, Path]]:
@@ -70,7 +111,7 @@ def report(directory: Path | None = None, root: Path | None = None) -> list[dict
     rows = []
     for slot, path in current_files(directory):
         commit = results.load(path).get("commit")
-        changed = changed_since(commit, slot, root) if isinstance(commit, str) and commit else None
+        changed = changed_since(commit, slot, root, path.name) if isinstance(commit, str) and commit else None
         rows.append({"file": str(path.relative_to(directory)), "slot": slot, "commit": commit, "changed": changed})
     return rows
 

@@ -41,3 +41,16 @@ def test_without_bench_commit_the_commit_is_git_head():
                             capture_output=True, text=True).stdout.strip()
     s = run_stamp()
     assert s["commit"] == head and s["dirty"] is bool(status)
+
+
+def test_a_probe_prints_its_stamp_first_on_rank_zero_only():
+    code = ("import sys; sys.path.insert(0, 'benchmarks'); from stamp import print_stamp; "
+            "print_stamp(probe='probe_x'); print('{\"case\": 1}')")
+    outs = {}
+    for rank in ("0", "1"):
+        env = {k: v for k, v in os.environ.items() if k != "BENCH_COMMIT"} | {"RANK": rank}
+        outs[rank] = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                                    check=True).stdout.splitlines()
+    first = json.loads(outs["0"][0])
+    assert FIELDS <= set(first) and first["probe"] == "probe_x" and outs["0"][1] == '{"case": 1}'
+    assert outs["1"] == ['{"case": 1}']  # the other ranks print no stamp

@@ -94,3 +94,16 @@ def test_history_prints_each_older_run_with_its_tables(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "== demo/results/history.jsonl: history/before_run_B/demo.json" in out
     assert "commit unknown (recorded in abc1234) | device X" in out and "run A, before B" in out and "2.50" in out
+
+
+def test_a_probes_jsonl_carries_its_stamp_from_the_first_line(tmp_path):
+    """Probes print their stamp first (`benchmarks/stamp.py` print_stamp): the commit is the file's, the
+    stamp is not a row; a file without one has no commit (`results --stale` calls it unstamped)."""
+    stamped = tmp_path / "probe_x.jsonl"
+    stamped.write_text(json.dumps({"commit": "a" * 40, "dirty": False, "probe": "probe_x"}) + "\n"
+                       + json.dumps({"case": 1, "ms": 2.0}) + "\n")
+    data = results.load(stamped)
+    assert data["commit"] == "a" * 40 and data["rows"] == [{"case": 1, "ms": 2.0}]
+    bare = tmp_path / "probe_y.jsonl"
+    bare.write_text(json.dumps({"case": 1, "ms": 2.0}) + "\n")
+    assert "commit" not in results.load(bare) and results.load(bare)["rows"] == [{"case": 1, "ms": 2.0}]

@@ -84,6 +84,41 @@ def test_context_parallel_counts_only_for_the_benchmarks_that_apply_it(tmp_path)
     assert state["training_step"] == ["primitives/attention.py"]
 
 
+def test_a_probe_measures_its_own_result_only(tmp_path):
+    _git(tmp_path, "init", "-q")
+    for rel in ("primitives/router.py", "benchmarks/router/bench.py", "benchmarks/router/probes/probe_a.py",
+                "benchmarks/router/probes/probe_b.py"):
+        _write(tmp_path, rel, "x = 1\n")
+    measured = _commit(tmp_path, "code")
+    for name in ("router.json", "probe_a.json", "probe_a_variant.json", "probe_b.json"):
+        _write(tmp_path, f"benchmarks/router/results/{name}", json.dumps({"commit": measured, "rows": []}))
+    _commit(tmp_path, "results")
+    _write(tmp_path, "benchmarks/router/probes/probe_a.py", "x = 2\n")
+    _commit(tmp_path, "probe a")
+    state = {r["file"]: r["changed"] for r in staleness.report(tmp_path / "benchmarks", tmp_path)}
+    a = ["benchmarks/router/probes/probe_a.py"]
+    assert state == {"router/results/router.json": [], "router/results/probe_a.json": a,
+                     "router/results/probe_a_variant.json": a, "router/results/probe_b.json": []}
+
+
+def test_a_change_of_words_only_keeps_a_result_current(tmp_path):
+    _git(tmp_path, "init", "-q")
+    _write(tmp_path, "primitives/router.py", '"""Doc."""\n\n\ndef f(x):\n    """Doc."""\n    return x + 1  # why\n')
+    _write(tmp_path, "benchmarks/router/bench.py", "x = 1\n")
+    measured = _commit(tmp_path, "code")
+    _write(tmp_path, "benchmarks/router/results/router.json", json.dumps({"commit": measured, "rows": []}))
+    _commit(tmp_path, "results")
+
+    def changed():
+        return staleness.report(tmp_path / "benchmarks", tmp_path)[0]["changed"]
+    _write(tmp_path, "primitives/router.py", '"""Other doc."""\n\n\ndef f(x):\n    """New."""\n    return x + 1  # how\n')
+    _commit(tmp_path, "words")
+    assert changed() == []
+    _write(tmp_path, "primitives/router.py", '"""Other doc."""\n\n\ndef f(x):\n    """New."""\n    return x + 2\n')
+    _commit(tmp_path, "code")
+    assert changed() == ["primitives/router.py"]
+
+
 def test_the_cli_lists_this_checkouts_result_files(capsys):
     from bumblebee.tools import cli
     assert cli.main(["results", "router", "--stale"]) == 0

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # benchmarks/: stamp, timing, siblings
+from stamp import print_stamp  # noqa: E402
 from timing import matmul_tflops, median_ms
 
 BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
@@ -69,4 +70,5 @@ def main():
 
 
 if __name__ == "__main__":
+    print_stamp(probe=Path(__file__).stem)
     main()

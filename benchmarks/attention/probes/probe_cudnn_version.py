@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # benchmarks/: stamp, timing, siblings
+from stamp import print_stamp  # noqa: E402
 from timing import matmul_tflops, median_ms
 
 CASES = (((128, 128, 192, 128), (4096, 16384, 32768)),
@@ -82,6 +83,7 @@ def timed(shape, T, rate):
 
 
 if __name__ == "__main__":
+    print_stamp(probe=Path(__file__).stem)
     rate = matmul_tflops()
     print(json.dumps({"cudnn": VERSION, "matmul_TFLOPs": rate, "device": torch.cuda.get_device_name()}), flush=True)
     for shape, lengths in CASES:

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # benchmarks/: stamp, timing, siblings
+from stamp import print_stamp  # noqa: E402
 from timing import matmul_tflops, median_ms
 
 SHAPES = ((32, 8, 128), (32, 4, 128), (16, 2, 256))
@@ -91,6 +92,7 @@ def timed(name, fn, T, shape, rate):
 
 
 if __name__ == "__main__":
+    print_stamp(probe=Path(__file__).stem)
     rate = matmul_tflops()
     print(json.dumps({"matmul_TFLOPs": rate, "device": torch.cuda.get_device_name(),
                       "cudnn": torch.backends.cudnn.version()}), flush=True)

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # benchmarks/: stamp, timing, siblings
+from stamp import print_stamp  # noqa: E402
 from timing import matmul_tflops, median_ms
 
 SHAPES = {"qwen3": (32, 8, 128, 128), "qwen3.5": (16, 2, 256, 256), "mla": (128, 128, 192, 128)}
@@ -114,6 +115,7 @@ def timed(name, shape, lengths, rate):
 
 
 if __name__ == "__main__":
+    print_stamp(probe=Path(__file__).stem)
     rate = matmul_tflops()
     print(json.dumps({"matmul_TFLOPs": rate, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
                       "cudnn": torch.backends.cudnn.version()}), flush=True)

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # benchmarks/: timing
+from stamp import print_stamp  # noqa: E402
 from timing import median_ms  # noqa: E402
 
 from bumblebee import registry  # noqa: E402
@@ -87,4 +88,5 @@ def main():
 
 
 if __name__ == "__main__":
+    print_stamp(probe=Path(__file__).stem)
     main()

@@ -15,6 +15,7 @@ import json
 
 import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # benchmarks/: stamp, timing, siblings
+from stamp import print_stamp  # noqa: E402
 from probe_fa4_mla import DQK, DV, H, SCALE, inputs
 from timing import matmul_tflops, median_ms
 
@@ -42,9 +43,9 @@ CASES = {
 }
 SKIP = ("n112", "n128", "n80", "n128_dO1", "m80_n96_dQswap", "n96_noswapKV", "n96_SdPswap", "m128_n64_wg2")
 SKIP += ("n96_PdS2", "n112_Q1", "n128_Q1", "n96_dQatom2", "n96_KVatom1")
-# ^ measured on an H100 (results/probe_fa4_bwd_tiles_h100.jsonl): over shared memory, wrong results
-# (n80), slower, or no tiled-MMA partition; then on an H200 (results/probe_fa4_bwd_tiles_h200.jsonl);
-# each later run tries only the new cases (dQ_single_wg: results/probe_fa4_bwd_tiles_h200_dq1wg.jsonl)
+# ^ measured on an H100 (results/history/probe_fa4_bwd_tiles_h100.jsonl): over shared memory, wrong results
+# (n80), slower, or no tiled-MMA partition; then on an H200 (results/history/probe_fa4_bwd_tiles_h200.jsonl);
+# each later run tries only the new cases (dQ_single_wg: results/history/probe_fa4_bwd_tiles_h200_dq1wg.jsonl)
 
 
 def run_case(name, cfg, ref, rate):
@@ -81,6 +82,7 @@ def run_case(name, cfg, ref, rate):
 
 
 if __name__ == "__main__":
+    print_stamp(probe=Path(__file__).stem)
     rate = matmul_tflops()
     print(json.dumps({"matmul_TFLOPs": rate, "device": torch.cuda.get_device_name(), "tokens": T}), flush=True)
     ref = None

@@ -12,6 +12,7 @@ import json
 
 import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # benchmarks/: stamp, timing, siblings
+from stamp import print_stamp  # noqa: E402
 from siblings import load
 core_fn = load("mla", "core_sweep").core_fn
 
@@ -40,4 +41,5 @@ def main():
 
 
 if __name__ == "__main__":
+    print_stamp(probe=Path(__file__).stem)
     main()

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # benchmarks/: stamp, timing, siblings
+from stamp import print_stamp  # noqa: E402
 from timing import median_ms
 
 H, DQK, DV, NOPE = 128, 192, 128, 128
@@ -42,6 +43,7 @@ def case(T, layout):
 
 
 if __name__ == "__main__":
+    print_stamp(probe=Path(__file__).stem)
     for T in (4096, 16384):
         for layout in ("strided", "contiguous"):
             print(json.dumps(case(T, layout)), flush=True)

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._symmetric_memory as symm_mem
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # benchmarks/: stamp, timing, siblings
+from stamp import print_stamp  # noqa: E402
 from timing import median_ms
 
 D, K = 2048, 8
@@ -101,4 +102,5 @@ def main():
 
 
 if __name__ == "__main__":
+    print_stamp(probe=Path(__file__).stem)
     main()

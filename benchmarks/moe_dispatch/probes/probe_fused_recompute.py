@@ -18,6 +18,7 @@ import statistics
 import torch
 import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # benchmarks/: stamp, timing, siblings
+from stamp import print_stamp  # noqa: E402
 from siblings import load
 moe_dispatch_bench = load("moe_dispatch")
 E, inputs, step_times = moe_dispatch_bench.E, moe_dispatch_bench.inputs, moe_dispatch_bench.step_times
@@ -68,4 +69,5 @@ def main():
 
 
 if __name__ == "__main__":
+    print_stamp(probe=Path(__file__).stem)
     main()

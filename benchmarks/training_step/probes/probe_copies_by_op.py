@@ -23,6 +23,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # training_step/: step_stacks, bench
 sys.path.insert(0, str(HERE.parents[1]))  # benchmarks/: stamp, timing
+from stamp import print_stamp  # noqa: E402
 
 COPY_WORDS = ("copy", "cast", "cat", "memcpy", "fill", "gather", "index", "scatter", "comms", "all_gather",
               "reduce_scatter", "_to")
@@ -75,4 +76,5 @@ def main():
 
 
 if __name__ == "__main__":
+    print_stamp(probe=Path(__file__).stem)
     main()
