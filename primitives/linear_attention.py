@@ -200,6 +200,26 @@ class FLAConfig:
         check_int(self, "recompute_keep_bytes", 0)
 
 
+def fla_qkv(layer, x_BTD, **conv_kw):
+    """q, k, v [B, T, heads, dim] of a gated DeltaNet layer (the slot's parameters) through fla's causal
+    conv with SiLU (`conv_kw`: its cu_seqlens, or a context-parallel cp_context). Each is projected and
+    convolved on its own (the rows of in_proj_qkv and of the depthwise conv are per channel), so each
+    comes out contiguous, as fla's rule takes it. Split from one [T, conv_dim] output they were strided
+    views, copied on the way in and their gradients concatenated on the way out (~12 bytes per
+    channel and token each pass)."""
+    causal_conv1d = fla_ops()[0]
+    w_qkv, w_conv = layer.in_proj_qkv.weight, layer.conv1d.weight[:, 0].to(x_BTD.dtype)
+    parts, lo = [], 0
+    for n, heads, dim in ((layer.key_dim, layer.num_k_heads, layer.head_k_dim),
+                          (layer.key_dim, layer.num_k_heads, layer.head_k_dim),
+                          (layer.value_dim, layer.num_v_heads, layer.head_v_dim)):
+        y, _ = causal_conv1d(F.linear(x_BTD, w_qkv[lo:lo + n]), weight=w_conv[lo:lo + n], activation="silu",
+                             **conv_kw)
+        parts.append(y.reshape(*y.shape[:2], heads, dim))
+        lo += n
+    return parts
+
+
 def _torch_rule(q, k, v, g, beta, scale, cu_seqlens):
     return chunk_gated_delta_rule_torch(q, k, v, g, beta, scale=scale, cu_seqlens=cu_seqlens)
 
@@ -278,25 +298,12 @@ class FLAGatedDeltaNet(nn.Module):
                 v.reshape(B, T, self.num_v_heads, self.head_v_dim))
 
     def _fla(self, x_BTD, g, beta, cu_seqlens, B, T):
-        causal_conv1d, chunk_gated_delta_rule = fla_ops()
+        chunk_gated_delta_rule = fla_ops()[1]
         cu = None
         if cu_seqlens is not None:  # fla reads packed sequences as one row
             x_BTD, g, beta = (t.reshape(1, B * T, *t.shape[2:]) for t in (x_BTD, g, beta))
             cu = cu_seqlens.to(device=x_BTD.device, dtype=torch.long)
-        # q, k and v each projected and convolved on their own (the rows of in_proj_qkv and of the
-        # depthwise conv are per channel): each comes out contiguous, as fla's rule takes it. Split
-        # from one [T, conv_dim] output they were strided views, copied on the way in and their
-        # gradients concatenated on the way out (~12 bytes per channel and token each pass).
-        w_qkv, w_conv = self.in_proj_qkv.weight, self.conv1d.weight[:, 0].to(x_BTD.dtype)
-        parts, lo = [], 0
-        for n, heads, dim in ((self.key_dim, self.num_k_heads, self.head_k_dim),
-                              (self.key_dim, self.num_k_heads, self.head_k_dim),
-                              (self.value_dim, self.num_v_heads, self.head_v_dim)):
-            y, _ = causal_conv1d(F.linear(x_BTD, w_qkv[lo:lo + n]), weight=w_conv[lo:lo + n], activation="silu",
-                                 cu_seqlens=cu)
-            parts.append(y.reshape(*y.shape[:2], heads, dim))
-            lo += n
-        q, k, v = parts
+        q, k, v = fla_qkv(self, x_BTD, cu_seqlens=cu)
 
         def plain(q, k, v, g, beta, scale, cu_seqlens):
             return chunk_gated_delta_rule(q, k, v, g, beta, scale=scale, use_qk_l2norm_in_kernel=True,

@@ -13,6 +13,7 @@ commit that git does not know (a shallow clone) is reported as unknown, not as c
 from __future__ import annotations
 
 import ast
+import functools
 import subprocess
 from pathlib import Path
 
@@ -74,11 +75,12 @@ def _code_of(text: str | None):
     return ast.dump(tree)
 
 
-def _only_words(root: Path, commit: str, path: str) -> bool:
-    """Whether a .py file changed only in comments and docstrings between `commit` and HEAD."""
+@functools.lru_cache(maxsize=None)  # every result file of a commit asks about the same changed files
+def _only_words(root: Path, commit: str, head: str, path: str) -> bool:
+    """Whether a .py file changed only in comments and docstrings between `commit` and `head`."""
     if not path.endswith(".py"):
         return False
-    old, new = (_git(root, "show", f"{rev}:{path}") for rev in (commit, "HEAD"))
+    old, new = (_git(root, "show", f"{rev}:{path}") for rev in (commit, head))
     if old.returncode or new.returncode:  # added or removed
         return False
     a = _code_of(old.stdout)
@@ -94,7 +96,9 @@ def changed_since(commit: str, slot: str, root: Path, name: str = "") -> list[st
     got = _git(root, "diff", "--name-only", commit, "HEAD", "--", *measured_paths(slot))
     if got.returncode:
         raise RuntimeError(f"git diff failed: {got.stderr.strip()}")
-    return sorted(f for f in got.stdout.split() if _measured_by(name, f, slot) and not _only_words(root, commit, f))
+    head = _git(root, "rev-parse", "HEAD").stdout.strip()
+    return sorted(f for f in got.stdout.split()
+                  if _measured_by(name, f, slot) and not _only_words(root, commit, head, f))
 
 
 def current_files(directory: Path) -> list[tuple[str, Path]]:

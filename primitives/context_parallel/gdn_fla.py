@@ -10,7 +10,7 @@ context:
   composes them in the chain's order (TF32x3 dots: fp32-class accuracy), then runs the plain rule
   from the entering state; its backward runs the same chain for the state gradients.
 So each rank runs the single layer's kernels on its tokens (q, k and v projected and convolved
-apart, contiguous, as `primitives/linear_attention.py` does) plus the chain pass: no widened values
+apart, contiguous: `fla_qkv`, the single layer's own) plus the chain pass: no widened values
 and no fp32 copies of [T, C] activations, the costs `gdn.py`'s own maps pay
 (`benchmarks/context_parallel/NOTES.md`).
 
@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from bumblebee.norms import to_acc
 from bumblebee.primitives.context_parallel.layout import CPBatch
-from bumblebee.primitives.linear_attention import fla_falls_back, fla_ops, scoped
+from bumblebee.primitives.linear_attention import fla_falls_back, fla_ops, fla_qkv, scoped
 
 _CONTEXTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # CPBatch -> fla's context: one a batch
 
@@ -68,24 +68,15 @@ def fla_cp_forward(layer, x_BTD, batch: CPBatch):
     why = why_not_fla_cp(x_BTD)
     if why is not None:
         raise RuntimeError(f"ContextParallel(deltanet='fla') cannot run here: {why}")
-    causal_conv1d, rule = fla_ops()
+    rule = fla_ops()[1]
     B, T, _ = x_BTD.shape
     if batch.packed and B != 1:
         raise ValueError(f"packed documents under context parallelism come as one row: x [1, T/CP, D], got B={B}")
-    W = layer.conv1d.weight.shape[-1]
-    ctx = fla_context(batch, W, x_BTD.device)
-    w_qkv, w_conv = layer.in_proj_qkv.weight, layer.conv1d.weight[:, 0].to(x_BTD.dtype)
+    ctx = fla_context(batch, layer.conv1d.weight.shape[-1], x_BTD.device)
     scale = layer.head_k_dim ** -0.5
-    heads = ((layer.key_dim, layer.num_k_heads, layer.head_k_dim),) * 2 + \
-        ((layer.value_dim, layer.num_v_heads, layer.head_v_dim),)
 
     def one_row(x_1TD):
-        parts, lo = [], 0
-        for n, h, d in heads:  # q, k, v apart: each contiguous, as fla's rule takes it
-            y, _ = causal_conv1d(F.linear(x_1TD, w_qkv[lo:lo + n]), weight=w_conv[lo:lo + n], activation="silu",
-                                 cp_context=ctx)
-            parts.append(y.reshape(1, T, h, d))
-            lo += n
+        parts = fla_qkv(layer, x_1TD, cp_context=ctx)  # q, k, v apart, as the single layer
         beta = layer.in_proj_b(x_1TD).sigmoid()
         g = -to_acc(layer.A_log).exp() * F.softplus(to_acc(layer.in_proj_a(x_1TD)) + layer.dt_bias)
 

@@ -143,13 +143,15 @@ def _compare(rows, mode, case, world, rank, batch, want, singles, got):
             g = g.clone()
             dist.all_reduce(g)
 
-        def err(t, local=local, name=name):
-            pick = t[:, batch.index] if local and t.shape[1] == T else t
-            want_t = want[name][:, batch.index] if local else want[name]
-            return (pick.double() - want_t.double()).abs().max().item()
+        def mine(t, local=local):  # a whole-sequence run's values at this rank's positions
+            return t[:, batch.index] if local else t
+        want_t = mine(want[name]).double()
+
+        def err(t):
+            return (t.double() - want_t).abs().max().item()
         row = {"mode": mode, "ranks": world, "rank": rank, "case": case, "tensor": name, "err": err(g),
-               "twin_fp32_err": err(singles[0][name]), "fla_single_err": err(singles[1][name]),
-               "ref_max": (want[name][:, batch.index] if local else want[name]).abs().max().item()}
+               "twin_fp32_err": err(mine(singles[0][name])), "fla_single_err": err(mine(singles[1][name])),
+               "ref_max": want_t.abs().max().item()}
         row["ok"] = row["err"] <= 4 * max(row["twin_fp32_err"], row["fla_single_err"]) + 1e-5 * row["ref_max"]
         rows.append(row)
 
