@@ -684,7 +684,7 @@ def _activation_terms(est: Estimate, cfg, g: dict, par: Parallel, b: int, mtp: b
         first_type = "full_attention" if mtp else types[-1]  # Qwen3.5's MTP block: full attention
         compiled = par.device == "cuda" and par.compiled_norms
         per_type = {t: _hybrid_layer(cfg, t, b, dispatch, par.recompute, compiled) for t in set(types) | {first_type}}
-        if par.cp > 1 and "linear_attention" in per_type:  # per token; fla's few maps (per layer) are in
+        if par.cp > 1 and "linear_attention" in per_type:  # per token (fla's maps: a layer's bytes over its tokens)
             extra = _cp_deltanet(cfg, b) if par.cp_deltanet == "maps" else (0, -(-_cp_deltanet_fla(cfg, par.cp) // n_tok))
             saved, peak = per_type["linear_attention"]
             per_type["linear_attention"] = (saved + extra[0], peak + sum(extra) if par.recompute else peak + extra[1])
