@@ -19,8 +19,8 @@ Workloads (`--workload`; each flag below overrides its value):
   mostly kernel launches (2 GPUs were slower than 1).
 - `medium`: 8 layers of width 1024 (16 heads / 4 KV heads of 64, MLP 3072): P = 96.5M parameters,
   386 MB in fp32; 6 digits (8 prompt + 6 answer tokens), 64 groups x 8 = 512 sequences a step, 16
-  groups an engine call, threshold 0.15 over 5 steps (a policy that ignores the prompt expects 0.1),
-  at most 60 steps or 30 s an eta. lr 3e-5: at this width one Adam step of 1e-4 triples the logits'
+  groups an engine call, threshold 0.5 over 5 steps (a policy that ignores the prompt expects 0.1;
+  levels 0.15-0.4 reported on the way), at most 100 steps or 45 s an eta. lr 3e-5: at this width one Adam step of 1e-4 triples the logits'
   spread (std 0.59 -> 1.6; the small model's at 2e-3: 0.34 -> 0.82), and 1e-3, 3e-4, 1e-4 collapsed
   the policy's entropy (2.6 -> < 0.4) in 2-4 steps. At 3e-5 on the CPU (`lagged_run`, 16 groups x 8,
   seed 0) the 5-step mean passed 0.15 after 8 steps at eta = 0, after 11 at eta = 2.
@@ -37,15 +37,17 @@ Workloads (`--workload`; each flag below overrides its value):
   what eta = 2 loses in learning per step.
 
 Each eta trains from the same seed until the mean reward of the last `--window` steps reaches
-`--threshold` (or `--max-steps`, or `--max-seconds` of the eta's own clock); the clock starts after
-the first weights are published (model build and process start-up excluded; in the ray mode a
-run's first step still holds its fresh processes' first CUDA calls: `first_step_s`, and
-`speedup_after_first_step_vs_eta0` leaves it out of both times). On GPUs one
-untimed warm-up run of two steps goes first (CUDA context, kernels' first calls, the allocator in
-the local mode; Triton's on-disk kernel cache in both, since each Ray run starts fresh processes).
+`--threshold` (or `--max-steps`, or `--max-seconds` of the eta's own clock); the wall times to the
+lower `--levels` are read off the same run. The clock starts after the first weights are published
+and the pipeline's warm-up (`PipelineConfig.warmup`: each trainer rank runs a step's calls training
+nothing, each producer one throwaway engine call), so model build, process start-up and the fresh
+processes' first CUDA calls are outside it and the first step is a step like the others
+(`first_step_s`; `speedup_after_first_step_vs_eta0` leaves it out of both times). On GPUs one
+untimed warm-up run of two steps goes first (Triton's on-disk kernel cache, which every fresh
+process reads; CUDA context and allocator in the local mode).
 With `--seeds`, every seed runs every eta (a seed's etas back to back) and `summary` gives per eta
 the median and range over seeds. Reported per eta and seed: wall seconds and steps to the threshold
-(None if not reached), median seconds a step, the trainer's mean idle fraction, the producers' final (cumulative) idle fraction, mean
+(None if not reached) and to each level, median seconds a step, the trainer's mean idle fraction, the producers' final (cumulative) idle fraction, mean
 staleness and behave_kl, the reward curve; and the speedup of each eta over eta = 0 in wall time to
 the threshold and per step. `--weights p2p` (ray mode; a whole GPU per actor or none) publishes
 through the weight-transfer primitive (NCCL between the actors' GPUs) instead of Ray's object store.
@@ -86,6 +88,7 @@ class Workload:
     window: int
     max_steps: int
     max_seconds: float | None = None
+    levels: tuple = ()  # reward levels reported below the threshold (their wall times read off the same run)
 
 
 WORKLOADS = {
@@ -94,8 +97,8 @@ WORKLOADS = {
                       groups_per_call=8, lr=2e-3, threshold=0.25, window=5, max_steps=200),
     "medium": Workload({"hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 8,
                         "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 64}, digits=6, groups=64,
-                       group_size=8, groups_per_call=16, lr=3e-5, threshold=0.15, window=5, max_steps=60,
-                       max_seconds=30.0),
+                       group_size=8, groups_per_call=16, lr=3e-5, threshold=0.5, window=5, max_steps=100,
+                       max_seconds=45.0, levels=(0.15, 0.2, 0.3, 0.4)),
 }
 # qwen3-tiny itself, a few steps of a few groups
 CPU_SMOKE = {"digits": 2, "groups": 4, "group_size": 4, "groups_per_call": 2, "lr": 5e-3, "window": 2, "max_steps": 4}
@@ -113,7 +116,7 @@ def pipeline_config(eta, args, gpus_each: float = 0.0) -> PipelineConfig:
                           restarts=0 if args.weights == "p2p" else 1,  # p2p's group does not survive a restart
                           impl={"cross_entropy": "linear_ce"}, sampling=Sampling(max_new_tokens=args.digits),
                           objective=Objective(entropy_coef=1e-3), take_timeout_s=300.0, weight_timeout_s=300.0,
-                          call_timeout_s=300.0, producer_gpus=gpus_each, trainer_gpus=gpus_each)
+                          call_timeout_s=300.0, producer_gpus=gpus_each, trainer_gpus=gpus_each, warmup=True)
 
 
 def _train_local(cfg, args, task, model, devices, on_step, until):
@@ -148,6 +151,7 @@ def run_eta(eta, args, task, model, devices, quiet) -> dict:
     log = train(pipeline_config(eta, args, gpus_each), args, task, model, devices, on_step, until)
     hit = reached(log)
     return {"eta": eta, "reached": hit, "steps": len(log), "wall_s": log[-1]["wall_s"],
+            "to_level": to_levels(log, args.levels, args.window),
             "wall_s_to_threshold": log[-1]["wall_s"] if hit else None,
             "steps_to_threshold": len(log) if hit else None,
             "first_step_s": log[0]["wall_s"],
@@ -161,6 +165,39 @@ def run_eta(eta, args, task, model, devices, quiet) -> dict:
             "train_s_median": statistics.median(m["train_s"] for m in log),
             "publish_s_median": statistics.median(m["publish_s"] for m in log),
             "reward": [round(m["reward"], 4) for m in log]}
+
+
+def to_levels(log, levels, window) -> dict:
+    """{level: [steps, wall seconds]} to the first step where the mean reward of the last `window`
+    steps reaches `level` (None where the run never did): the levels below the stopping threshold,
+    read off the same run."""
+    out = {}
+    for level in levels:
+        hit = next((i for i in range(window - 1, len(log))
+                    if statistics.mean(m["reward"] for m in log[i - window + 1:i + 1]) >= level), None)
+        out[f"{level:g}"] = None if hit is None else [hit + 1, log[hit]["wall_s"]]
+    return out
+
+
+def level_speedups(rows) -> list[dict]:
+    """Per eta and level over the seeds: each seed's eta = 0 wall time to the level over this eta's
+    (median, min, max; seeds where either run missed the level are left out, and counted)."""
+    out = []
+    for eta in sorted({r["eta"] for r in rows}):
+        for level in rows[0]["to_level"]:
+            ratios, steps = [], []
+            for r in rows:
+                base = next((b for b in rows if b["eta"] == 0 and b["seed"] == r["seed"]), None)
+                if r["eta"] != eta or base is None:
+                    continue
+                a, b = base["to_level"][level], r["to_level"][level]
+                if a and b:
+                    ratios.append(a[1] / b[1])
+                    steps.append(b[0])
+            out.append({"eta": eta, "level": float(level), "seeds": len(ratios), "steps": steps,
+                        "speedup": {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
+                        if ratios else None})
+    return out
 
 
 def summarize(rows) -> list[dict]:
@@ -188,6 +225,8 @@ def main(argv=None) -> int:
     ap.add_argument("--cpu-smoke", action="store_true", help="the tiny model on the CPU, a few steps (any workload)")
     ap.add_argument("--etas", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--threshold", type=float, help="mean reward over the last --window steps")
+    ap.add_argument("--levels", type=float, nargs="+", help="reward levels whose wall times are also reported "
+                    "(default: the workload's, and the threshold)")
     ap.add_argument("--window", type=int)
     ap.add_argument("--max-steps", type=int)
     ap.add_argument("--max-seconds", type=float, help="stop an eta's run past this many seconds of its clock")
@@ -209,6 +248,7 @@ def main(argv=None) -> int:
     for k, v in preset.items():
         if getattr(args, k) is None:
             setattr(args, k, v)
+    args.levels = sorted({*args.levels, args.threshold})
     if args.cpu_smoke:
         devices = {"trainer": "cpu", "producer": "cpu"}
     else:
@@ -221,7 +261,7 @@ def main(argv=None) -> int:
     model = model_config(task, {} if args.cpu_smoke else workload.model)
     if not args.cpu_smoke:  # CUDA context, kernels' first calls, allocator; Triton's kernel cache
         run_eta(1, argparse.Namespace(**{**vars(args), "max_steps": 2}), task, model, devices, quiet=True)
-    rows = []
+    rows, path = [], None
     for seed in args.seeds or [args.seed]:  # a seed's etas back to back: drift weighs on them alike
         for eta in args.etas:
             watch = Stopwatch()  # the whole run, set-up included; the rows' own times come from the pipeline's log
@@ -230,11 +270,25 @@ def main(argv=None) -> int:
             row["run_s"] = watch.seconds()
             rows.append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "reward"}), flush=True)
+            path = write(rows, args, devices, model)  # after every row: a run cut short keeps what it measured
+    print(f"wrote {path}")
+    result = json.loads(path.read_text())
+    for r in result["summary"] + result["levels"]:
+        print(json.dumps(r))
+    for r in rows:
+        print(f"seed {r['seed']} eta {r['eta']}: to threshold {r['wall_s_to_threshold']} s in {r['steps_to_threshold']} steps, "
+              f"{r['s_per_step_median'] or float('nan'):.3f} s/step, idle trainer {r['trainer_idle_mean']:.2f} producers "
+              f"{r['producer_idle_final']:.2f}, speedup {r['speedup_to_threshold_vs_eta0']}")
+    return 0
+
+
+def write(rows, args, devices, model) -> Path:
+    """The result file of the rows so far, each with its speed-ups over its seed's eta = 0 run."""
     for r in rows:
         base = next((b for b in rows if b["eta"] == 0 and b["seed"] == r["seed"]), None)
         ok = base is not None and base["reached"] and r["reached"]
         r["speedup_to_threshold_vs_eta0"] = base["wall_s_to_threshold"] / r["wall_s_to_threshold"] if ok else None
-        # the same without each run's first step (a Ray run's fresh processes' cold start, alike for every eta)
+        # the same without each run's first step (alike for every eta)
         warm = ok and r["steps_to_threshold"] > 1 and base["steps_to_threshold"] > 1
         r["speedup_after_first_step_vs_eta0"] = ((base["wall_s_to_threshold"] - base["first_step_s"])
                                                  / (r["wall_s_to_threshold"] - r["first_step_s"]) if warm else None)
@@ -247,22 +301,17 @@ def main(argv=None) -> int:
               "workload": args.workload, "gpus": gpus, "devices": devices, "model": model,
               "task": {"name": "copy_digits", "length": args.digits},
               "config": {k: v for k, v in vars(args).items() if k not in ("out", "quiet")}, "rows": rows,
-              "summary": summarize(rows)}
+              "summary": summarize(rows), "levels": level_speedups(rows)}
     out = Path(args.out) if args.out else HERE / "results"
     out.mkdir(parents=True, exist_ok=True)
     name = "cpu" if args.cpu_smoke else result["device"].lower().replace("nvidia ", "").replace(" ", "_")
     suffix = ("_ray" if args.mode == "ray" else "") + ("" if args.workload == "small" else f"_{args.workload}") + \
         ("_p2p" if args.weights == "p2p" else "")
     path = out / f"rl_pipeline_{name}_x{gpus}{suffix}.json"
-    path.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {path}")
-    for r in result["summary"]:
-        print(json.dumps(r))
-    for r in rows:
-        print(f"seed {r['seed']} eta {r['eta']}: to threshold {r['wall_s_to_threshold']} s in {r['steps_to_threshold']} steps, "
-              f"{r['s_per_step_median'] or float('nan'):.3f} s/step, idle trainer {r['trainer_idle_mean']:.2f} producers "
-              f"{r['producer_idle_final']:.2f}, speedup {r['speedup_to_threshold_vs_eta0']}")
-    return 0
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(result, indent=1) + "\n")
+    tmp.replace(path)
+    return path
 
 
 if __name__ == "__main__":

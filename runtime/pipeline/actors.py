@@ -3,6 +3,7 @@ rollout producers (an engine adapter, rule rewards) and the trainer (the runtime
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 
 import ray
@@ -91,6 +92,15 @@ class Producer:
         self.channel = channel
         channel.attach(rank, self.engine)
 
+    def warmup(self) -> None:
+        """`PipelineConfig.warmup`: take the first weights, then one throwaway engine call of
+        `groups_per_call` prompts (nothing leased, scored or submitted; the engine seeds its own sampler)."""
+        cfg = self.cfg
+        if not self.channel.refresh(self.engine) and self.engine.version < 0:
+            self.channel.wait_newer(self.engine, cfg.weight_timeout_s)
+        prompts = [p for p, _ in itertools.islice(self.task.prompts(cfg.seed), cfg.groups_per_call)]
+        self.engine.generate(prompts, cfg.group_size, cfg.sampling, seed=0)
+
     def _refresh(self) -> None:
         """Load the newest weights if they are newer than the engine's (between chunks, or on wait)."""
         self.channel.refresh(self.engine)
@@ -153,6 +163,13 @@ class Trainer:
             self.group = getattr(self.channel, "trainer_group", None)
         self.rt, self.ref = build_runtime(self.model_config, self.cfg, group=self.group, device=self.device,
                                           ep_mesh=getattr(self.channel, "ep_mesh", None))
+
+    def warmup(self, prompt: list[int]) -> None:
+        """`PipelineConfig.warmup`: `trainer.warmup_step` on this rank (every rank at once)."""
+        from bumblebee.runtime.pipeline.trainer import collective_limit, warmup_step
+        with collective_limit(self.cfg, f"trainer rank {self.rank}, warm-up"):
+            warmup_step(self.rt, self.cfg, prompt=prompt, vocab=self.model_config["vocab_size"], pad_id=self.pad_id,
+                        ref=self.ref, world=self.world)
 
     def publish(self, flush: bool = False) -> int:
         """Publish this version (`flush`: and wait until it is in the channel)."""

@@ -85,6 +85,9 @@ class PipelineConfig:
     expert_parallel: int = 1  # an MoE model's experts split over this many trainer ranks (divides trainer_ranks)
     producer_gpus: float = 0.0  # Ray's num_gpus per producer actor (0: CPU); its engine on the GPU Ray assigns
     trainer_gpus: float = 0.0  # Ray's num_gpus per trainer rank (0: CPU); its runtime on the GPU Ray assigns
+    warmup: bool = False  # before the first step: every trainer rank runs a step's calls training nothing
+    # (`trainer.warmup_step`), every producer takes the first weights and makes one throwaway engine call;
+    # the run's samples and updates are unchanged, its first step no longer holds the processes' first calls
 
     def __post_init__(self):
         for name in ("steps", "groups_per_step", "group_size", "producers", "groups_per_call", "threads",
@@ -92,8 +95,9 @@ class PipelineConfig:
             _positive(name, getattr(self, name))
         if self.weights not in WEIGHT_CHANNELS:
             raise ValueError(f"weights must be one of {WEIGHT_CHANNELS}, got {self.weights!r}")
-        if not isinstance(self.publish_in_background, bool):
-            raise ValueError(f"publish_in_background must be a bool, got {self.publish_in_background!r}")
+        for name in ("publish_in_background", "warmup"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.weights == "p2p" and self.restarts:
             raise ValueError("restarts must be 0 with weights='p2p': a dead rank breaks the transfer's group "
                              "(the object_store channel survives restarts)")

@@ -11,6 +11,7 @@ raises ends the run with its error)."""
 from __future__ import annotations
 
 import functools
+import itertools
 import threading
 import time
 
@@ -20,7 +21,7 @@ from bumblebee.runtime.pipeline.admission import Ledger
 from bumblebee.runtime.pipeline.config import PipelineConfig, PipelineTimeout
 from bumblebee.runtime.pipeline.engine import TransformersEngine, rollout
 from bumblebee.runtime.pipeline.report import emit
-from bumblebee.runtime.pipeline.trainer import build_runtime, grpo_step, own_default_group
+from bumblebee.runtime.pipeline.trainer import build_runtime, grpo_step, own_default_group, warmup_step
 
 
 def _use(device: torch.device) -> None:
@@ -56,6 +57,8 @@ class LocalPipeline:
         self.weights, self.version = None, -1  # the newest published weights and their version
         self.errors: list[BaseException] = []
         self.stopping = False
+        # cfg.warmup: the trainer's clock starts once it and every producer have warmed up
+        self.warmed = threading.Barrier(cfg.producers + 1, timeout=cfg.call_timeout_s) if cfg.warmup else None
 
     # -- producers -----------------------------------------------------------------------------
     def _newest(self, engine) -> bool:
@@ -73,6 +76,8 @@ class LocalPipeline:
             engine = self.engine(device)
             busy = idle = 0.0
             newer = lambda: self.version > engine.version or self.stopping  # noqa: E731
+            if self.warmed is not None:
+                self._warm_producer(engine, newer)
             while True:
                 t0 = time.monotonic()
                 with self.cond:
@@ -99,9 +104,24 @@ class LocalPipeline:
                     self.ledger.submit(i, out, busy, idle)
                     self.cond.notify_all()
         except BaseException as e:  # noqa: BLE001 - handed to the trainer, which raises it
+            if self.warmed is not None:
+                self.warmed.abort()  # a trainer waiting for the warm-up raises instead of waiting it out
             with self.cond:
                 self.errors.append(e)
                 self.cond.notify_all()
+
+    def _warm_producer(self, engine, newer) -> None:
+        """`PipelineConfig.warmup`: the first weights, one throwaway engine call, then the barrier."""
+        cfg = self.cfg
+        with self.cond:
+            if not self.cond.wait_for(newer, cfg.weight_timeout_s):
+                raise PipelineTimeout(f"no first weights within {cfg.weight_timeout_s:g} s (weight_timeout_s)")
+            if self.stopping:
+                return
+        self._newest(engine)
+        prompts = [p for p, _ in itertools.islice(self.task.prompts(cfg.seed), cfg.groups_per_call)]
+        engine.generate(prompts, cfg.group_size, cfg.sampling, seed=0)
+        self.warmed.wait()
 
     # -- trainer -------------------------------------------------------------------------------
     def _publish(self, rt, version: int) -> None:
@@ -139,7 +159,12 @@ class LocalPipeline:
             try:
                 _use(self.trainer_device)
                 rt, ref = build_runtime(self.model_config, cfg, device=self.trainer_device)
+                if self.warmed is not None:
+                    warmup_step(rt, cfg, prompt=next(iter(self.task.prompts(cfg.seed)))[0],
+                                vocab=self.model_config["vocab_size"], pad_id=self.task.pad_id, ref=ref)
                 self._publish(rt, 0)
+                if self.warmed is not None:
+                    self.warmed.wait()
                 t_start = time.monotonic()
                 for step in range(cfg.steps):
                     t0 = time.monotonic()
@@ -174,6 +199,8 @@ class LocalPipeline:
             with self.cond:
                 self.stopping = True
                 self.cond.notify_all()
+            if self.warmed is not None:  # a producer still at the barrier (the trainer failed first) ends
+                self.warmed.abort()
             for t in producers:
                 t.join(cfg.call_timeout_s)
             if out:

@@ -64,6 +64,10 @@ class Pipeline:
         joins += [p.attach.remote(i + 1, self.channel) for i, p in self.producers.items()]
         get(joins, cfg.call_timeout_s, "the trainer's and producers' start")
         get([t.publish.remote(flush=True) for t in self.trainers], cfg.call_timeout_s, "the first weights")
+        if cfg.warmup:
+            prompt = next(iter(task.prompts(cfg.seed)))[0]
+            get([t.warmup.remote(prompt) for t in self.trainers] + [p.warmup.remote() for p in self.producers.values()],
+                cfg.call_timeout_s, "the warm-up")
         for i, p in self.producers.items():
             self.runs[p.run.remote()] = i
 

@@ -14,7 +14,7 @@ from bumblebee.runtime.batching import Batch
 from bumblebee.runtime.pipeline.admission import Admission, Lease
 from bumblebee.runtime.pipeline.config import Objective, PipelineConfig, PipelineTimeout
 from bumblebee.runtime.pipeline.engine import rollout
-from bumblebee.runtime.pipeline.samples import Group, informative, to_batch
+from bumblebee.runtime.pipeline.samples import Completion, Group, informative, to_batch
 
 
 def build_runtime(model_config: dict, cfg: PipelineConfig, group=None, device="cpu", ep_mesh=None):
@@ -191,18 +191,8 @@ def grpo_step(rt, groups: list[Group], objective: Objective, *, version: int, pa
         return {**m, "applied": opt["applied"], "loss": 0.0, "grad_norm": 0.0, "behave_kl": 0.0, "kl": 0.0,
                 "entropy": float("nan"), "clip_fraction": 0.0, "behave_weight_max": 1.0}
     mine = kept[rank::world]
-    device = next(rt.model.parameters()).device
-    batch, _ = to_batch(mine or kept[:1], pad_id, scale_by_std=objective.scale_by_std, device=device)
-    mask = batch.loss_mask if mine else torch.zeros_like(batch.loss_mask)
-    prox = rt.forward(batch).log_probs  # pi_prox: the weights of `version`, before this update
+    batch, mask, prox, res = _ppo_pass(rt, mine or kept[:1], objective, pad_id=pad_id, ref=ref, train=bool(mine))
     behave = batch.sampler_logprobs
-    w = losses.behaviour_weights(prox, behave, cap=objective.behave_cap, mode=objective.behave_mode)
-    ref_lp = ref.forward(batch).log_probs if objective.kl_coef else None
-    train = Batch(batch.input_ids, loss_mask=mask, weights=w * mask, advantages=batch.advantages,
-                  sampler_logprobs=prox, ref_logprobs=ref_lp)
-    res = rt.forward_backward(train, "ppo", clip=(objective.clip_low, objective.clip_high),
-                              loss_agg_mode="token-mean", kl_coef=objective.kl_coef,
-                              entropy_coef=objective.entropy_coef, entropy=True)
     opt = rt.optim_step()
     with torch.no_grad():
         n = mask.sum().clamp_min(1)
@@ -214,6 +204,45 @@ def grpo_step(rt, groups: list[Group], objective: Objective, *, version: int, pa
         if world > 1:
             out = _over_ranks(out, int(mask.sum()), group)
     return {**m, "applied": opt["applied"], "grad_norm": float(opt["grad_norm"]), **out}
+
+
+def _ppo_pass(rt, groups: list[Group], objective: Objective, *, pad_id: int, ref, train: bool):
+    """(batch, trained mask, pi_prox's log-probs, forward_backward's result) of `groups`: the proximal
+    policy's forward, the capped behaviour weight, the clip-higher surrogate's forward and backward
+    (gradients added, no step); `train` False: every token masked out (nothing trained, the same calls)."""
+    device = next(rt.model.parameters()).device
+    batch, _ = to_batch(groups, pad_id, scale_by_std=objective.scale_by_std, device=device)
+    mask = batch.loss_mask if train else torch.zeros_like(batch.loss_mask)
+    prox = rt.forward(batch).log_probs  # pi_prox: the weights of this version, before the update
+    w = losses.behaviour_weights(prox, batch.sampler_logprobs, cap=objective.behave_cap, mode=objective.behave_mode)
+    ref_lp = ref.forward(batch).log_probs if objective.kl_coef else None
+    train_batch = Batch(batch.input_ids, loss_mask=mask, weights=w * mask, advantages=batch.advantages,
+                        sampler_logprobs=prox, ref_logprobs=ref_lp)
+    res = rt.forward_backward(train_batch, "ppo", clip=(objective.clip_low, objective.clip_high),
+                              loss_agg_mode="token-mean", kl_coef=objective.kl_coef,
+                              entropy_coef=objective.entropy_coef, entropy=True)
+    return batch, mask, prox, res
+
+
+def warmup_step(rt, cfg: PipelineConfig, *, prompt: list[int], vocab: int, pad_id: int, ref=None,
+                world: int = 1) -> None:
+    """The calls of one `grpo_step` on a throwaway batch of a step's shape on this rank (its share of
+    `cfg.groups_per_step` groups of `cfg.group_size` completions of `prompt`, random tokens of a
+    private generator) with nothing trained: the first calls' costs (kernel loads, FSDP2's lazy
+    init, the allocator's pool) are paid before a timed run. Every rank of the trainer calls it. The
+    weights, optimizer state, step count and router biases stay as they were (the optimizer step
+    skips: no trained token on any rank), and the global RNG is not drawn from."""
+    gen = torch.Generator().manual_seed(0)
+    n = cfg.sampling.max_new_tokens
+
+    def completion():
+        return Completion(torch.randint(vocab, (n,), generator=gen).tolist(), [-1.0] * n, [0] * n)
+    groups = [Group(g, 0, list(prompt), [completion() for _ in range(cfg.group_size)],
+                    [float(i % 2) for i in range(cfg.group_size)]) for g in range(-(-cfg.groups_per_step // world))]
+    _ppo_pass(rt, groups, cfg.objective, pad_id=pad_id, ref=ref, train=False)
+    opt = rt.optim_step()
+    if opt["applied"]:  # the skip is what keeps the run's updates its own
+        raise RuntimeError(f"the warm-up step moved the weights: {opt}")
 
 
 def _over_ranks(local: dict, tokens: int, group) -> dict:

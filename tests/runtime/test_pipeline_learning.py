@@ -64,10 +64,11 @@ def test_learns_to_copy_at_eta_0_and_2(one_process, eta, seed):
     assert last > THRESHOLD and last > first + RISE, (first, last, [round(m["reward"], 3) for m in log])
 
 
-def test_local_pipeline_at_eta_zero_equals_the_synchronous_loop(one_process):
+@pytest.mark.parametrize("warmup", [False, True])
+def test_local_pipeline_at_eta_zero_equals_the_synchronous_loop(one_process, warmup):
     """Threads, one producer leasing a whole step per call: the samples, rewards and updates are
-    the plain loop's."""
-    cfg = _cfg(steps=2, groups_per_step=4, group_size=4, groups_per_call=4)
+    the plain loop's, with the warm-up too (it trains nothing and draws on no RNG of the run)."""
+    cfg = _cfg(steps=2, groups_per_step=4, group_size=4, groups_per_call=4, warmup=warmup)
     piped = LocalPipeline(cfg, CONFIG, TASK).run(on_step=None)
     plain = synchronous_run(cfg, CONFIG, TASK, TransformersEngine(CONFIG, pad_token_id=TASK.pad_id))
     assert len(piped) == len(plain) == 2
