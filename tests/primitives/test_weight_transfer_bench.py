@@ -41,6 +41,8 @@ def test_bench_measures_p2p_twin_and_link_on_four_gloo_ranks(tmp_path):
     assert link["pairs"] == 2 and link["GBps"] > 0
     assert 0 < link["message_bytes"] < per["p2p@65536"]["wire_bytes"]  # one rollout rank's update
     assert r["p2p_over_link_rate"] > 0 and r["target_over_link_rate"] == 0.7
+    lo, hi = per[r["p2p_best"]]["of_link_rate_spread"]  # quartiles of updates against the link's rounds
+    assert 0 < lo <= hi and r["target_shown"] == (lo >= 0.7) and len(link["times_ms"]) == 1
     # --profile: one more update of the first budget traced on every rank, its phases in order
     assert r["profiled"] == "p2p@65536"
     for i, g in enumerate(r["ranks"]):
