@@ -3,6 +3,7 @@ mode over two seeds (per-eta summaries over them), and at eta = 0, 2 on Ray (act
 their own, weights through the transfer primitive); a stamped result file with every row's timings,
 idle fractions and reward curve, named after the mode and the weight channel."""
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -30,6 +31,14 @@ def _smoke(tmp_path, *flags) -> dict:
         assert r["staleness_mean"] <= r["eta"]
         if r["eta"] == 0:  # synchronous: on-policy, the sampler's log-probs the trainer's up to rounding
             assert r["staleness_mean"] == 0 and abs(r["behave_kl_mean"]) <= 8 * torch.finfo(torch.float32).eps
+        assert len(r["step_s"]) == r["steps"] and abs(sum(r["step_s"]) - r["wall_s"]) <= 1e-4 * r["steps"]
+        window, levels = result["config"]["window"], result["config"]["levels"]
+        assert set(r["to_level"]) == {f"{x:g}" for x in levels} and result["config"]["threshold"] in levels
+        for level, hit in r["to_level"].items():  # the first step whose window mean reaches the level
+            means = [statistics.mean(r["reward"][i - window + 1:i + 1]) for i in range(window - 1, r["steps"])]
+            first = next((i + window for i, m in enumerate(means) if m >= float(level)), None)
+            assert (hit and hit[0]) == first and (hit is None or hit[1] <= r["wall_s"]), (level, hit, means)
+    assert len(result["levels"]) == len(result["summary"]) * len(result["config"]["levels"])
     for summary in result["summary"]:  # per eta over the seeds
         mine = [r for r in result["rows"] if r["eta"] == summary["eta"]]
         assert summary["seeds"] == len(mine) and summary["reached"] == sum(r["reached"] for r in mine)
