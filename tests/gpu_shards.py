@@ -25,7 +25,10 @@ then stalled in fla's cold autotuning; each on its own GPU with the cache warm, 
 400 s; its width now matches the test before it); the rest of that file passed alone in 21 s.
 At 1a4190f on four H200s: shard 4 55 passed in 127 s (two GPUs, beside a benchmark); the context-parallel
 file alone 29 passed in 120 s, its fla rule test 96 s of it (fla's autotuning, the cache warm from an
-earlier call that ran out of time beside two benchmarks).
+earlier call that ran out of time beside two benchmarks). At 81adfbb on two fresh H200s the fla CP
+file alone (`test_context_parallel_fla_gpu.py`, both GPUs visible) finished within neither 200 s nor,
+in the next call, 220 s: fla's first autotuning of its CP kernels. Run it inside shard 3, after the
+DeltaNet files, whose autotuning warms part of the cache.
 `tests/core/test_gpu_shards.py` checks that every file
 with a `gpu` mark is in exactly one shard.
 """
