@@ -21,10 +21,11 @@ Workloads (`--workload`; each flag below overrides its value):
   386 MB in fp32; 6 digits (8 prompt + 6 answer tokens), 64 groups x 8 = 512 sequences a step, 16
   groups an engine call, threshold 0.2 over 5 steps (a policy that ignores the prompt expects 0.1;
   level 0.15 reported on the way), at most 60 steps or 30 s an eta. The reward then plateaus at
-  0.3-0.37 (45 s runs: NOTES.md), where steps to a level are many and noisy. lr 3e-5: at this width one Adam step of 1e-4 triples the logits'
-  spread (std 0.59 -> 1.6; the small model's at 2e-3: 0.34 -> 0.82), and 1e-3, 3e-4, 1e-4 collapsed
-  the policy's entropy (2.6 -> < 0.4) in 2-4 steps. At 3e-5 on the CPU (`lagged_run`, 16 groups x 8,
-  seed 0) the 5-step mean passed 0.15 after 8 steps at eta = 0, after 11 at eta = 2.
+  0.3-0.37 (45 s runs: NOTES.md), where steps to a level are many and noisy. lr 3e-5: at this
+  width one Adam step of 1e-4 triples the logits' spread (std 0.59 -> 1.6; the small model's at
+  2e-3: 0.34 -> 0.82), and 1e-3, 3e-4, 1e-4 collapsed the policy's entropy (2.6 -> < 0.4) in 2-4
+  steps. At 3e-5 on the CPU (`lagged_run`, 16 groups x 8, seed 0) the 5-step mean passed 0.15
+  after 8 steps at eta = 0, after 11 at eta = 2.
   Floors. fp32 throughout (the pipeline has no dtype option: the trainer's policy and the exported
   weights the engine samples with are fp32), so GEMMs are bound by 67 TFLOP/s (H100/H200 fp32, no
   TF32). Train: 2P FLOPs a token (pi_prox's forward) + 6P (forward and backward) over 512 x 14 =
@@ -48,9 +49,10 @@ untimed warm-up run of two steps goes first (Triton's on-disk kernel cache, whic
 process reads; CUDA context and allocator in the local mode).
 With `--seeds`, every seed runs every eta (a seed's etas back to back) and `summary` gives per eta
 the median and range over seeds. Reported per eta and seed: wall seconds and steps to the threshold
-(None if not reached) and to each level, median seconds a step, the trainer's mean idle fraction, the producers' final (cumulative) idle fraction, mean
-staleness and behave_kl, the reward curve; and the speedup of each eta over eta = 0 in wall time to
-the threshold and per step. `--weights p2p` (ray mode; a whole GPU per actor or none) publishes
+(None if not reached) and to each level, median seconds a step, the trainer's mean idle fraction,
+the producers' final (cumulative) idle fraction, mean staleness and behave_kl, the reward curve; and
+the speedup of each eta over eta = 0 in wall time to the threshold and per step, and (`levels`) to
+each level over the seeds. `--weights p2p` (ray mode; a whole GPU per actor or none) publishes
 through the weight-transfer primitive (NCCL between the actors' GPUs) instead of Ray's object store.
 Writes <out>/rl_pipeline_<device>_x<gpus>[_ray][_medium][_p2p].json (stamped: commit, versions, device, date).
 """

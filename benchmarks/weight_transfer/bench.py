@@ -153,9 +153,9 @@ def plot(result, path: Path) -> bool:
 # ---- measured updates (torchrun) ---------------------------------------------------------------
 
 def link_rate_ms(trainers, rollouts, nbytes: int, iters: int, device) -> list[float]:
-    """The ms of each of `iters` rounds of one `nbytes` message from trainer rank i to rollout rank i, all pairs at once, by a
-    plain `batch_isend_irecv` (every rank: the same calls, a barrier before each, fixed counts): the
-    link's point-to-point rate that the updates are read against."""
+    """The ms of each of `iters` rounds of one `nbytes` message from trainer rank i to rollout rank i,
+    all pairs at once, by a plain `batch_isend_irecv` (every rank: the same calls, a barrier before
+    each, fixed counts): the link's point-to-point rate that the updates are read against."""
     import torch.distributed as dist
     rank = dist.get_rank()
     peer = {a: b for a, b in zip(trainers, rollouts)} | {b: a for a, b in zip(trainers, rollouts)}
