@@ -59,9 +59,11 @@ stays the ranks the state is sharded over (FSDP2 over the whole (dp, cp) mesh: d
 attention layer the exchange adds what grows with the whole sequence (`_cp_attention`): all-gather
 keeps the gathered K/V repeated to the query heads for the fused kernel and, in the backward, their
 gradients (MLA: the gathered latent, and one key chunk's expanded K/V at a time); the ring
-only blocks of T / cp. The DeltaNet rule carries Dk more value columns (`_cp_deltanet`), and its conv
-keeps fp32 copies; on fla's own CP kernels (`cp_deltanet="fla"`) it carries neither: the layer is
-the single one on T / cp tokens plus the chain's gathered maps (`_cp_deltanet_fla`).
+only blocks of T / cp. The DeltaNet rule carries Dk more value columns (`_cp_deltanet`); its conv keeps
+fp32 copies off CUDA only (on CUDA the halo rows run fla's conv in the compute dtype, as the single
+layer's: the estimate of the Qwen3.5 slice at CP = 4 fell from 24% over the measured peak at 1536K to
+5%); on fla's own CP kernels (`cp_deltanet="fla"`) it carries neither: the layer is the single one on
+T / cp tokens plus the chain's gathered maps (`_cp_deltanet_fla`).
 """
 from __future__ import annotations
 
@@ -96,7 +98,7 @@ class Parallel:
     cp_exchange: str = "allgather"  # how cp attention gets the other ranks' K/V: "allgather" | "ring"
     cp_block_keys: int = 65536    # all-gather: the most keys a fused block takes (ContextParallel's
                                   # allgather_block_keys; 0: a piece's earlier keys in one block)
-    cp_deltanet: str = "maps"     # ContextParallel.deltanet: "maps" (widened rule, fp32 conv) | "fla"
+    cp_deltanet: str = "maps"     # ContextParallel.deltanet: "maps" (widened rule; fp32 conv off CUDA) | "fla"
     sharding: str = "fsdp2"       # "fsdp2" | "zero1"
     mixed_precision: str = "bf16"  # compute dtype: "bf16" | "fp32"
     micro_batch: int = 1
@@ -636,13 +638,15 @@ def _cp_attention_saved(cfg, family: str, b: int, par: Parallel) -> int:
     return T * b * 2 * cfg.num_key_value_heads * cfg.head_dim
 
 
-def _cp_deltanet(cfg, b: int) -> tuple[int, int]:
+def _cp_deltanet(cfg, b: int, fp32_conv: bool) -> tuple[int, int]:
     """(saved, backward) bytes per token the context-parallel DeltaNet adds (primitives/context_parallel/
     gdn.py): the rule's values and output widened by Dk columns (and their share of fla's backward, as
-    `_deltanet_backward` counts the value columns), the conv's fp32 input copy and output."""
+    `_deltanet_backward` counts the value columns); with `fp32_conv` (`halo_conv_silu`: off CUDA, and
+    packed shards) the conv's fp32 input copy and output. On CUDA unpacked shards run fla's conv in the
+    compute dtype over [halo | chunk] rows (`halo_conv_rows`), which replace the single layer's conv input."""
     Hv, dk = cfg.linear_num_value_heads, cfg.linear_key_head_dim
     conv = 2 * cfg.linear_num_key_heads * dk + Hv * cfg.linear_value_head_dim
-    return 2 * b * Hv * dk + 8 * conv, b * (5 * Hv * dk + 2 * Hv * dk * dk // FLA_CHUNK)
+    return 2 * b * Hv * dk + (8 * conv if fp32_conv else 0), b * (5 * Hv * dk + 2 * Hv * dk * dk // FLA_CHUNK)
 
 
 def _cp_deltanet_fla(cfg, cp: int) -> int:
@@ -685,7 +689,7 @@ def _activation_terms(est: Estimate, cfg, g: dict, par: Parallel, b: int, mtp: b
         compiled = par.device == "cuda" and par.compiled_norms
         per_type = {t: _hybrid_layer(cfg, t, b, dispatch, par.recompute, compiled) for t in set(types) | {first_type}}
         if par.cp > 1 and "linear_attention" in per_type:  # per token (fla's maps: a layer's bytes over its tokens)
-            extra = _cp_deltanet(cfg, b) if par.cp_deltanet == "maps" else (0, -(-_cp_deltanet_fla(cfg, par.cp) // n_tok))
+            extra = _cp_deltanet(cfg, b, par.device != "cuda") if par.cp_deltanet == "maps" else (0, -(-_cp_deltanet_fla(cfg, par.cp) // n_tok))
             saved, peak = per_type["linear_attention"]
             per_type["linear_attention"] = (saved + extra[0], peak + sum(extra) if par.recompute else peak + extra[1])
         norm = _zc_norm(d, b, compiled)

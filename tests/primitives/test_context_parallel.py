@@ -239,6 +239,19 @@ def test_estimator_deltanet_on_fla_drops_the_maps_widening():
         memory.estimate(dense, memory.Parallel(dp=4, cp=4, seq_len=T)).peak
 
 
+
+def test_estimator_maps_keep_fp32_conv_copies_off_cuda_only():
+    """The maps' conv: on CUDA the halo rows run fla's conv in the compute dtype (`halo_conv_rows`), so
+    no fp32 copy of the conv's input and output ([T / cp, C] each) lives at the layer's backward;
+    elsewhere (`halo_conv_silu`) both do. Norms uncompiled on both devices, so only the conv differs."""
+    from bumblebee.tools import memory
+    cfg, T, cp = _slice("qwen3.5-35b-a3b", 4), 131072, 4
+    est = {d: memory.estimate(cfg, memory.Parallel(dp=4, cp=cp, seq_len=T, device=d, compiled_norms=False))
+           for d in ("cuda", "cpu")}
+    conv = 2 * cfg["linear_num_key_heads"] * cfg["linear_key_head_dim"] + \
+        cfg["linear_num_value_heads"] * cfg["linear_value_head_dim"]
+    assert est["cpu"].layer_working - est["cuda"].layer_working == 2 * 4 * conv * (T // cp)
+
 # ---- the layers at CP = 2 and 4 ----------------------------------------------------------------
 
 def _inputs(shapes, seed):
