@@ -12,7 +12,9 @@ as a user calls it, `single`, and on the flash backend with repeated K/V heads, 
 cp forms' kernel where cuDNN's SDPA backend is off; gated DeltaNet: the `linear_attention` slot's default layer, fla on CUDA),
 then every rank runs its shard (T / CP tokens) of the cp forms: attention by `allgather` and by
 `ring`, gated DeltaNet's `cp` (this project's affine maps, `ContextParallel(deltanet="maps")`, fla's
-rule where fla serves) and `cp_fla` (fla's own CP kernels, `deltanet="fla"`). Each case: fixed
+rule where fla serves), `cp_fla` (fla's own CP kernels, `deltanet="fla"`, a rank's two parts' chain
+passes at once) and `cp_fla_serial` (the same, the parts one after the other as fla runs them:
+`fla_concurrent_parts=False`). Each case: fixed
 iteration counts, CUDA events, a barrier closing every call (so the slowest rank counts); speed-up =
 single / cp and efficiency = speed-up / CP (1.0 ideal) against each single row; tokens/s per GPU =
 T / (CP x seconds). A case that fails (a missing kernel, out of memory) is recorded with its error
@@ -46,7 +48,9 @@ from bumblebee.primitives.context_parallel.gdn import gdn_forward  # noqa: E402
 
 GPU = dict(tokens=(65536, 131072, 262144), heads=16, kv_heads=2, head_dim=256, hidden=2048,
            gdn=(16, 32, 128, 128), dtype=torch.bfloat16, check_tokens=8192, iters=3)
-GDN_ROWS = {"maps": "cp", "fla": "cp_fla"}  # ContextParallel.deltanet -> the row's impl
+GDN_ROWS = {"maps": "cp", "fla": "cp_fla", "fla_serial": "cp_fla_serial"}  # --deltanet -> the row's impl
+GDN_FORMS = {"maps": dict(deltanet="maps"), "fla": dict(deltanet="fla"),  # --deltanet -> ContextParallel's options
+             "fla_serial": dict(deltanet="fla", fla_concurrent_parts=False)}
 SMOKE = dict(tokens=(256,), heads=4, kv_heads=2, head_dim=16, hidden=64, gdn=(2, 4, 16, 16), dtype=torch.float32,
              check_tokens=64, iters=2)
 
@@ -163,7 +167,7 @@ def _check_gdn(s, device, cp, rank, batch):
     for mode in s["deltanet"]:
         row = {"check": "gated_deltanet", "impl": GDN_ROWS[mode], "tokens": T, "cp": cp}
         try:
-            got = _outputs_and_grads(lambda t: gdn_forward(layer, t, batch, deltanet=mode),
+            got = _outputs_and_grads(lambda t: gdn_forward(layer, t, batch, **GDN_FORMS[mode]),
                                      [layout.shard(x, cp, rank).to(dtype)], layout.shard(wx, cp, rank))
             for part, a, b, c in zip(("out", "dx"), got, ref, single):
                 row[part] = _errors(a, b, c, batch.index, 1)
@@ -202,7 +206,7 @@ def _gdn(T, s, device, cp, rank, iters):
     dist.barrier()
     batch = layout.make_batch(dist.group.WORLD, T, None, device)
     for mode in s["deltanet"]:
-        rows[GDN_ROWS[mode]] = _measure(lambda: _fwd_bwd(lambda t: gdn_forward(layer, t, batch, deltanet=mode),
+        rows[GDN_ROWS[mode]] = _measure(lambda: _fwd_bwd(lambda t: gdn_forward(layer, t, batch, **GDN_FORMS[mode]),
                                                          [_randn((1, T // cp, s["hidden"]), device, s["dtype"], rank)]),
                                         device, iters, dist.group.WORLD)
     return rows
@@ -233,8 +237,9 @@ def main():
     p.add_argument("--layers", nargs="*", default=["attention", "gated_deltanet"],
                    choices=["attention", "gated_deltanet"])
     p.add_argument("--deltanet", nargs="*", default=None, choices=sorted(GDN_ROWS),
-                   help="gated DeltaNet's cp forms (ContextParallel.deltanet; default maps and fla on CUDA, maps "
-                        "on the CPU smoke: fla's CP kernels need CUDA)")
+                   help="gated DeltaNet's cp forms (ContextParallel.deltanet, fla_serial: fla with "
+                        "fla_concurrent_parts=False; default maps and fla on CUDA, maps on the CPU smoke: fla's CP "
+                        "kernels need CUDA)")
     args = p.parse_args()
     cuda = torch.cuda.is_available() and not args.cpu_smoke
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")

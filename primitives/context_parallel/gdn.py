@@ -207,16 +207,16 @@ def _fla_conv_silu(x_RnC, weight_CW):
     return fla_ops()[0](x_RnC, weight=weight_CW.to(x_RnC.dtype), activation="silu")[0]
 
 
-def gdn_forward(layer, x_BTD, cu_seqlens, *, row_conv=None, deltanet: str = "maps"):
+def gdn_forward(layer, x_BTD, cu_seqlens, *, row_conv=None, deltanet: str = "maps", fla_concurrent_parts: bool = True):
     """A gated DeltaNet layer (the `linear_attention` slot's parameters) on this rank's chunks.
     deltanet="maps": this file's affine maps (any device); "fla": fla's own CP kernels
-    (`gdn_fla.py`, CUDA). `row_conv` (rows [R, n, C], weight [C, W]) -> SiLU(causal conv): the maps'
-    conv of unpacked shards (`halo_conv_rows`); default fla's where fla serves, else the fp32 halo
+    (`gdn_fla.py`, CUDA; `fla_concurrent_parts`: `ContextParallel`'s option). `row_conv` (rows
+    [R, n, C], weight [C, W]) -> SiLU(causal conv): the maps' conv of unpacked shards (`halo_conv_rows`); default fla's where fla serves, else the fp32 halo
     path (`halo_conv_silu`)."""
     batch = check_batch(cu_seqlens, x_BTD.transpose(1, 2))  # tokens on dim 2, as attention's q
     if deltanet == "fla":
         from bumblebee.primitives.context_parallel.gdn_fla import fla_cp_forward
-        return fla_cp_forward(layer, x_BTD, batch)
+        return fla_cp_forward(layer, x_BTD, batch, fla_concurrent_parts)
     if deltanet != "maps":
         raise ValueError(f"deltanet must be one of {DELTANET}, got {deltanet!r}")
     B, T, _ = x_BTD.shape

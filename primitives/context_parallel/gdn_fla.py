@@ -24,10 +24,12 @@ import torch
 import torch.nn.functional as F
 
 from bumblebee.norms import to_acc
+from bumblebee.primitives.context_parallel import gdn_fla_chain as chain
 from bumblebee.primitives.context_parallel.layout import CPBatch
 from bumblebee.primitives.linear_attention import fla_falls_back, fla_ops, fla_qkv, scoped
 
-_CONTEXTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # CPBatch -> fla's context: one a batch
+# CPBatch -> {concurrent parts: fla's context}: one a batch and option (the layers of a step share it)
+_CONTEXTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def fla_cp_available() -> bool:
@@ -50,21 +52,27 @@ def why_not_fla_cp(x: torch.Tensor) -> str | None:
     return None
 
 
-def fla_context(batch: CPBatch, conv_width: int, device):
-    """fla's zigzag CP context of `batch` (built once a batch: the layers of a step share it)."""
-    ctx = _CONTEXTS.get(batch)
+def fla_context(batch: CPBatch, conv_width: int, device, concurrent_parts: bool = True):
+    """fla's zigzag CP context of `batch` (built once a batch and option: the layers of a step share
+    it); with `concurrent_parts` its chain passes summarize the rank's two parts at once
+    (`gdn_fla_chain.py`), else one after the other as fla does."""
+    ctx = _CONTEXTS.setdefault(batch, {}).get(concurrent_parts)
     if ctx is None:
         from fla.ops.cp import build_cp_context
         cu_cpu = torch.tensor(batch.bounds, dtype=torch.long)
         ctx = build_cp_context(cu_cpu.to(device), group=batch.group, conv1d_kernel_size=conv_width,
                                cu_seqlens_cpu=cu_cpu, layout="zigzag")
-        _CONTEXTS[batch] = ctx
+        if concurrent_parts:
+            chain.install()
+            chain.register(ctx)
+        _CONTEXTS[batch][concurrent_parts] = ctx
     return ctx
 
 
-def fla_cp_forward(layer, x_BTD, batch: CPBatch):
+def fla_cp_forward(layer, x_BTD, batch: CPBatch, concurrent_parts: bool = True):
     """The layer (the `linear_attention` slot's parameters) on this rank's two parts through fla's CP
-    kernels: x [B, 2L, D] -> [B, 2L, D]. Raises where they cannot run (`why_not_fla_cp`)."""
+    kernels: x [B, 2L, D] -> [B, 2L, D]. Raises where they cannot run (`why_not_fla_cp`).
+    `concurrent_parts`: `ContextParallel.fla_concurrent_parts` (`fla_context`)."""
     why = why_not_fla_cp(x_BTD)
     if why is not None:
         raise RuntimeError(f"ContextParallel(deltanet='fla') cannot run here: {why}")
@@ -72,7 +80,7 @@ def fla_cp_forward(layer, x_BTD, batch: CPBatch):
     B, T, _ = x_BTD.shape
     if batch.packed and B != 1:
         raise ValueError(f"packed documents under context parallelism come as one row: x [1, T/CP, D], got B={B}")
-    ctx = fla_context(batch, layer.conv1d.weight.shape[-1], x_BTD.device)
+    ctx = fla_context(batch, layer.conv1d.weight.shape[-1], x_BTD.device, concurrent_parts)
     scale = layer.head_k_dim ** -0.5
 
     def one_row(x_1TD):

@@ -54,11 +54,16 @@ class ContextParallel:
                            "(this project's exact fp32 affine maps from one widened call of the rule; any "
                            "device) or fla (flash-linear-attention 0.6's own CP kernels: a transition-only "
                            "chain pass, then the plain rule; CUDA)")
+    fla_concurrent_parts: bool = option(True, "deltanet=fla: a rank's two parts' state maps (the chain passes, "
+                                        "forward and backward) scanned at once on two CUDA streams; False: one "
+                                        "after the other, as fla 0.6 does. Equal results either way")
 
     def __post_init__(self):
         check_choice(self, "exchange", tuple(EXCHANGES))
         check_choice(self, "mla_exchange", MLA_EXCHANGES)
         check_choice(self, "deltanet", DELTANET)
+        if not isinstance(self.fla_concurrent_parts, bool):
+            raise ValueError(f"ContextParallel.fla_concurrent_parts must be a bool; got {self.fla_concurrent_parts!r}")
         if isinstance(self.allgather_block_keys, bool) or not isinstance(self.allgather_block_keys, int) \
                 or self.allgather_block_keys < 0:
             raise ValueError(f"ContextParallel.allgather_block_keys must be an int >= 0; got {self.allgather_block_keys!r}")
@@ -93,7 +98,8 @@ def apply(model: nn.Module, cp_group, config: ContextParallel | None = None) -> 
         raise ValueError("context parallelism is already applied to this model")
     for m in model.modules():
         if _is_gdn(m):
-            m.forward = functools.partial(gdn_forward, m, deltanet=config.deltanet)
+            m.forward = functools.partial(gdn_forward, m, deltanet=config.deltanet,
+                                          fla_concurrent_parts=config.fla_concurrent_parts)
         elif _is_mla(m):
             m.forward = functools.partial(mla_forward, m, exchange=config.mla_exchange)
         elif hasattr(m, "attend"):

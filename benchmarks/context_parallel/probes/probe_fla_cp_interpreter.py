@@ -1,7 +1,9 @@
 """Probe (CPU, no GPU): gated DeltaNet under context parallelism on fla's Triton kernels, run by Triton's
 interpreter on CPU tensors, at CP = 2 and 4 over gloo, against the single layer on the whole sequence:
-`ContextParallel(deltanet="fla")` (fla's own CP kernels) and the default maps as they run on CUDA
-(fla's rule with an entering state, fla's conv over [halo | chunk] rows for unpacked shards).
+`ContextParallel(deltanet="fla")` (fla's own CP kernels; its chain passes through `gdn_fla_chain.py`,
+here in turn as off CUDA), the same with `fla_concurrent_parts=False` (fla's own chain code) and the
+default maps as they run on CUDA (fla's rule with an entering state, fla's conv over [halo | chunk]
+rows for unpacked shards).
 
 fla's CP path needs CUDA; this runs the same Python and the same Triton kernel code on a CPU machine,
 to check our wiring (zigzag context, q/k/v conv halos, the chain, the row loop, packed documents)
@@ -33,7 +35,9 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 T, HIDDEN, DIMS = 128, 32, (2, 4, 16, 16)  # 2 key / 4 value heads of 16; parts of 32 (CP 2) or 16 (CP 4)
 CASES = {"unpacked B=1": (1, None), "unpacked B=2": (2, None), "packed": (1, (0, 5, 6, 70, 128))}
-MODES = {"fla": "fla", "maps on fla": "maps"}  # row mode -> ContextParallel.deltanet (both on fla's kernels)
+MODES = {"fla": dict(deltanet="fla"),  # row mode -> ContextParallel's options (all on fla's kernels)
+         "fla serial": dict(deltanet="fla", fla_concurrent_parts=False),
+         "maps on fla": dict(deltanet="maps")}
 PATCHES = {  # file in fla -> (text, replacement): interpreter limits, same arithmetic
     "ops/common/chunk_delta_h.py": ("i_t.to(tl.int64)", "tl.cast(i_t, tl.int64)"),
     "modules/causal_conv1d/ops.py": ("m_t = (t < seq_len) & m_d", "m_t = (tl.full([BD], t, tl.int64) < seq_len) & m_d"),
@@ -124,7 +128,7 @@ def _worker(rank, world, port, out_dir, dqkwg):
         batch = layout.make_batch(dist.group.WORLD, T, cu_t)
         for mode in MODES:
             _compare(rows, mode, case, world, rank, batch, want, singles,
-                     _grads(lambda t: gdn_forward(twin, t, batch, deltanet=MODES[mode]), twin,
+                     _grads(lambda t: gdn_forward(twin, t, batch, **MODES[mode]), twin,
                             layout.shard(x, world, rank).float(), layout.shard(w, world, rank)))
     if calls is not None:
         if not calls[0]:

@@ -1,0 +1,142 @@
+"""fla's zigzag chain pass with a rank's two parts summarized at once (`ContextParallel.fla_concurrent_parts`).
+
+Under fla 0.6's zigzag context a rank holds two parts of the sequence. Before the plain rule, the
+forward summarizes each part as an affine state map (`chunk_cp_fwd_h`: a scan over every chunk of
+the part, at the state's width plus the transition's), all-gathers the maps and composes the chain;
+the backward does the same for the state gradients (`chunk_cp_bwd_dh`). fla launches the two
+parts' scans one after the other on one stream. Each scan is sequential over its chunks with one
+program per (column block, value head), 128 for Qwen3.5's 32 heads of 128, so one scan leaves most
+of an H100/H200 idle, and a rank that holds neither the first nor the last part pays two scan
+lengths. Here the two scans run at once on two CUDA streams: the same kernels on the same inputs
+into separate outputs, then the same gather and merges as fla's, so the result equals fla's bit for
+bit (`tests/primitives/test_context_parallel_fla_gpu.py`).
+
+fla's gated delta rule calls the two pre-process functions through its module's names
+(`fla.ops.gated_delta_rule.chunk`). `install()` rebinds those names once to dispatchers that take
+the contexts registered here (`register`: the contexts our layers built with the option on) and
+hand every other call, with its arguments untouched, to fla's own function.
+"""
+from __future__ import annotations
+
+import functools
+import weakref
+
+import torch
+import torch.distributed as dist
+
+_MINE: dict[int, weakref.ref] = {}  # id(context) -> the context: the contexts that take this path
+_FLA: dict[str, object] = {}        # fla's own pre-process functions, by name (filled by install)
+
+
+def register(context) -> None:
+    """Route `context`'s chain passes through this module (kept until the context is collected)."""
+    key = id(context)
+    _MINE[key] = weakref.ref(context, lambda _: _MINE.pop(key, None))
+
+
+def is_mine(context) -> bool:
+    ref = _MINE.get(id(context)) if context is not None else None
+    return ref is not None and ref() is context
+
+
+def at_once(calls, device: torch.device) -> None:
+    """Run each call, the first on the current stream and the others each on a side stream (CUDA);
+    the current stream continues after all of them. Elsewhere they run in turn."""
+    if device.type != "cuda" or len(calls) < 2:
+        for call in calls:
+            call()
+        return
+    main = torch.cuda.current_stream(device)
+    sides = _side_streams(device, len(calls) - 1)
+    for side, call in zip(sides, calls[1:]):
+        side.wait_stream(main)  # inputs made on the current stream are ready
+        with torch.cuda.stream(side):
+            call()
+    calls[0]()
+    for side in sides:
+        main.wait_stream(side)  # outputs were allocated on the current stream, which now waits
+
+
+@functools.lru_cache(maxsize=None)
+def _side_streams_cached(index: int, n: int):
+    return tuple(torch.cuda.Stream(device=index) for _ in range(n))
+
+
+def _side_streams(device: torch.device, n: int):
+    return _side_streams_cached(device.index if device.index is not None else torch.cuda.current_device(), n)
+
+
+def _takes(context, k, use_graph) -> bool:
+    """Whether this module serves the call; fla's own function keeps every other case (and its checks)."""
+    return (is_mine(context) and context.group is not None and context.layout == "zigzag" and not use_graph
+            and k.shape[-1] <= 256)
+
+
+def _fwd_pre_process(*, k, w, u, g=None, gk=None, bg=None, v=None, chunk_size=64, state_v_first=False,
+                     cu_seqlens=None, initial_state=None, context=None, use_graph=False):
+    """fla's `chunk_gated_delta_rule_fwd_h_pre_process` for a zigzag context: each part's map of
+    its last segment (skipped for the chain's last part), both at once; every rank's maps gathered
+    in chain order (fronts ascending, backs descending); each part's entering state merged from the
+    maps before it (none for the chain's first part). Returns the entering states [N, HV, K, V]."""
+    if not _takes(context, k, use_graph) or initial_state is not None:
+        return _FLA["fwd"](k=k, w=w, u=u, g=g, gk=gk, bg=bg, v=v, chunk_size=chunk_size, state_v_first=state_v_first,
+                           cu_seqlens=cu_seqlens, initial_state=initial_state, context=context, use_graph=use_graph)
+    from fla.ops.cp.chunk_fwd import chunk_cp_fwd_h
+    HV, V, K, N, front = u.shape[2], u.shape[3], k.shape[-1], len(cu_seqlens) - 1, context.front_num_seqs
+    maps = k.new_zeros(2, HV, K, V + K, dtype=torch.float32)
+    entering = k.new_zeros(N, HV, *((V, K) if state_v_first else (K, V)), dtype=torch.float32)
+    last_segments = (cu_seqlens[front - 1:front + 1], cu_seqlens[-2:])
+    at_once([functools.partial(chunk_cp_fwd_h, k=k, w=w, u=u, hm=maps[i], g=g, gk=gk, bg=bg, v=v,
+                               cu_seqlens=seg, chunk_size=chunk_size)
+             for i, (seg, last) in enumerate(zip(last_segments, context.is_last_by_part)) if not last], k.device)
+    _merge(maps, context, skip=context.is_first_by_part, targets=(entering[0], entering[front]),
+           ranks_before=context.pre_num_ranks_by_part, state_v_first=state_v_first, forward=True)
+    return entering
+
+
+def _bwd_pre_process(*, q, k, w, do, dv, g=None, gk=None, bg=None, scale=None, state_v_first=False,
+                     cu_seqlens=None, dht=None, initial_state=None, context=None, chunk_size=64, use_graph=False):
+    """fla's `chunk_gated_delta_rule_bwd_dhu_pre_process` for a zigzag context: each part's backward
+    map of its first segment (skipped for the chain's first part), both at once; gathered in chain
+    order; each part's leaving-state gradient merged from the maps after it. Returns (dht, None)."""
+    if not _takes(context, q, use_graph) or dht is not None:
+        return _FLA["bwd"](q=q, k=k, w=w, do=do, dv=dv, g=g, gk=gk, bg=bg, scale=scale, state_v_first=state_v_first,
+                           cu_seqlens=cu_seqlens, dht=dht, initial_state=initial_state, context=context,
+                           chunk_size=chunk_size, use_graph=use_graph)
+    from fla.ops.cp.chunk_bwd import chunk_cp_bwd_dh
+    HV, V, K, N, front = do.shape[2], do.shape[3], q.shape[-1], len(cu_seqlens) - 1, context.front_num_seqs
+    maps = q.new_zeros(2, HV, K, V + K, dtype=torch.float32)
+    leaving = q.new_zeros(N, HV, *((V, K) if state_v_first else (K, V)), dtype=torch.float32)
+    first_segments = (cu_seqlens[:2], cu_seqlens[front:front + 2])
+    at_once([functools.partial(chunk_cp_bwd_dh, q=q, k=k, w=w, do=do, dv=dv, dhm=maps[i], g=g, gk=gk, bg=bg,
+                               scale=scale, cu_seqlens=seg, chunk_size=chunk_size)
+             for i, (seg, first) in enumerate(zip(first_segments, context.is_first_by_part)) if not first], q.device)
+    _merge(maps, context, skip=context.is_last_by_part, targets=(leaving[front - 1], leaving[-1]),
+           ranks_before=context.post_num_ranks_by_part, state_v_first=state_v_first, forward=False)
+    return leaving, None
+
+
+def _merge(maps, context, *, skip, targets, ranks_before, state_v_first, forward):
+    """All-gather every rank's two maps, order them as the chain runs (rank fronts ascending, then rank
+    backs descending) and merge into each part's boundary state the ones before it in that direction."""
+    from fla.ops.cp.chunk_merge import chunk_cp_merge
+    from fla.ops.cp.comm import all_gather_into_tensor
+    rank, world = dist.get_rank(group=context.group), dist.get_world_size(group=context.group)
+    gathered, _ = all_gather_into_tensor(maps, group=context.group)
+    chain = torch.cat([gathered[:, 0], gathered[:, 1].flip(0)])
+    for i in range(2):
+        if not skip[i]:
+            chunk_cp_merge(h=targets[i], ag_hm=chain, num_ranks=ranks_before[i],
+                           rank=rank if i == 0 else 2 * world - 1 - rank, state_v_first=state_v_first,
+                           forward=forward, h_seq_idx=None, use_graph=False)
+
+
+def install() -> None:
+    """Rebind fla's gated delta rule's two pre-process names to the dispatchers above (once)."""
+    import fla.ops.gated_delta_rule.chunk as rule
+    if rule.chunk_gated_delta_rule_fwd_h_pre_process is not _fwd_pre_process:
+        _FLA["fwd"] = rule.chunk_gated_delta_rule_fwd_h_pre_process
+        rule.chunk_gated_delta_rule_fwd_h_pre_process = _fwd_pre_process
+    if rule.chunk_gated_delta_rule_bwd_dhu_pre_process is not _bwd_pre_process:
+        _FLA["bwd"] = rule.chunk_gated_delta_rule_bwd_dhu_pre_process
+        rule.chunk_gated_delta_rule_bwd_dhu_pre_process = _bwd_pre_process
