@@ -17,7 +17,9 @@ processes only:
 Numbers (fp32): per rank, output, input gradient and every parameter gradient (summed over the
 group) against the float64 twin; beside them the fp32 twin's error and fla's own single layer's
 (same interpreter, no CP). A check passes within 4x the larger of those two plus 1e-5 of the
-reference's max. Writes results/probe_fla_cp_interpreter.json (stamped).
+reference's max. Each row also counts the chain passes `gdn_fla_chain.py` served in its run
+(`gdn_fla_chain_passes`: > 0 for `fla`, 0 for the others, else the probe stops). Writes
+results/probe_fla_cp_interpreter.json (stamped).
 
     python benchmarks/context_parallel/probes/probe_fla_cp_interpreter.py [--ranks 2 4] [--dqkwg ours]
 """
@@ -83,6 +85,19 @@ def _grads(fn, module, x, w):
     return {"out": out.detach(), "dx": got[0], **{f"d{n}": g for n, g in zip(params, got[1:])}}
 
 
+def _count_chain_passes():
+    """Counts the chain passes `gdn_fla_chain.py` serves (its `at_once` calls), so each row says which
+    path ran: fla's serial pre-processes, or ours with the parts at once (here in turn: no CUDA)."""
+    from bumblebee.primitives.context_parallel import gdn_fla_chain
+    count, real = [0], gdn_fla_chain.at_once
+
+    def counting(calls, device):
+        count[0] += 1
+        return real(calls, device)
+    gdn_fla_chain.at_once = counting
+    return count
+
+
 def _ours_dqkwg():
     """Hand fla's gated dq/dk/dw/dg to kernels/linear_attention_gdn_backward.py, as on the GPU machines
     where fla refuses its own (Hopper, Triton in [3.4, 3.7.1)); returns the call counter."""
@@ -113,6 +128,7 @@ def _worker(rank, world, port, out_dir, dqkwg):
     gdn.fla_falls_back = lambda *a, **k: None  # the maps on fla's rule and conv, as on CUDA
     la.FLAGatedDeltaNet._fast = lambda self, x: True
     calls = _ours_dqkwg() if dqkwg == "ours" else None
+    passes = _count_chain_passes()
     rows = []
     for case, (B, cu) in CASES.items():
         torch.manual_seed(0)
@@ -127,9 +143,15 @@ def _worker(rank, world, port, out_dir, dqkwg):
         singles = [_grads(lambda t: m(t, cu_seqlens=cu_t), m, x.float(), w) for m in (twin, fla_single)]
         batch = layout.make_batch(dist.group.WORLD, T, cu_t)
         for mode in MODES:
+            before, first_row = passes[0], len(rows)
             _compare(rows, mode, case, world, rank, batch, want, singles,
                      _grads(lambda t: gdn_forward(twin, t, batch, **MODES[mode]), twin,
                             layout.shard(x, world, rank).float(), layout.shard(w, world, rank)))
+            taken = passes[0] - before  # gdn_fla_chain's chain passes: the concurrent form's, no other's
+            if (taken > 0) != (MODES[mode]["deltanet"] == "fla" and MODES[mode].get("fla_concurrent_parts", True)):
+                raise RuntimeError(f"{mode}: gdn_fla_chain took {taken} chain passes")
+            for r in rows[first_row:]:
+                r["gdn_fla_chain_passes"] = taken
     if calls is not None:
         if not calls[0]:
             raise RuntimeError("--dqkwg ours: our kernel was never called: the hook did not take fla's calls")
