@@ -1,12 +1,15 @@
 """Probe: where a gated DeltaNet layer's forward + backward spends its kernel time at CP = world size
 against the single-GPU layer on the whole sequence (bench.py's shapes), by kernel, from the profiler.
 
-Rank 0 profiles the single layer on T tokens, then every rank profiles `gdn_forward` on its T / CP
-tokens (rank 0's table is printed). Also times the rule alone (`fla_rule`) at the value width the cp
-path runs (Dv + Dk) and at the single layer's (Dv), to split the cp path's cost between the widened
-rule and the rest. One JSON line per case, the tables in text.
+Rank 0 profiles the single layer on T tokens and on T / CP (a rank's share, the cp forms' fair
+comparison), then every rank profiles `gdn_forward` on its T / CP tokens in each `--deltanet` form
+(`maps`; `fla`, fla's CP kernels with the two parts' chain passes at once; `fla_serial`, the same
+with fla's serial passes), printing the tables of rank 0 (which skips one chain pass each way) and
+of the last rank (which runs every one). Also times the rule alone (`fla_rule`) at the value width
+the maps run (Dv + Dk) and at the single layer's (Dv). One JSON line per case, the tables in text.
 
-    torchrun --standalone --nproc_per_node=2 benchmarks/context_parallel/probes/probe_gdn_profile.py [--tokens 65536]
+    torchrun --standalone --nproc_per_node=2 benchmarks/context_parallel/probes/probe_gdn_profile.py \
+        [--tokens 65536] [--deltanet maps fla fla_serial]
 """
 from __future__ import annotations
 
@@ -35,16 +38,23 @@ def _step(fn, x):
     out.backward(torch.ones_like(out))
 
 
-def _table(fn, x, label, rank):
+def _table(fn, x, label, show_ranks, group=None):
+    """Profile one step of fn on every rank of `group` (None: this process alone); the ranks in
+    `show_ranks` print their tables in turn."""
     for _ in range(2):  # warm: autotuning and compilation stay out of the table
         _step(fn, x)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
         _step(fn, x)
         torch.cuda.synchronize()
-    if rank == 0:
-        print(f"==== {label}")
-        print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=70))
+    rank = dist.get_rank() if group is not None else 0
+    for shown in sorted(set(show_ranks)):
+        if rank == shown:
+            print(f"==== {label}, rank {rank}", flush=True)
+            print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=70),
+                  flush=True)
+        if group is not None:
+            dist.barrier(group=group)
 
 
 def _rule_ms(L, rows, width, device):
@@ -65,6 +75,8 @@ def _rule_ms(L, rows, width, device):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--tokens", type=int, default=65536)
+    p.add_argument("--deltanet", nargs="*", default=["maps", "fla", "fla_serial"], choices=["maps", "fla", "fla_serial"],
+                   help="the cp forms profiled (fla_serial: deltanet='fla' with fla_concurrent_parts=False)")
     a = p.parse_args()
     dist.init_process_group("nccl")
     rank, cp = dist.get_rank(), dist.get_world_size()
@@ -74,8 +86,9 @@ def main():
     torch.manual_seed(0)
     layer = registry.resolve("linear_attention", None)(HIDDEN, HK, HV, DK, DV).to(device, torch.bfloat16)
     if rank == 0:
-        x = torch.randn(1, T, HIDDEN, device=device, dtype=torch.bfloat16, requires_grad=True)
-        _table(layer, x, f"single layer, {T} tokens", rank)
+        for n in (T, T // cp):
+            x = torch.randn(1, n, HIDDEN, device=device, dtype=torch.bfloat16, requires_grad=True)
+            _table(layer, x, f"single layer, {n} tokens", (0,))
         L = T // (2 * cp)
         for width in (DV, DV + DK):
             print(json.dumps({"rule": "fla_rule", "rows": 2, "chunk": L, "value_width": width,
@@ -83,7 +96,11 @@ def main():
     dist.barrier()
     batch = layout.make_batch(dist.group.WORLD, T, None, device)
     xs = torch.randn(1, T // cp, HIDDEN, device=device, dtype=torch.bfloat16, requires_grad=True)
-    _table(lambda t: gdn_forward(layer, t, batch), xs, f"cp layer, CP = {cp}, {T // cp} tokens a rank", rank)
+    forms = {"maps": dict(deltanet="maps"), "fla": dict(deltanet="fla"),
+             "fla_serial": dict(deltanet="fla", fla_concurrent_parts=False)}
+    for form in a.deltanet:
+        _table(lambda t: gdn_forward(layer, t, batch, **forms[form]), xs,
+               f"cp layer ({form}), CP = {cp}, {T // cp} tokens a rank", (0, cp - 1), dist.group.WORLD)
     dist.destroy_process_group()
 
 
