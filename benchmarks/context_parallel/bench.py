@@ -13,8 +13,8 @@ cp forms' kernel where cuDNN's SDPA backend is off; gated DeltaNet: the `linear_
 then every rank runs its shard (T / CP tokens) of the cp forms: attention by `allgather` and by
 `ring`, gated DeltaNet's `cp` (this project's affine maps, `ContextParallel(deltanet="maps")`, fla's
 rule where fla serves), `cp_fla` (fla's own CP kernels, `deltanet="fla"`, a rank's two parts' chain
-passes at once) and `cp_fla_serial` (the same, the parts one after the other as fla runs them:
-`fla_concurrent_parts=False`). Each case: fixed
+passes one after the other as fla runs them) and `cp_fla_concurrent` (the same with the parts at once:
+`fla_concurrent_parts=True`). Each case: fixed
 iteration counts, CUDA events, a barrier closing every call (so the slowest rank counts); speed-up =
 single / cp and efficiency = speed-up / CP (1.0 ideal) against each single row; tokens/s per GPU =
 T / (CP x seconds). A case that fails (a missing kernel, out of memory) is recorded with its error
@@ -48,9 +48,9 @@ from bumblebee.primitives.context_parallel.gdn import gdn_forward  # noqa: E402
 
 GPU = dict(tokens=(65536, 131072, 262144), heads=16, kv_heads=2, head_dim=256, hidden=2048,
            gdn=(16, 32, 128, 128), dtype=torch.bfloat16, check_tokens=8192, iters=3)
-GDN_ROWS = {"maps": "cp", "fla": "cp_fla", "fla_serial": "cp_fla_serial"}  # --deltanet -> the row's impl
+GDN_ROWS = {"maps": "cp", "fla": "cp_fla", "fla_concurrent": "cp_fla_concurrent"}  # --deltanet -> the row's impl
 GDN_FORMS = {"maps": dict(deltanet="maps"), "fla": dict(deltanet="fla"),  # --deltanet -> ContextParallel's options
-             "fla_serial": dict(deltanet="fla", fla_concurrent_parts=False)}
+             "fla_concurrent": dict(deltanet="fla", fla_concurrent_parts=True)}
 SMOKE = dict(tokens=(256,), heads=4, kv_heads=2, head_dim=16, hidden=64, gdn=(2, 4, 16, 16), dtype=torch.float32,
              check_tokens=64, iters=2)
 
@@ -237,8 +237,8 @@ def main():
     p.add_argument("--layers", nargs="*", default=["attention", "gated_deltanet"],
                    choices=["attention", "gated_deltanet"])
     p.add_argument("--deltanet", nargs="*", default=None, choices=sorted(GDN_ROWS),
-                   help="gated DeltaNet's cp forms (ContextParallel.deltanet, fla_serial: fla with "
-                        "fla_concurrent_parts=False; default maps and fla on CUDA, maps on the CPU smoke: fla's CP "
+                   help="gated DeltaNet's cp forms (ContextParallel.deltanet, fla_concurrent: fla with "
+                        "fla_concurrent_parts=True; default all three on CUDA, maps on the CPU smoke: fla's CP "
                         "kernels need CUDA)")
     args = p.parse_args()
     cuda = torch.cuda.is_available() and not args.cpu_smoke
@@ -248,7 +248,7 @@ def main():
     # a rank stuck in a collective (another failed inside one) ends the run instead of hanging it
     dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=240))
     cp, rank = dist.get_world_size(), dist.get_rank()
-    s = {**(GPU if cuda else SMOKE), "deltanet": args.deltanet or (["maps", "fla"] if cuda else ["maps"])}
+    s = {**(GPU if cuda else SMOKE), "deltanet": args.deltanet or (["maps", "fla", "fla_concurrent"] if cuda else ["maps"])}
     iters = args.iters or s["iters"]
     result = {**stamp(device), "slot": "context_parallel", "ranks": cp, "dtype": str(s["dtype"]), "iters": iters,
               "warmup": 1, "deltanet": s["deltanet"],

@@ -30,7 +30,8 @@ from bumblebee.primitives.context_parallel.layout import CPBatch, rank_chunks
 from bumblebee.primitives.linear_attention import fla_falls_back, fla_ops
 
 BLOCK = 64
-DELTANET = ("maps", "fla")  # ContextParallel.deltanet: this file's maps, or fla's CP kernels (gdn_fla.py)
+# ContextParallel.deltanet: fla's CP kernels where they serve, else the maps (auto); this file's maps; fla's
+DELTANET = ("auto", "maps", "fla")
 
 
 def _slot(c: int, cp: int) -> int:
@@ -207,13 +208,18 @@ def _fla_conv_silu(x_RnC, weight_CW):
     return fla_ops()[0](x_RnC, weight=weight_CW.to(x_RnC.dtype), activation="silu")[0]
 
 
-def gdn_forward(layer, x_BTD, cu_seqlens, *, row_conv=None, deltanet: str = "maps", fla_concurrent_parts: bool = True):
+def gdn_forward(layer, x_BTD, cu_seqlens, *, row_conv=None, deltanet: str = "auto",
+                fla_concurrent_parts: bool = False):
     """A gated DeltaNet layer (the `linear_attention` slot's parameters) on this rank's chunks.
     deltanet="maps": this file's affine maps (any device); "fla": fla's own CP kernels
-    (`gdn_fla.py`, CUDA; `fla_concurrent_parts`: `ContextParallel`'s option). `row_conv` (rows
+    (`gdn_fla.py`, CUDA; `fla_concurrent_parts`: `ContextParallel`'s option); "auto": fla's where
+    they serve x (`why_not_fla_cp`), else the maps. `row_conv` (rows
     [R, n, C], weight [C, W]) -> SiLU(causal conv): the maps' conv of unpacked shards (`halo_conv_rows`); default fla's where fla serves, else the fp32 halo
     path (`halo_conv_silu`)."""
     batch = check_batch(cu_seqlens, x_BTD.transpose(1, 2))  # tokens on dim 2, as attention's q
+    if deltanet == "auto":
+        from bumblebee.primitives.context_parallel.gdn_fla import why_not_fla_cp
+        deltanet = "fla" if why_not_fla_cp(x_BTD) is None else "maps"
     if deltanet == "fla":
         from bumblebee.primitives.context_parallel.gdn_fla import fla_cp_forward
         return fla_cp_forward(layer, x_BTD, batch, fla_concurrent_parts)

@@ -52,7 +52,7 @@ def why_not_fla_cp(x: torch.Tensor) -> str | None:
     return None
 
 
-def fla_context(batch: CPBatch, conv_width: int, device, concurrent_parts: bool = True):
+def fla_context(batch: CPBatch, conv_width: int, device, concurrent_parts: bool = False):
     """fla's zigzag CP context of `batch` (built once a batch and option: the layers of a step share
     it); with `concurrent_parts` its chain passes summarize the rank's two parts at once
     (`gdn_fla_chain.py`), else one after the other as fla does."""
@@ -69,7 +69,7 @@ def fla_context(batch: CPBatch, conv_width: int, device, concurrent_parts: bool 
     return ctx
 
 
-def fla_cp_forward(layer, x_BTD, batch: CPBatch, concurrent_parts: bool = True):
+def fla_cp_forward(layer, x_BTD, batch: CPBatch, concurrent_parts: bool = False):
     """The layer (the `linear_attention` slot's parameters) on this rank's two parts through fla's CP
     kernels: x [B, 2L, D] -> [B, 2L, D]. Raises where they cannot run (`why_not_fla_cp`).
     `concurrent_parts`: `ContextParallel.fla_concurrent_parts` (`fla_context`)."""

@@ -50,13 +50,15 @@ class ContextParallel:
                                "key, r + R numbers a token; K/V expanded by kv_b_proj on every rank), heads "
                                "(the expanded K/V, H x (qk + v) a token), or auto (whichever moves fewer bytes: "
                                "latent for DeepSeek-V3, 71x fewer)")
-    deltanet: str = option("maps", "how gated DeltaNet layers pass the conv halo and the recurrent state: maps "
-                           "(this project's exact fp32 affine maps from one widened call of the rule; any "
-                           "device) or fla (flash-linear-attention 0.6's own CP kernels: a transition-only "
-                           "chain pass, then the plain rule; CUDA)")
-    fla_concurrent_parts: bool = option(True, "deltanet=fla: a rank's two parts' state maps (the chain passes, "
-                                        "forward and backward) scanned at once on two CUDA streams; False: one "
-                                        "after the other, as fla 0.6 does. Equal results either way")
+    deltanet: str = option("auto", "how gated DeltaNet layers pass the conv halo and the recurrent state: fla "
+                           "(flash-linear-attention 0.6's own CP kernels: a transition-only chain pass, then the "
+                           "plain rule; CUDA), maps (this project's exact fp32 affine maps from one widened call "
+                           "of the rule; any device), or auto (fla where its CP kernels serve the layer's input, "
+                           "else maps)")
+    fla_concurrent_parts: bool = option(False, "deltanet=fla: a rank's two parts' state maps (the chain passes, "
+                                        "forward and backward) scanned at once on two CUDA streams "
+                                        "(gdn_fla_chain.py; equal results) instead of one after the other as fla "
+                                        "0.6 does; not yet measured on GPUs")
 
     def __post_init__(self):
         check_choice(self, "exchange", tuple(EXCHANGES))

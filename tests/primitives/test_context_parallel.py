@@ -95,7 +95,7 @@ def test_bad_layout_input_names_the_argument():
     from bumblebee.primitives.context_parallel.model import ContextParallel
     with pytest.raises(ValueError, match="allgather_block_keys"):
         ContextParallel(allgather_block_keys=-1)
-    with pytest.raises(ValueError, match="ContextParallel.deltanet must be one of 'maps', 'fla'"):
+    with pytest.raises(ValueError, match="ContextParallel.deltanet must be one of 'auto', 'maps', 'fla'"):
         ContextParallel(deltanet="ring")
 
 
@@ -108,6 +108,18 @@ def test_deltanet_on_fla_names_why_it_cannot_run_on_cpu():
         gdn_forward(layer, torch.zeros(1, 8, 32), batch, deltanet="fla")
     with pytest.raises(ValueError, match="deltanet must be one of"):
         gdn_forward(layer, torch.zeros(1, 8, 32), batch, deltanet="widened")
+
+
+def test_deltanet_auto_takes_the_maps_where_fla_cannot_run():
+    """The default (`auto`) on a CPU tensor is the maps, to the bit; on CUDA with fla 0.6 it is fla's
+    CP kernels (test_context_parallel_fla_gpu.py)."""
+    from bumblebee.primitives.context_parallel.model import ContextParallel
+    assert ContextParallel().deltanet == "auto"
+    batch = layout.make_batch(None, 16)
+    torch.manual_seed(0)
+    layer = ChunkedGatedDeltaNet(32, 2, 4, 8, 8)
+    x = torch.randn(1, 16, 32)
+    assert torch.equal(gdn_forward(layer, x, batch), gdn_forward(layer, x, batch, deltanet="maps"))
 
 
 @pytest.mark.parametrize("block_keys", [0, 1, 3, 7, 100])

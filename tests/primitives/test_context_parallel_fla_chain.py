@@ -71,6 +71,6 @@ def test_at_once_runs_every_call_in_order_off_cuda():
 
 
 def test_option_is_a_bool():
-    assert ContextParallel().fla_concurrent_parts is True
+    assert ContextParallel().fla_concurrent_parts is False  # on once measured on GPUs
     with pytest.raises(ValueError, match="fla_concurrent_parts must be a bool"):
         ContextParallel(fla_concurrent_parts="yes")

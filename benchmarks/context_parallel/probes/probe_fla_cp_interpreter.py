@@ -1,8 +1,8 @@
 """Probe (CPU, no GPU): gated DeltaNet under context parallelism on fla's Triton kernels, run by Triton's
 interpreter on CPU tensors, at CP = 2 and 4 over gloo, against the single layer on the whole sequence:
-`ContextParallel(deltanet="fla")` (fla's own CP kernels; its chain passes through `gdn_fla_chain.py`,
-here in turn as off CUDA), the same with `fla_concurrent_parts=False` (fla's own chain code) and the
-default maps as they run on CUDA (fla's rule with an entering state, fla's conv over [halo | chunk]
+`ContextParallel(deltanet="fla")` (fla's own CP kernels and chain code), the same with
+`fla_concurrent_parts=True` (the chain passes through `gdn_fla_chain.py`, here in turn as off CUDA)
+and the maps as they run on CUDA (fla's rule with an entering state, fla's conv over [halo | chunk]
 rows for unpacked shards).
 
 fla's CP path needs CUDA; this runs the same Python and the same Triton kernel code on a CPU machine,
@@ -18,7 +18,7 @@ Numbers (fp32): per rank, output, input gradient and every parameter gradient (s
 group) against the float64 twin; beside them the fp32 twin's error and fla's own single layer's
 (same interpreter, no CP). A check passes within 4x the larger of those two plus 1e-5 of the
 reference's max. Each row also counts the chain passes `gdn_fla_chain.py` served in its run
-(`gdn_fla_chain_passes`: > 0 for `fla`, 0 for the others, else the probe stops). Writes
+(`gdn_fla_chain_passes`: > 0 for `fla concurrent`, 0 for the others, else the probe stops). Writes
 results/probe_fla_cp_interpreter.json (stamped).
 
     python benchmarks/context_parallel/probes/probe_fla_cp_interpreter.py [--ranks 2 4] [--dqkwg ours]
@@ -38,7 +38,7 @@ HERE = Path(__file__).resolve().parent
 T, HIDDEN, DIMS = 128, 32, (2, 4, 16, 16)  # 2 key / 4 value heads of 16; parts of 32 (CP 2) or 16 (CP 4)
 CASES = {"unpacked B=1": (1, None), "unpacked B=2": (2, None), "packed": (1, (0, 5, 6, 70, 128))}
 MODES = {"fla": dict(deltanet="fla"),  # row mode -> ContextParallel's options (all on fla's kernels)
-         "fla serial": dict(deltanet="fla", fla_concurrent_parts=False),
+         "fla concurrent": dict(deltanet="fla", fla_concurrent_parts=True),
          "maps on fla": dict(deltanet="maps")}
 PATCHES = {  # file in fla -> (text, replacement): interpreter limits, same arithmetic
     "ops/common/chunk_delta_h.py": ("i_t.to(tl.int64)", "tl.cast(i_t, tl.int64)"),
@@ -148,7 +148,7 @@ def _worker(rank, world, port, out_dir, dqkwg):
                      _grads(lambda t: gdn_forward(twin, t, batch, **MODES[mode]), twin,
                             layout.shard(x, world, rank).float(), layout.shard(w, world, rank)))
             taken = passes[0] - before  # gdn_fla_chain's chain passes: the concurrent form's, no other's
-            if (taken > 0) != (MODES[mode]["deltanet"] == "fla" and MODES[mode].get("fla_concurrent_parts", True)):
+            if (taken > 0) != MODES[mode].get("fla_concurrent_parts", False):
                 raise RuntimeError(f"{mode}: gdn_fla_chain took {taken} chain passes")
             for r in rows[first_row:]:
                 r["gdn_fla_chain_passes"] = taken

@@ -3,13 +3,13 @@ against the single-GPU layer on the whole sequence (bench.py's shapes), by kerne
 
 Rank 0 profiles the single layer on T tokens and on T / CP (a rank's share, the cp forms' fair
 comparison), then every rank profiles `gdn_forward` on its T / CP tokens in each `--deltanet` form
-(`maps`; `fla`, fla's CP kernels with the two parts' chain passes at once; `fla_serial`, the same
-with fla's serial passes), printing the tables of rank 0 (which skips one chain pass each way) and
+(`maps`; `fla`, fla's CP kernels with its serial chain passes; `fla_concurrent`, the same with a
+rank's two parts' passes at once), printing the tables of rank 0 (which skips one chain pass each way) and
 of the last rank (which runs every one). Also times the rule alone (`fla_rule`) at the value width
 the maps run (Dv + Dk) and at the single layer's (Dv). One JSON line per case, the tables in text.
 
     torchrun --standalone --nproc_per_node=2 benchmarks/context_parallel/probes/probe_gdn_profile.py \
-        [--tokens 65536] [--deltanet maps fla fla_serial]
+        [--tokens 65536] [--deltanet maps fla fla_concurrent]
 """
 from __future__ import annotations
 
@@ -75,8 +75,9 @@ def _rule_ms(L, rows, width, device):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--tokens", type=int, default=65536)
-    p.add_argument("--deltanet", nargs="*", default=["maps", "fla", "fla_serial"], choices=["maps", "fla", "fla_serial"],
-                   help="the cp forms profiled (fla_serial: deltanet='fla' with fla_concurrent_parts=False)")
+    p.add_argument("--deltanet", nargs="*", default=["maps", "fla", "fla_concurrent"],
+                   choices=["maps", "fla", "fla_concurrent"],
+                   help="the cp forms profiled (fla_concurrent: deltanet='fla' with fla_concurrent_parts=True)")
     a = p.parse_args()
     dist.init_process_group("nccl")
     rank, cp = dist.get_rank(), dist.get_world_size()
@@ -97,7 +98,7 @@ def main():
     batch = layout.make_batch(dist.group.WORLD, T, None, device)
     xs = torch.randn(1, T // cp, HIDDEN, device=device, dtype=torch.bfloat16, requires_grad=True)
     forms = {"maps": dict(deltanet="maps"), "fla": dict(deltanet="fla"),
-             "fla_serial": dict(deltanet="fla", fla_concurrent_parts=False)}
+             "fla_concurrent": dict(deltanet="fla", fla_concurrent_parts=True)}
     for form in a.deltanet:
         _table(lambda t: gdn_forward(layer, t, batch, **forms[form]), xs,
                f"cp layer ({form}), CP = {cp}, {T // cp} tokens a rank", (0, cp - 1), dist.group.WORLD)
