@@ -98,7 +98,8 @@ class Parallel:
     cp_exchange: str = "allgather"  # how cp attention gets the other ranks' K/V: "allgather" | "ring"
     cp_block_keys: int = 65536    # all-gather: the most keys a fused block takes (ContextParallel's
                                   # allgather_block_keys; 0: a piece's earlier keys in one block)
-    cp_deltanet: str = "maps"     # ContextParallel.deltanet: "maps" (widened rule; fp32 conv off CUDA) | "fla"
+    cp_deltanet: str = "maps"     # ContextParallel.deltanet: "maps" (widened rule; fp32 conv off CUDA) | "fla";
+                                  # its default "auto" runs fla where fla 0.6 serves: "maps" bounds it above
     sharding: str = "fsdp2"       # "fsdp2" | "zero1"
     mixed_precision: str = "bf16"  # compute dtype: "bf16" | "fp32"
     micro_batch: int = 1
