@@ -14,7 +14,8 @@ bit (`tests/primitives/test_context_parallel_fla_gpu.py`).
 fla's gated delta rule calls the two pre-process functions through its module's names
 (`fla.ops.gated_delta_rule.chunk`). `install()` rebinds those names once to dispatchers that take
 the contexts registered here (`register`: the contexts our layers built with the option on) and
-hand every other call, with its arguments untouched, to fla's own function.
+hand every other call, with its arguments untouched, to fla's own function (so does a call with a
+keyword this file does not know: a newer fla's).
 """
 from __future__ import annotations
 
@@ -48,13 +49,15 @@ def at_once(calls, device: torch.device) -> None:
         return
     main = torch.cuda.current_stream(device)
     sides = _side_streams(device, len(calls) - 1)
-    for side, call in zip(sides, calls[1:]):
-        side.wait_stream(main)  # inputs made on the current stream are ready
-        with torch.cuda.stream(side):
-            call()
-    calls[0]()
-    for side in sides:
-        main.wait_stream(side)  # outputs were allocated on the current stream, which now waits
+    try:
+        for side, call in zip(sides, calls[1:]):
+            side.wait_stream(main)  # inputs made on the current stream are ready
+            with torch.cuda.stream(side):
+                call()
+        calls[0]()
+    finally:  # also when a call raised: nothing later on the current stream overtakes a side stream
+        for side in sides:
+            main.wait_stream(side)  # outputs were allocated on the current stream, which now waits
 
 
 @functools.lru_cache(maxsize=None)
@@ -73,14 +76,15 @@ def _takes(context, k, use_graph) -> bool:
 
 
 def _fwd_pre_process(*, k, w, u, g=None, gk=None, bg=None, v=None, chunk_size=64, state_v_first=False,
-                     cu_seqlens=None, initial_state=None, context=None, use_graph=False):
+                     cu_seqlens=None, initial_state=None, context=None, use_graph=False, **newer):
     """fla's `chunk_gated_delta_rule_fwd_h_pre_process` for a zigzag context: each part's map of
     its last segment (skipped for the chain's last part), both at once; every rank's maps gathered
     in chain order (fronts ascending, backs descending); each part's entering state merged from the
     maps before it (none for the chain's first part). Returns the entering states [N, HV, K, V]."""
-    if not _takes(context, k, use_graph) or initial_state is not None:
+    if not _takes(context, k, use_graph) or initial_state is not None or newer:
         return _FLA["fwd"](k=k, w=w, u=u, g=g, gk=gk, bg=bg, v=v, chunk_size=chunk_size, state_v_first=state_v_first,
-                           cu_seqlens=cu_seqlens, initial_state=initial_state, context=context, use_graph=use_graph)
+                           cu_seqlens=cu_seqlens, initial_state=initial_state, context=context, use_graph=use_graph,
+                           **newer)
     from fla.ops.cp.chunk_fwd import chunk_cp_fwd_h
     HV, V, K, N, front = u.shape[2], u.shape[3], k.shape[-1], len(cu_seqlens) - 1, context.front_num_seqs
     maps = k.new_zeros(2, HV, K, V + K, dtype=torch.float32)
@@ -95,14 +99,15 @@ def _fwd_pre_process(*, k, w, u, g=None, gk=None, bg=None, v=None, chunk_size=64
 
 
 def _bwd_pre_process(*, q, k, w, do, dv, g=None, gk=None, bg=None, scale=None, state_v_first=False,
-                     cu_seqlens=None, dht=None, initial_state=None, context=None, chunk_size=64, use_graph=False):
+                     cu_seqlens=None, dht=None, initial_state=None, context=None, chunk_size=64, use_graph=False,
+                     **newer):
     """fla's `chunk_gated_delta_rule_bwd_dhu_pre_process` for a zigzag context: each part's backward
     map of its first segment (skipped for the chain's first part), both at once; gathered in chain
     order; each part's leaving-state gradient merged from the maps after it. Returns (dht, None)."""
-    if not _takes(context, q, use_graph) or dht is not None:
+    if not _takes(context, q, use_graph) or dht is not None or newer:
         return _FLA["bwd"](q=q, k=k, w=w, do=do, dv=dv, g=g, gk=gk, bg=bg, scale=scale, state_v_first=state_v_first,
                            cu_seqlens=cu_seqlens, dht=dht, initial_state=initial_state, context=context,
-                           chunk_size=chunk_size, use_graph=use_graph)
+                           chunk_size=chunk_size, use_graph=use_graph, **newer)
     from fla.ops.cp.chunk_bwd import chunk_cp_bwd_dh
     HV, V, K, N, front = do.shape[2], do.shape[3], q.shape[-1], len(cu_seqlens) - 1, context.front_num_seqs
     maps = q.new_zeros(2, HV, K, V + K, dtype=torch.float32)

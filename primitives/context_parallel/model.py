@@ -55,7 +55,8 @@ class ContextParallel:
                            "plain rule; CUDA), maps (this project's exact fp32 affine maps from one widened call "
                            "of the rule; any device), or auto (fla where its CP kernels serve the layer's input, "
                            "else maps)")
-    fla_concurrent_parts: bool = option(False, "deltanet=fla: a rank's two parts' state maps (the chain passes, "
+    fla_concurrent_parts: bool = option(False, "fla's CP kernels (deltanet=fla, or auto where it takes them): a "
+                                        "rank's two parts' state maps (the chain passes, "
                                         "forward and backward) scanned at once on two CUDA streams "
                                         "(gdn_fla_chain.py; equal results) instead of one after the other as fla "
                                         "0.6 does; not yet measured on GPUs")

@@ -122,6 +122,27 @@ def test_deltanet_auto_takes_the_maps_where_fla_cannot_run():
     assert torch.equal(gdn_forward(layer, x, batch), gdn_forward(layer, x, batch, deltanet="maps"))
 
 
+def test_deltanet_auto_takes_fla_only_for_what_fla_takes(monkeypatch):
+    """Where fla's CP kernels serve the input (faked here), `auto` hands them the layer, unless the
+    caller gave the maps' own conv (`row_conv`): then the maps run."""
+    from bumblebee.primitives.context_parallel import gdn_fla
+    monkeypatch.setattr(gdn_fla, "why_not_fla_cp", lambda x: None)
+    monkeypatch.setattr(gdn_fla, "fla_cp_forward", lambda layer, x, batch, concurrent: "fla")
+    torch.manual_seed(0)
+    layer = ChunkedGatedDeltaNet(32, 2, 4, 8, 8)
+    assert gdn_forward(layer, torch.randn(1, 16, 32), layout.make_batch(None, 16)) == "fla"
+    own_conv = layout.make_batch(None, 16)
+    assert isinstance(gdn_forward(layer, torch.randn(1, 16, 32), own_conv, row_conv=_torch_row_conv), torch.Tensor)
+
+
+def _torch_row_conv(x_RnC, weight_CW):
+    """SiLU(depthwise causal conv) of rows [R, n, C] in torch: the maps' `row_conv` argument."""
+    W = weight_CW.shape[-1]
+    y = torch.nn.functional.conv1d(torch.nn.functional.pad(x_RnC.transpose(1, 2), (W - 1, 0)), weight_CW[:, None],
+                                   groups=weight_CW.shape[0])
+    return torch.nn.functional.silu(y).transpose(1, 2)
+
+
 @pytest.mark.parametrize("block_keys", [0, 1, 3, 7, 100])
 @pytest.mark.parametrize("cu", [None, [0, 5, 6, 23, 40]])
 def test_gathered_blocks_cover_each_visible_key_once_within_the_block_size(block_keys, cu):

@@ -1,10 +1,13 @@
-"""`primitives/context_parallel/gdn_fla_chain.py` on CPU: which calls it takes, and `at_once`'s order.
-Its numbers (fla's kernels) are checked on GPUs by test_context_parallel_fla_gpu.py (concurrent
-against serial, and both against float64) and on CPU by Triton's interpreter
-(benchmarks/context_parallel/probes/probe_fla_cp_interpreter.py)."""
+"""`primitives/context_parallel/gdn_fla_chain.py` on CPU: the calls it hands to fla, what it asks of
+fla's kernels for a zigzag context (segments, outputs, merges, chain order; fla stood in by recorders),
+and `at_once`'s order. Its numbers (fla's kernels) are checked on GPUs by
+test_context_parallel_fla_gpu.py (concurrent against serial, both against float64) and on CPU by
+Triton's interpreter (benchmarks/context_parallel/probes/probe_fla_cp_interpreter.py)."""
 from __future__ import annotations
 
 import gc
+import sys
+import types
 import pytest
 import torch
 
@@ -74,3 +77,89 @@ def test_option_is_a_bool():
     assert ContextParallel().fla_concurrent_parts is False  # on once measured on GPUs
     with pytest.raises(ValueError, match="fla_concurrent_parts must be a bool"):
         ContextParallel(fla_concurrent_parts="yes")
+
+
+@pytest.fixture
+def fake_fla(monkeypatch):
+    """fla's chain kernels and all-gather stood in by recorders; rank r's gathered maps are its own + r."""
+    rec = {"fwd": [], "bwd": [], "merge": []}
+
+    def module(name, **attrs):
+        m = types.ModuleType(name)
+        m.__dict__.update(attrs)
+        monkeypatch.setitem(sys.modules, name, m)
+    for name in ("fla", "fla.ops", "fla.ops.cp"):
+        module(name)
+    module("fla.ops.cp.chunk_fwd", chunk_cp_fwd_h=lambda **kw: rec["fwd"].append(kw))
+    module("fla.ops.cp.chunk_bwd", chunk_cp_bwd_dh=lambda **kw: rec["bwd"].append(kw))
+    module("fla.ops.cp.chunk_merge", chunk_cp_merge=lambda **kw: rec["merge"].append(kw))
+
+    def gather(t, group):
+        return torch.stack([t + r for r in range(rec["world"])]), None
+    module("fla.ops.cp.comm", all_gather_into_tensor=gather)
+
+    def at(rank, world):
+        rec.update(world=world)
+        monkeypatch.setattr(chain.dist, "get_rank", lambda group=None: rank)
+        monkeypatch.setattr(chain.dist, "get_world_size", lambda group=None: world)
+    rec["at"] = at
+    return rec
+
+
+def _zigzag(first, last, before, after):
+    ctx = _Context()
+    ctx.front_num_seqs, ctx.is_first_by_part, ctx.is_last_by_part = 1, first, last
+    ctx.pre_num_ranks_by_part, ctx.post_num_ranks_by_part = before, after
+    chain.register(ctx)
+    return ctx
+
+
+def _same(a, b) -> bool:
+    return a.data_ptr() == b.data_ptr() and a.shape == b.shape
+
+
+def test_a_middle_rank_summarizes_both_parts_and_merges_both(fake_fla):
+    """CP = 2, rank 1: chunks 1 (front) and 2 (back) of the chain 0..3, neither first nor last."""
+    fake_fla["at"](1, 2)
+    L, HV, K = 4, 2, 8
+    k = torch.zeros(1, 2 * L, 1, K)
+    u = torch.zeros(1, 2 * L, HV, K)
+    cu = torch.tensor([0, L, 2 * L])
+    ctx = _zigzag((False, False), (False, False), (1, 2), (2, 1))
+    entering = chain._fwd_pre_process(k=k, w=k, u=u, g=None, cu_seqlens=cu, context=ctx)
+    assert entering.shape == (2, HV, K, K) and entering.dtype == torch.float32
+    calls = fake_fla["fwd"]
+    assert [c["cu_seqlens"].tolist() for c in calls] == [[0, L], [L, 2 * L]]  # each part's last segment
+    assert calls[0]["hm"].data_ptr() != calls[1]["hm"].data_ptr()
+    merges = fake_fla["merge"]
+    assert [(m["num_ranks"], m["rank"], m["forward"]) for m in merges] == [(1, 1, True), (2, 2, True)]
+    assert _same(merges[0]["h"], entering[0]) and _same(merges[1]["h"], entering[1])
+    # chain order: rank fronts ascending, then rank backs descending (the gathered maps are + rank)
+    assert merges[0]["ag_hm"][:, 0, 0, 0].tolist() == [0, 1, 1, 0]
+    leaving, none = chain._bwd_pre_process(q=k, k=k, w=k, do=u, dv=u, scale=0.5, cu_seqlens=cu, context=ctx)
+    assert none is None and leaving.shape == (2, HV, K, K)
+    assert [c["cu_seqlens"].tolist() for c in fake_fla["bwd"]] == [[0, L], [L, 2 * L]]  # first segments
+    back = merges[2:]
+    assert [(m["num_ranks"], m["rank"], m["forward"]) for m in back] == [(2, 1, False), (1, 2, False)]
+    assert _same(back[0]["h"], leaving[0]) and _same(back[1]["h"], leaving[1])
+
+
+def test_rank_0_skips_the_chain_ends(fake_fla):
+    """CP = 2, rank 0: chunks 0 (the chain's first) and 3 (its last): one summary each way, one merge."""
+    fake_fla["at"](0, 2)
+    k, u, cu = torch.zeros(1, 8, 1, 8), torch.zeros(1, 8, 2, 8), torch.tensor([0, 4, 8])
+    ctx = _zigzag((True, False), (False, True), (0, 3), (3, 0))
+    chain._fwd_pre_process(k=k, w=k, u=u, cu_seqlens=cu, context=ctx)
+    assert [c["cu_seqlens"].tolist() for c in fake_fla["fwd"]] == [[0, 4]]  # the last part has no successor
+    assert [(m["num_ranks"], m["rank"]) for m in fake_fla["merge"]] == [(3, 3)]  # the first part, no predecessor
+    chain._bwd_pre_process(q=k, k=k, w=k, do=u, dv=u, cu_seqlens=cu, context=ctx)
+    assert [c["cu_seqlens"].tolist() for c in fake_fla["bwd"]] == [[4, 8]]
+    assert [(m["num_ranks"], m["rank"]) for m in fake_fla["merge"][1:]] == [(3, 0)]
+
+
+def test_a_keyword_it_does_not_know_goes_to_fla(fla_functions):
+    mine = _context()
+    chain.register(mine)
+    k = torch.zeros(1, 8, 2, 16)
+    assert chain._fwd_pre_process(k=k, w=k, u=k, context=mine, newer_option=1) == "fla fwd"
+    assert fla_functions[0][1]["newer_option"] == 1

@@ -57,11 +57,12 @@ def _max_diff(a, b) -> float:
     return max((x.double() - y.double()).abs().max().item() for x, y in pairs)
 
 
-def _scenario(group, packed: bool) -> tuple[dict, tuple[float, float]]:
+def _scenario(group, packed: bool) -> tuple[dict, tuple]:
     """This rank's errors: name -> (cp error, the single bf16 layer's error), both relative to float64;
     and the largest difference from the serial run (fla's own chain passes) of the concurrent parts' run
     (`fla_concurrent_parts`) and of the default (`deltanet="auto"`), beside two serial runs' own (0 where
-    fla's kernels are deterministic)."""
+    fla's kernels are deterministic); and the chain passes gdn_fla_chain served (their call counts) in
+    the serial and default runs, then in the concurrent one."""
     from bumblebee.primitives.context_parallel import layout
     from bumblebee.primitives.context_parallel.gdn import gdn_forward
     cp, rank, dev = dist.get_world_size(group), dist.get_rank(group), torch.device("cuda", torch.cuda.current_device())
@@ -76,12 +77,24 @@ def _scenario(group, packed: bool) -> tuple[dict, tuple[float, float]]:
     batch = layout.make_batch(group, T, cu, dev)
     idx = batch.index
     mine_x, mine_w = layout.shard(x, cp, rank).bfloat16(), layout.shard(w, cp, rank)
-    got, again = (_run(lambda t: gdn_forward(layer, t, batch, deltanet="fla"), layer, mine_x, mine_w)
-                  for _ in range(2))
-    concurrent = _run(lambda t: gdn_forward(layer, t, batch, deltanet="fla", fla_concurrent_parts=True), layer,
-                      mine_x, mine_w)
-    auto = _run(lambda t: gdn_forward(layer, t, batch), layer, mine_x, mine_w)  # the default: fla's here
-    parts = (max(_max_diff(concurrent, got), _max_diff(auto, got)), _max_diff(again, got))
+    from bumblebee.primitives.context_parallel import gdn_fla_chain as chain
+    served, real = [], chain.at_once  # the calls count of every chain pass gdn_fla_chain serves
+
+    def counting(calls, device):
+        served.append(len(calls))
+        return real(calls, device)
+    chain.at_once = counting
+    try:
+        got, again = (_run(lambda t: gdn_forward(layer, t, batch, deltanet="fla"), layer, mine_x, mine_w)
+                      for _ in range(2))
+        auto = _run(lambda t: gdn_forward(layer, t, batch), layer, mine_x, mine_w)  # the default: fla's here
+        fla_served = list(served)
+        concurrent = _run(lambda t: gdn_forward(layer, t, batch, deltanet="fla", fla_concurrent_parts=True),
+                          layer, mine_x, mine_w)
+    finally:
+        chain.at_once = real
+    parts = (max(_max_diff(concurrent, got), _max_diff(auto, got)), _max_diff(again, got),
+             fla_served, served[len(fla_served):])
     errors = {"out": (_rel(got[0], want[0][:, idx]), _rel(plain[0][:, idx], want[0][:, idx])),
               "dx": (_rel(got[1], want[1][:, idx]), _rel(plain[1][:, idx], want[1][:, idx]))}
     for n in NAMES:
@@ -126,7 +139,13 @@ def test_fla_cp_layer_equals_the_single_layer_on_every_rank(world, packed, tmp_p
     """Also: the two parts' chain passes at once (`gdn_fla_chain.py`) and the default (`auto`, fla's
     here) give what fla's serial passes give, to within two serial runs' own difference (0 where its
     kernels are deterministic)."""
-    for rank, (errors, (concurrent, serial)) in enumerate(_spawn(world, packed, tmp_path)):
+    for rank, (errors, (concurrent, serial, fla_served, served)) in enumerate(_spawn(world, packed, tmp_path)):
         bad = {k: v for k, v in errors.items() if not v[0] <= 4 * v[1] + 5e-2}  # a wrong state or halo: O(1)
         assert not bad, (rank, bad)
         assert concurrent <= serial, (rank, concurrent, serial)
+        # fla's own chain code ran the serial and default runs; ours the concurrent one (its forward and
+        # backward passes, a part each at most); at CP = 2 rank 1 holds chunks 1 and 2, neither the
+        # chain's first nor its last: two scans at once
+        assert fla_served == [] and served and max(served) <= 2, (rank, fla_served, served)
+        if world == 2 and rank == 1:
+            assert max(served) == 2, served
