@@ -28,7 +28,10 @@ file alone 29 passed in 120 s, its fla rule test 96 s of it (fla's autotuning, t
 earlier call that ran out of time beside two benchmarks). At 81adfbb on two fresh H200s the fla CP
 file alone (`test_context_parallel_fla_gpu.py`, both GPUs visible) finished within neither 200 s nor,
 in the next call, 220 s: fla's first autotuning of its CP kernels. Run it inside shard 3, after the
-DeltaNet files, whose autotuning warms part of the cache.
+DeltaNet files, whose autotuning warms part of the cache. At 32b2c7d on four fresh H200s, shard 3 (two
+GPUs) beside a gated DeltaNet CP benchmark (the other two) ran out of 440 s; the next call, Triton's
+cache warm, passed 25 and skipped 1 in 310 s; shard 4 passed 55 in 144 s, shard 1 7 (12 skipped:
+flash-attn-4 absent) in 27 s.
 `tests/core/test_gpu_shards.py` checks that every file
 with a `gpu` mark is in exactly one shard.
 """
