@@ -213,16 +213,15 @@ def gdn_forward(layer, x_BTD, cu_seqlens, *, row_conv=None, deltanet: str = "aut
     """A gated DeltaNet layer (the `linear_attention` slot's parameters) on this rank's chunks.
     deltanet="maps": this file's affine maps (any device); "fla": fla's own CP kernels
     (`gdn_fla.py`, CUDA; `fla_concurrent_parts`: `ContextParallel`'s option); "auto": fla's where
-    they serve x (`why_not_fla_cp`; keys of at most 256 per head; no `row_conv`, an option of the
-    maps), else the maps. `row_conv` (rows [R, n, C], weight [C, W]) -> SiLU(causal conv): the maps'
+    they serve x and the layer (`why_not_fla_cp`) and no `row_conv` (an option of the maps) is given,
+    else the maps. `row_conv` (rows [R, n, C], weight [C, W]) -> SiLU(causal conv): the maps'
     conv of unpacked shards (`halo_conv_rows`); default fla's where fla serves, else the fp32 halo
     path (`halo_conv_silu`)."""
     batch = check_batch(cu_seqlens, x_BTD.transpose(1, 2))  # tokens on dim 2, as attention's q
     if deltanet == "auto":
         from bumblebee.primitives.context_parallel.gdn_fla import why_not_fla_cp
         # row_conv is an option of the maps: a caller who gives it runs them
-        fla_takes = why_not_fla_cp(x_BTD) is None and row_conv is None and layer.head_k_dim <= 256
-        deltanet = "fla" if fla_takes else "maps"
+        deltanet = "fla" if why_not_fla_cp(x_BTD, layer.head_k_dim) is None and row_conv is None else "maps"
     if deltanet == "fla":
         from bumblebee.primitives.context_parallel.gdn_fla import fla_cp_forward
         return fla_cp_forward(layer, x_BTD, batch, fla_concurrent_parts)

@@ -18,6 +18,7 @@ fla's context describes one row of packed documents (B = 1): unpacked rows of B 
 """
 from __future__ import annotations
 
+import functools
 import weakref
 
 import torch
@@ -32,6 +33,7 @@ from bumblebee.primitives.linear_attention import fla_falls_back, fla_ops, fla_q
 _CONTEXTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+@functools.lru_cache(maxsize=None)
 def fla_cp_available() -> bool:
     """Whether the installed fla has the CP kernels with the zigzag layout (fla >= 0.6)."""
     try:
@@ -42,8 +44,10 @@ def fla_cp_available() -> bool:
     return "layout" in getattr(FLACPContext, "__dataclass_fields__", {})
 
 
-def why_not_fla_cp(x: torch.Tensor) -> str | None:
-    """Why fla's CP kernels cannot run the layer on x, or None."""
+def why_not_fla_cp(x: torch.Tensor, head_k_dim: int | None = None) -> str | None:
+    """Why fla's CP kernels cannot run the layer (keys of `head_k_dim` a head) on x, or None."""
+    if head_k_dim is not None and head_k_dim > 256:
+        return f"fla's CP kernels take keys of at most 256 a head, got {head_k_dim}"
     why = fla_falls_back(x.device, x.dtype, training=torch.is_grad_enabled())
     if why is not None:
         return why
@@ -73,7 +77,7 @@ def fla_cp_forward(layer, x_BTD, batch: CPBatch, concurrent_parts: bool = False)
     """The layer (the `linear_attention` slot's parameters) on this rank's two parts through fla's CP
     kernels: x [B, 2L, D] -> [B, 2L, D]. Raises where they cannot run (`why_not_fla_cp`).
     `concurrent_parts`: `ContextParallel.fla_concurrent_parts` (`fla_context`)."""
-    why = why_not_fla_cp(x_BTD)
+    why = why_not_fla_cp(x_BTD, layer.head_k_dim)
     if why is not None:
         raise RuntimeError(f"ContextParallel(deltanet='fla') cannot run here: {why}")
     rule = fla_ops()[1]

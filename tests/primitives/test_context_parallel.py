@@ -108,6 +108,8 @@ def test_deltanet_on_fla_names_why_it_cannot_run_on_cpu():
         gdn_forward(layer, torch.zeros(1, 8, 32), batch, deltanet="fla")
     with pytest.raises(ValueError, match="deltanet must be one of"):
         gdn_forward(layer, torch.zeros(1, 8, 32), batch, deltanet="widened")
+    from bumblebee.primitives.context_parallel.gdn_fla import why_not_fla_cp
+    assert "at most 256 a head, got 512" in why_not_fla_cp(torch.zeros(1, 8, 32), 512)
 
 
 def test_deltanet_auto_takes_the_maps_where_fla_cannot_run():
@@ -126,7 +128,7 @@ def test_deltanet_auto_takes_fla_only_for_what_fla_takes(monkeypatch):
     """Where fla's CP kernels serve the input (faked here), `auto` hands them the layer, unless the
     caller gave the maps' own conv (`row_conv`): then the maps run."""
     from bumblebee.primitives.context_parallel import gdn_fla
-    monkeypatch.setattr(gdn_fla, "why_not_fla_cp", lambda x: None)
+    monkeypatch.setattr(gdn_fla, "why_not_fla_cp", lambda x, head_k_dim=None: None)
     monkeypatch.setattr(gdn_fla, "fla_cp_forward", lambda layer, x, batch, concurrent: "fla")
     torch.manual_seed(0)
     layer = ChunkedGatedDeltaNet(32, 2, 4, 8, 8)

@@ -124,7 +124,7 @@ def _worker(rank, world, port, out_dir, dqkwg):
     from bumblebee.primitives import linear_attention as la
     from bumblebee.primitives.context_parallel import gdn, gdn_fla, layout
     from bumblebee.primitives.context_parallel.gdn import gdn_forward
-    gdn_fla.why_not_fla_cp = lambda x: None  # fla's kernels need CUDA: here the interpreter runs them
+    gdn_fla.why_not_fla_cp = lambda x, head_k_dim=None: None  # fla's kernels need CUDA: here the interpreter runs them
     gdn.fla_falls_back = lambda *a, **k: None  # the maps on fla's rule and conv, as on CUDA
     la.FLAGatedDeltaNet._fast = lambda self, x: True
     calls = _ours_dqkwg() if dqkwg == "ours" else None

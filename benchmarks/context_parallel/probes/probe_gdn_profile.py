@@ -25,6 +25,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # benchmarks/: timing
 from stamp import print_stamp  # noqa: E402
 from timing import median_ms  # noqa: E402
+from context_parallel.bench import GDN_FORMS  # noqa: E402  (the bench's cp forms of the layer)
 
 from bumblebee import registry  # noqa: E402
 from bumblebee.primitives.context_parallel import layout  # noqa: E402
@@ -75,9 +76,9 @@ def _rule_ms(L, rows, width, device):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--tokens", type=int, default=65536)
-    p.add_argument("--deltanet", nargs="*", default=["maps", "fla", "fla_concurrent"],
-                   choices=["maps", "fla", "fla_concurrent"],
-                   help="the cp forms profiled (fla_concurrent: deltanet='fla' with fla_concurrent_parts=True)")
+    p.add_argument("--deltanet", nargs="*", default=list(GDN_FORMS), choices=list(GDN_FORMS),
+                   help="the cp forms profiled (bench.py's GDN_FORMS: fla_concurrent is deltanet='fla' with "
+                        "fla_concurrent_parts=True)")
     a = p.parse_args()
     dist.init_process_group("nccl")
     rank, cp = dist.get_rank(), dist.get_world_size()
@@ -97,10 +98,8 @@ def main():
     dist.barrier()
     batch = layout.make_batch(dist.group.WORLD, T, None, device)
     xs = torch.randn(1, T // cp, HIDDEN, device=device, dtype=torch.bfloat16, requires_grad=True)
-    forms = {"maps": dict(deltanet="maps"), "fla": dict(deltanet="fla"),
-             "fla_concurrent": dict(deltanet="fla", fla_concurrent_parts=True)}
     for form in a.deltanet:
-        _table(lambda t: gdn_forward(layer, t, batch, **forms[form]), xs,
+        _table(lambda t: gdn_forward(layer, t, batch, **GDN_FORMS[form]), xs,
                f"cp layer ({form}), CP = {cp}, {T // cp} tokens a rank", (0, cp - 1), dist.group.WORLD)
     dist.destroy_process_group()
 
