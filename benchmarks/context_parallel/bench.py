@@ -48,9 +48,13 @@ from bumblebee.primitives.context_parallel.gdn import gdn_forward  # noqa: E402
 
 GPU = dict(tokens=(65536, 131072, 262144), heads=16, kv_heads=2, head_dim=256, hidden=2048,
            gdn=(16, 32, 128, 128), dtype=torch.bfloat16, check_tokens=8192, iters=3)
-GDN_ROWS = {"maps": "cp", "fla": "cp_fla", "fla_concurrent": "cp_fla_concurrent"}  # --deltanet -> the row's impl
+GDN_ROWS = {"maps": "cp", "fla": "cp_fla", "fla_concurrent": "cp_fla_concurrent",  # --deltanet -> the row's impl
+            "fla_fp32": "cp_fla_transition_fp32", "fla_bf16": "cp_fla_transition_bf16"}
 GDN_FORMS = {"maps": dict(deltanet="maps"), "fla": dict(deltanet="fla"),  # --deltanet -> ContextParallel's options
-             "fla_concurrent": dict(deltanet="fla", fla_concurrent_parts=True)}
+             "fla_concurrent": dict(deltanet="fla", fla_concurrent_parts=True),
+             # the transition maps of kernels/linear_attention_cp_transition.py, both parts at once
+             "fla_fp32": dict(deltanet="fla", fla_concurrent_parts=True, fla_transition="fp32"),
+             "fla_bf16": dict(deltanet="fla", fla_concurrent_parts=True, fla_transition="bf16")}
 SMOKE = dict(tokens=(256,), heads=4, kv_heads=2, head_dim=16, hidden=64, gdn=(2, 4, 16, 16), dtype=torch.float32,
              check_tokens=64, iters=2)
 
@@ -237,9 +241,9 @@ def main():
     p.add_argument("--layers", nargs="*", default=["attention", "gated_deltanet"],
                    choices=["attention", "gated_deltanet"])
     p.add_argument("--deltanet", nargs="*", default=None, choices=sorted(GDN_ROWS),
-                   help="gated DeltaNet's cp forms (ContextParallel.deltanet, fla_concurrent: fla with "
-                        "fla_concurrent_parts=True; default all three on CUDA, maps on the CPU smoke: fla's CP "
-                        "kernels need CUDA)")
+                   help="gated DeltaNet's cp forms (GDN_FORMS: ContextParallel.deltanet; fla_concurrent: fla "
+                        "with fla_concurrent_parts=True; fla_fp32 / fla_bf16: that with fla_transition; default "
+                        "every form on CUDA, maps on the CPU smoke: fla's CP kernels need CUDA)")
     args = p.parse_args()
     cuda = torch.cuda.is_available() and not args.cpu_smoke
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
@@ -248,7 +252,7 @@ def main():
     # a rank stuck in a collective (another failed inside one) ends the run instead of hanging it
     dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=240))
     cp, rank = dist.get_world_size(), dist.get_rank()
-    s = {**(GPU if cuda else SMOKE), "deltanet": args.deltanet or (["maps", "fla", "fla_concurrent"] if cuda else ["maps"])}
+    s = {**(GPU if cuda else SMOKE), "deltanet": args.deltanet or (list(GDN_FORMS) if cuda else ["maps"])}
     iters = args.iters or s["iters"]
     result = {**stamp(device), "slot": "context_parallel", "ranks": cp, "dtype": str(s["dtype"]), "iters": iters,
               "warmup": 1, "deltanet": s["deltanet"],

@@ -32,6 +32,7 @@ from bumblebee.primitives.linear_attention import fla_falls_back, fla_ops
 BLOCK = 64
 # ContextParallel.deltanet: fla's CP kernels where they serve, else the maps (auto); this file's maps; fla's
 DELTANET = ("auto", "maps", "fla")
+FLA_TRANSITIONS = ("fla", "fp32", "bf16")  # ContextParallel.fla_transition
 
 
 def _slot(c: int, cp: int) -> int:
@@ -209,10 +210,10 @@ def _fla_conv_silu(x_RnC, weight_CW):
 
 
 def gdn_forward(layer, x_BTD, cu_seqlens, *, row_conv=None, deltanet: str = "auto",
-                fla_concurrent_parts: bool = False):
+                fla_concurrent_parts: bool = False, fla_transition: str = "fla"):
     """A gated DeltaNet layer (the `linear_attention` slot's parameters) on this rank's chunks.
     deltanet="maps": this file's affine maps (any device); "fla": fla's own CP kernels
-    (`gdn_fla.py`, CUDA; `fla_concurrent_parts`: `ContextParallel`'s option); "auto": fla's where
+    (`gdn_fla.py`, CUDA; `fla_concurrent_parts`, `fla_transition`: `ContextParallel`'s options); "auto": fla's where
     they serve x and the layer (`why_not_fla_cp`) and no `row_conv` (an option of the maps) is given,
     else the maps. `row_conv` (rows [R, n, C], weight [C, W]) -> SiLU(causal conv): the maps'
     conv of unpacked shards (`halo_conv_rows`); default fla's where fla serves, else the fp32 halo
@@ -224,7 +225,7 @@ def gdn_forward(layer, x_BTD, cu_seqlens, *, row_conv=None, deltanet: str = "aut
         deltanet = "fla" if why_not_fla_cp(x_BTD, layer.head_k_dim) is None and row_conv is None else "maps"
     if deltanet == "fla":
         from bumblebee.primitives.context_parallel.gdn_fla import fla_cp_forward
-        return fla_cp_forward(layer, x_BTD, batch, fla_concurrent_parts)
+        return fla_cp_forward(layer, x_BTD, batch, fla_concurrent_parts, fla_transition)
     if deltanet != "maps":
         raise ValueError(f"deltanet must be one of {DELTANET}, got {deltanet!r}")
     B, T, _ = x_BTD.shape

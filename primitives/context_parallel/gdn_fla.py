@@ -56,27 +56,29 @@ def why_not_fla_cp(x: torch.Tensor, head_k_dim: int | None = None) -> str | None
     return None
 
 
-def fla_context(batch: CPBatch, conv_width: int, device, concurrent_parts: bool = False):
-    """fla's zigzag CP context of `batch` (built once a batch and option: the layers of a step share
-    it); with `concurrent_parts` its chain passes summarize the rank's two parts at once
-    (`gdn_fla_chain.py`), else one after the other as fla does."""
-    ctx = _CONTEXTS.setdefault(batch, {}).get(concurrent_parts)
+def fla_context(batch: CPBatch, conv_width: int, device, concurrent_parts: bool = False, transition: str = "fla"):
+    """fla's zigzag CP context of `batch` (built once a batch and options: the layers of a step share
+    it); with `concurrent_parts` its chain passes summarize the rank's two parts at once, with a
+    `transition` other than "fla" the transition maps come from `kernels/linear_attention_cp_transition.py`
+    (both `gdn_fla_chain.py`); else fla's own chain passes."""
+    how = chain.ChainPass(concurrent_parts, transition)
+    ctx = _CONTEXTS.setdefault(batch, {}).get(how)
     if ctx is None:
         from fla.ops.cp import build_cp_context
         cu_cpu = torch.tensor(batch.bounds, dtype=torch.long)
         ctx = build_cp_context(cu_cpu.to(device), group=batch.group, conv1d_kernel_size=conv_width,
                                cu_seqlens_cpu=cu_cpu, layout="zigzag")
-        if concurrent_parts:
+        if how != chain.ChainPass():
             chain.install()
-            chain.register(ctx)
-        _CONTEXTS[batch][concurrent_parts] = ctx
+            chain.register(ctx, how)
+        _CONTEXTS[batch][how] = ctx
     return ctx
 
 
-def fla_cp_forward(layer, x_BTD, batch: CPBatch, concurrent_parts: bool = False):
+def fla_cp_forward(layer, x_BTD, batch: CPBatch, concurrent_parts: bool = False, transition: str = "fla"):
     """The layer (the `linear_attention` slot's parameters) on this rank's two parts through fla's CP
     kernels: x [B, 2L, D] -> [B, 2L, D]. Raises where they cannot run (`why_not_fla_cp`).
-    `concurrent_parts`: `ContextParallel.fla_concurrent_parts` (`fla_context`)."""
+    `concurrent_parts`, `transition`: `ContextParallel.fla_concurrent_parts` / `.fla_transition` (`fla_context`)."""
     why = why_not_fla_cp(x_BTD, layer.head_k_dim)
     if why is not None:
         raise RuntimeError(f"ContextParallel(deltanet='fla') cannot run here: {why}")
@@ -84,7 +86,7 @@ def fla_cp_forward(layer, x_BTD, batch: CPBatch, concurrent_parts: bool = False)
     B, T, _ = x_BTD.shape
     if batch.packed and B != 1:
         raise ValueError(f"packed documents under context parallelism come as one row: x [1, T/CP, D], got B={B}")
-    ctx = fla_context(batch, layer.conv1d.weight.shape[-1], x_BTD.device, concurrent_parts)
+    ctx = fla_context(batch, layer.conv1d.weight.shape[-1], x_BTD.device, concurrent_parts, transition)
     scale = layer.head_k_dim ** -0.5
 
     def one_row(x_1TD):

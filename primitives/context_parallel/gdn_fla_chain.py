@@ -19,25 +19,40 @@ keyword this file does not know: a newer fla's).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import weakref
 
 import torch
 import torch.distributed as dist
 
-_MINE: dict[int, weakref.ref] = {}  # id(context) -> the context: the contexts that take this path
-_FLA: dict[str, object] = {}        # fla's own pre-process functions, by name (filled by install)
+_MINE: dict[int, tuple] = {}  # id(context) -> (weak ref to the context, its ChainPass): the contexts served here
+_FLA: dict[str, object] = {}   # fla's own pre-process functions, by name (filled by install)
 
 
-def register(context) -> None:
+@dataclasses.dataclass(frozen=True)
+class ChainPass:
+    """How a registered context's chain passes run: `concurrent_parts` (the two parts' scans at once)
+    and `transition` ("fla": fla's own summary kernels; "fp32" / "bf16": fla's kernels for the state
+    columns and `kernels/linear_attention_cp_transition.py` for the transition map, at that precision)."""
+    concurrent_parts: bool = False
+    transition: str = "fla"
+
+
+def register(context, chain_pass: ChainPass = ChainPass(concurrent_parts=True)) -> None:
     """Route `context`'s chain passes through this module (kept until the context is collected)."""
     key = id(context)
-    _MINE[key] = weakref.ref(context, lambda _: _MINE.pop(key, None))
+    _MINE[key] = (weakref.ref(context, lambda _: _MINE.pop(key, None)), chain_pass)
+
+
+def pass_of(context) -> ChainPass | None:
+    """The ChainPass `context` was registered with (None: not registered, fla's own path)."""
+    got = _MINE.get(id(context)) if context is not None else None
+    return got[1] if got is not None and got[0]() is context else None
 
 
 def is_mine(context) -> bool:
-    ref = _MINE.get(id(context)) if context is not None else None
-    return ref is not None and ref() is context
+    return pass_of(context) is not None
 
 
 def at_once(calls, device: torch.device) -> None:
@@ -85,14 +100,18 @@ def _fwd_pre_process(*, k, w, u, g=None, gk=None, bg=None, v=None, chunk_size=64
         return _FLA["fwd"](k=k, w=w, u=u, g=g, gk=gk, bg=bg, v=v, chunk_size=chunk_size, state_v_first=state_v_first,
                            cu_seqlens=cu_seqlens, initial_state=initial_state, context=context, use_graph=use_graph,
                            **newer)
-    from fla.ops.cp.chunk_fwd import chunk_cp_fwd_h
     HV, V, K, N, front = u.shape[2], u.shape[3], k.shape[-1], len(cu_seqlens) - 1, context.front_num_seqs
     maps = k.new_zeros(2, HV, K, V + K, dtype=torch.float32)
     entering = k.new_zeros(N, HV, *((V, K) if state_v_first else (K, V)), dtype=torch.float32)
     last_segments = (cu_seqlens[front - 1:front + 1], cu_seqlens[-2:])
-    at_once([functools.partial(chunk_cp_fwd_h, k=k, w=w, u=u, hm=maps[i], g=g, gk=gk, bg=bg, v=v,
-                               cu_seqlens=seg, chunk_size=chunk_size)
-             for i, (seg, last) in enumerate(zip(last_segments, context.is_last_by_part)) if not last], k.device)
+    how = pass_of(context)
+    ours = how.transition != "fla" and g is not None and gk is None and bg is None and v is None
+    calls = []
+    for i, (seg, last) in enumerate(zip(last_segments, context.is_last_by_part)):
+        if not last:
+            calls += _fwd_summary(k=k, w=w, u=u, g=g, gk=gk, bg=bg, v=v, hm=maps[i], seg=seg, chunk_size=chunk_size,
+                                  transition=how.transition if ours else None)
+    _run(calls, how, k.device)
     _merge(maps, context, skip=context.is_first_by_part, targets=(entering[0], entering[front]),
            ranks_before=context.pre_num_ranks_by_part, state_v_first=state_v_first, forward=True)
     return entering
@@ -108,17 +127,75 @@ def _bwd_pre_process(*, q, k, w, do, dv, g=None, gk=None, bg=None, scale=None, s
         return _FLA["bwd"](q=q, k=k, w=w, do=do, dv=dv, g=g, gk=gk, bg=bg, scale=scale, state_v_first=state_v_first,
                            cu_seqlens=cu_seqlens, dht=dht, initial_state=initial_state, context=context,
                            chunk_size=chunk_size, use_graph=use_graph, **newer)
-    from fla.ops.cp.chunk_bwd import chunk_cp_bwd_dh
     HV, V, K, N, front = do.shape[2], do.shape[3], q.shape[-1], len(cu_seqlens) - 1, context.front_num_seqs
     maps = q.new_zeros(2, HV, K, V + K, dtype=torch.float32)
     leaving = q.new_zeros(N, HV, *((V, K) if state_v_first else (K, V)), dtype=torch.float32)
     first_segments = (cu_seqlens[:2], cu_seqlens[front:front + 2])
-    at_once([functools.partial(chunk_cp_bwd_dh, q=q, k=k, w=w, do=do, dv=dv, dhm=maps[i], g=g, gk=gk, bg=bg,
-                               scale=scale, cu_seqlens=seg, chunk_size=chunk_size)
-             for i, (seg, first) in enumerate(zip(first_segments, context.is_first_by_part)) if not first], q.device)
+    how = pass_of(context)
+    ours = how.transition != "fla" and g is not None and gk is None and bg is None
+    calls = []
+    for i, (seg, first) in enumerate(zip(first_segments, context.is_first_by_part)):
+        if not first:
+            calls += _bwd_summary(q=q, k=k, w=w, do=do, dv=dv, g=g, gk=gk, bg=bg, scale=scale, dhm=maps[i], seg=seg,
+                                  chunk_size=chunk_size, transition=how.transition if ours else None)
+    _run(calls, how, q.device)
     _merge(maps, context, skip=context.is_last_by_part, targets=(leaving[front - 1], leaving[-1]),
            ranks_before=context.post_num_ranks_by_part, state_v_first=state_v_first, forward=False)
     return leaving, None
+
+
+def _run(calls, how: ChainPass, device) -> None:
+    if how.concurrent_parts:
+        at_once(calls, device)
+    else:
+        for call in calls:
+            call()
+
+
+def _pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+def _fwd_summary(*, k, w, u, g, gk, bg, v, hm, seg, chunk_size, transition):
+    """The calls writing one part's forward summary [h_local | M] into hm: fla's `chunk_cp_fwd_h`
+    whole (`transition` None), or its kernel over the state columns only (a grid of V / BV column
+    blocks: its M programs are the ones past those) beside ours for M."""
+    if transition is None:
+        from fla.ops.cp.chunk_fwd import chunk_cp_fwd_h
+        return [functools.partial(chunk_cp_fwd_h, k=k, w=w, u=u, hm=hm, g=g, gk=gk, bg=bg, v=v, cu_seqlens=seg,
+                                  chunk_size=chunk_size)]
+    from fla.ops.cp.chunk_fwd import chunk_cp_fwd_kernel_h
+    from bumblebee.kernels.linear_attention_cp_transition import transition_map
+    T, H, K = k.shape[1], k.shape[2], k.shape[3]
+    HV, V = u.shape[2:]
+    BV = 32 if K <= 64 else 64  # fla's wrapper's blocks: its kernel takes column block i as the state's below V / BV
+
+    def state_columns():
+        chunk_cp_fwd_kernel_h[(-(-V // BV), HV)](
+            k=k, v=u, w=w, g=g, gk=None, bg=None, u=u, hm=hm, cu_seqlens=seg, T=T, H=H, HV=HV, K=K, V=V,
+            BT=chunk_size, BV=BV, BK=_pow2(K), MULTI_SEQS=False)
+    return [state_columns, functools.partial(transition_map, k, w, g, seg, hm[:, :, V:], chunk_size=chunk_size,
+                                             reverse=False, precision=transition)]
+
+
+def _bwd_summary(*, q, k, w, do, dv, g, gk, bg, scale, dhm, seg, chunk_size, transition):
+    """The calls writing one part's backward summary [dh_local | dM] into dhm (as `_fwd_summary`)."""
+    if transition is None:
+        from fla.ops.cp.chunk_bwd import chunk_cp_bwd_dh
+        return [functools.partial(chunk_cp_bwd_dh, q=q, k=k, w=w, do=do, dv=dv, dhm=dhm, g=g, gk=gk, bg=bg,
+                                  scale=scale, cu_seqlens=seg, chunk_size=chunk_size)]
+    from fla.ops.cp.chunk_bwd import chunk_cp_bwd_kernel_dh
+    from bumblebee.kernels.linear_attention_cp_transition import transition_map
+    T, H, K = q.shape[1], q.shape[2], q.shape[3]
+    HV, V = do.shape[2:]
+    BV = 32 if K <= 64 else 64
+
+    def state_columns():
+        chunk_cp_bwd_kernel_dh[(-(-V // BV), HV)](
+            q=q, k=k, w=w, g=g, gk=None, do=do, dhm=dhm, dv=dv, cu_seqlens=seg, scale=scale, T=T, H=H, HV=HV,
+            K=K, V=V, BT=chunk_size, BV=BV, BK=_pow2(K), USE_BG=False)
+    return [state_columns, functools.partial(transition_map, k, w, g, seg, dhm[:, :, V:], chunk_size=chunk_size,
+                                             reverse=True, precision=transition)]
 
 
 def _merge(maps, context, *, skip, targets, ranks_before, state_v_first, forward):

@@ -31,7 +31,7 @@ from bumblebee.distributed import reduce_from_group
 from bumblebee.options import check_choice, option
 from bumblebee.primitives.context_parallel.attention import EXCHANGES, check_batch
 from bumblebee.primitives.context_parallel.flash import BLOCK_KEYS
-from bumblebee.primitives.context_parallel.gdn import DELTANET, gdn_forward
+from bumblebee.primitives.context_parallel.gdn import DELTANET, FLA_TRANSITIONS, gdn_forward
 from bumblebee.primitives.context_parallel.layout import Shard
 from bumblebee.primitives.context_parallel.mla import EXCHANGES as MLA_EXCHANGES, mla_forward
 
@@ -60,11 +60,17 @@ class ContextParallel:
                                         "forward and backward) scanned at once on two CUDA streams "
                                         "(gdn_fla_chain.py; equal results) instead of one after the other as fla "
                                         "0.6 does; not yet measured on GPUs")
+    fla_transition: str = option("fla", "fla's CP kernels: what computes each part's transition map (the entering "
+                                 "state's [K, K] map, forward and backward): fla (fla 0.6's summary kernels, the map "
+                                 "composed [K, K] by [K, K] in tf32x3), fp32 or bf16 (kernels/linear_attention_cp_transition.py: "
+                                 "the map's columns carried as a state, two [BT, K] x [K, BV] products a chunk, in "
+                                 "tf32x3 or with fla's state-scan bf16 rounding); not yet measured on GPUs")
 
     def __post_init__(self):
         check_choice(self, "exchange", tuple(EXCHANGES))
         check_choice(self, "mla_exchange", MLA_EXCHANGES)
         check_choice(self, "deltanet", DELTANET)
+        check_choice(self, "fla_transition", FLA_TRANSITIONS)
         if not isinstance(self.fla_concurrent_parts, bool):
             raise ValueError(f"ContextParallel.fla_concurrent_parts must be a bool; got {self.fla_concurrent_parts!r}")
         if isinstance(self.allgather_block_keys, bool) or not isinstance(self.allgather_block_keys, int) \
@@ -102,7 +108,8 @@ def apply(model: nn.Module, cp_group, config: ContextParallel | None = None) -> 
     for m in model.modules():
         if _is_gdn(m):
             m.forward = functools.partial(gdn_forward, m, deltanet=config.deltanet,
-                                          fla_concurrent_parts=config.fla_concurrent_parts)
+                                          fla_concurrent_parts=config.fla_concurrent_parts,
+                                          fla_transition=config.fla_transition)
         elif _is_mla(m):
             m.forward = functools.partial(mla_forward, m, exchange=config.mla_exchange)
         elif hasattr(m, "attend"):

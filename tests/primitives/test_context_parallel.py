@@ -129,7 +129,7 @@ def test_deltanet_auto_takes_fla_only_for_what_fla_takes(monkeypatch):
     caller gave the maps' own conv (`row_conv`): then the maps run."""
     from bumblebee.primitives.context_parallel import gdn_fla
     monkeypatch.setattr(gdn_fla, "why_not_fla_cp", lambda x, head_k_dim=None: None)
-    monkeypatch.setattr(gdn_fla, "fla_cp_forward", lambda layer, x, batch, concurrent: "fla")
+    monkeypatch.setattr(gdn_fla, "fla_cp_forward", lambda layer, x, batch, concurrent, transition: "fla")
     torch.manual_seed(0)
     layer = ChunkedGatedDeltaNet(32, 2, 4, 8, 8)
     assert gdn_forward(layer, torch.randn(1, 16, 32), layout.make_batch(None, 16)) == "fla"

@@ -79,6 +79,16 @@ def test_option_is_a_bool():
         ContextParallel(fla_concurrent_parts="yes")
 
 
+class _Launch:
+    """A Triton kernel stood in: `kernel[grid](**kw)` records (grid, kw) under `name`."""
+
+    def __init__(self, rec, name):
+        self.rec, self.name = rec, name
+
+    def __getitem__(self, grid):
+        return lambda **kw: self.rec.setdefault(self.name, []).append((grid, kw))
+
+
 @pytest.fixture
 def fake_fla(monkeypatch):
     """fla's chain kernels and all-gather stood in by recorders; rank r's gathered maps are its own + r."""
@@ -90,8 +100,10 @@ def fake_fla(monkeypatch):
         monkeypatch.setitem(sys.modules, name, m)
     for name in ("fla", "fla.ops", "fla.ops.cp"):
         module(name)
-    module("fla.ops.cp.chunk_fwd", chunk_cp_fwd_h=lambda **kw: rec["fwd"].append(kw))
-    module("fla.ops.cp.chunk_bwd", chunk_cp_bwd_dh=lambda **kw: rec["bwd"].append(kw))
+    module("fla.ops.cp.chunk_fwd", chunk_cp_fwd_h=lambda **kw: rec["fwd"].append(kw),
+           chunk_cp_fwd_kernel_h=_Launch(rec, "fwd kernel"))
+    module("fla.ops.cp.chunk_bwd", chunk_cp_bwd_dh=lambda **kw: rec["bwd"].append(kw),
+           chunk_cp_bwd_kernel_dh=_Launch(rec, "bwd kernel"))
     module("fla.ops.cp.chunk_merge", chunk_cp_merge=lambda **kw: rec["merge"].append(kw))
 
     def gather(t, group):
@@ -163,3 +175,52 @@ def test_a_keyword_it_does_not_know_goes_to_fla(fla_functions):
     k = torch.zeros(1, 8, 2, 16)
     assert chain._fwd_pre_process(k=k, w=k, u=k, context=mine, newer_option=1) == "fla fwd"
     assert fla_functions[0][1]["newer_option"] == 1
+
+
+@pytest.mark.parametrize("concurrent", [False, True])
+def test_our_transition_maps_beside_flas_state_columns(fake_fla, concurrent):
+    """fla_transition="fp32": fla's summary kernel launched over the state columns only (V / BV blocks
+    of its grid), our transition map (kernels/linear_attention_cp_transition.py, its torch path here) in the columns
+    past V of the same summary, forward and backward, for each part that exports one."""
+    from bumblebee.kernels.linear_attention_cp_transition import transition_torch
+    fake_fla["at"](1, 2)
+    L, H, HV, K, V = 70, 1, 2, 16, 128  # V = four of fla's 32-wide column blocks (its blocks at K <= 64)
+    gen = torch.Generator().manual_seed(0)
+    k = torch.nn.functional.normalize(torch.randn(1, 2 * L, H, K, generator=gen), dim=-1)
+    w = 0.5 * torch.randn(1, 2 * L, HV, K, generator=gen) / K ** 0.5
+    g = -torch.rand(1, 2 * L, HV, generator=gen).cumsum(1) * 0.1
+    u, cu = torch.randn(1, 2 * L, HV, V, generator=gen), torch.tensor([0, L, 2 * L])
+    ctx = _zigzag((False, False), (False, False), (1, 2), (2, 1))
+    chain.register(ctx, chain.ChainPass(concurrent, "fp32"))
+    chain._fwd_pre_process(k=k, w=w, u=u, g=g, cu_seqlens=cu, context=ctx, chunk_size=64)
+    launches = fake_fla["fwd kernel"]
+    assert fake_fla["fwd"] == [] and [grid for grid, _ in launches] == [(4, HV), (4, HV)]
+    assert [kw["cu_seqlens"].tolist() for _, kw in launches] == [[0, L], [L, 2 * L]]
+    gathered = fake_fla["merge"][0]["ag_hm"]  # chain order: rank 0's front, rank 1's front, ...; + rank
+    for part, seg in enumerate(([0, L], [L, 2 * L])):
+        want = transition_torch(k, w, g, torch.tensor(seg), chunk_size=64)
+        got = gathered[1 if part == 0 else 2][..., V:] - 1  # rank 1's maps, less the stand-in gather's + 1
+        assert torch.allclose(got, want, atol=1e-6), part
+    chain._bwd_pre_process(q=k, k=k, w=w, do=u, dv=u, g=g, scale=0.5, cu_seqlens=cu, context=ctx, chunk_size=64)
+    assert fake_fla["bwd"] == [] and len(fake_fla["bwd kernel"]) == 2
+    back = fake_fla["merge"][2]["ag_hm"]
+    for part, seg in enumerate(([0, L], [L, 2 * L])):
+        want = transition_torch(k, w, g, torch.tensor(seg), chunk_size=64, reverse=True)
+        assert torch.allclose(back[1 if part == 0 else 2][..., V:] - 1, want, atol=1e-6), part
+
+
+def test_other_gates_keep_flas_summary(fake_fla):
+    """A call with per-key gates (gk) or no gate: fla's whole summary kernel, whatever the option."""
+    fake_fla["at"](1, 2)
+    k, u, cu = torch.zeros(1, 8, 1, 8), torch.zeros(1, 8, 2, 8), torch.tensor([0, 4, 8])
+    ctx = _zigzag((False, False), (False, False), (1, 2), (2, 1))
+    chain.register(ctx, chain.ChainPass(False, "bf16"))
+    chain._fwd_pre_process(k=k, w=k, u=u, g=None, cu_seqlens=cu, context=ctx)
+    chain._fwd_pre_process(k=k, w=k, u=u, g=u[..., 0], gk=k, cu_seqlens=cu, context=ctx)
+    assert len(fake_fla["fwd"]) == 4 and "fwd kernel" not in fake_fla
+
+
+def test_transition_option_is_checked():
+    assert ContextParallel().fla_transition == "fla"
+    with pytest.raises(ValueError, match="fla_transition must be one of"):
+        ContextParallel(fla_transition="tf32")

@@ -95,12 +95,18 @@ def _scenario(group, packed: bool) -> tuple[dict, tuple]:
         chain.at_once = real
     parts = (max(_max_diff(concurrent, got), _max_diff(auto, got)), _max_diff(again, got),
              fla_served, served[len(fla_served):])
-    errors = {"out": (_rel(got[0], want[0][:, idx]), _rel(plain[0][:, idx], want[0][:, idx])),
-              "dx": (_rel(got[1], want[1][:, idx]), _rel(plain[1][:, idx], want[1][:, idx]))}
-    for n in NAMES:
-        gp = got[2][n].float().clone()
-        dist.all_reduce(gp, group=group)
-        errors[f"d{n}"] = (_rel(gp, want[2][n]), _rel(plain[2][n], want[2][n]))
+    # the transition maps from kernels/linear_attention_cp_transition.py (both parts at once): held to the same rule
+    runs = {"fla": got} | {f"transition {tr}": _run(lambda t, tr=tr: gdn_forward(
+        layer, t, batch, deltanet="fla", fla_concurrent_parts=True, fla_transition=tr), layer, mine_x, mine_w)
+        for tr in ("fp32", "bf16")}
+    errors = {}
+    for how, run in runs.items():
+        errors[f"{how}: out"] = (_rel(run[0], want[0][:, idx]), _rel(plain[0][:, idx], want[0][:, idx]))
+        errors[f"{how}: dx"] = (_rel(run[1], want[1][:, idx]), _rel(plain[1][:, idx], want[1][:, idx]))
+        for n in NAMES:
+            gp = run[2][n].float().clone()
+            dist.all_reduce(gp, group=group)
+            errors[f"{how}: d{n}"] = (_rel(gp, want[2][n]), _rel(plain[2][n], want[2][n]))
     return errors, parts
 
 
@@ -138,7 +144,8 @@ def _spawn(world, packed, tmp_path):
 def test_fla_cp_layer_equals_the_single_layer_on_every_rank(world, packed, tmp_path):
     """Also: the two parts' chain passes at once (`gdn_fla_chain.py`) and the default (`auto`, fla's
     here) give what fla's serial passes give, to within two serial runs' own difference (0 where its
-    kernels are deterministic)."""
+    kernels are deterministic); the transition maps of kernels/linear_attention_cp_transition.py (fp32 and bf16)
+    meet the float64 rule as fla's own do."""
     for rank, (errors, (concurrent, serial, fla_served, served)) in enumerate(_spawn(world, packed, tmp_path)):
         bad = {k: v for k, v in errors.items() if not v[0] <= 4 * v[1] + 5e-2}  # a wrong state or halo: O(1)
         assert not bad, (rank, bad)
