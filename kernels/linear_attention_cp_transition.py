@@ -4,21 +4,23 @@ A rank that holds a segment of a sequence summarizes it as an affine map of the 
 S_out = M @ S_in + S_local (forward), and the same for the state gradient in reverse. fla 0.6's CP
 kernels (`chunk_cp_fwd_kernel_h` / `chunk_cp_bwd_kernel_dh`) compute M by composing each chunk's
 full [K, K] transform, `M = (g_l I - K~^T W) @ M`, in tf32x3 with three [K, K] fp32 tiles per
-program: on an H200 at 64K tokens a rank (Qwen3.5's 32 value heads of 128) that scan takes 6.6 ms a
-call against 0.8 ms for fla's state scan over the same chunks, and the forward and backward maps
-were 40% of a CP = 2 layer's time (`benchmarks/context_parallel/probes/probe_gdn_profile.py`).
+program. In a CP = 2 layer at 128K tokens on an H200 (Qwen3.5's 32 value heads of 128) those two
+kernels took 28 of a rank's 71 ms (`probe_gdn_profile.py`); over one 32K part, 5.4 ms forward and
+5.0 backward against 0.74 ms for fla's plain state scan (`probe_cp_transition.py`).
 
 Here M's columns are carried like a state with K value columns, in blocks of BV: per chunk of BT
-tokens, with W, K [BT, K] the chunk's rows, G [BT] its chunk-local cumulative gate (log2 units) and
-g_l = G[BT-1] (the decay over the chunk is exp2(g_l)),
+tokens, with W, K [BT, K] the chunk's rows, G [BT] its chunk-local cumulative gate (log2 units),
+d = exp2(g_l - G) each row's decay to the chunk's end and g_l = G[BT-1],
 
-    forward:  T = W @ M;                        M = exp2(g_l) M - (exp2(g_l - G) * K)^T @ T
-    backward: T = (exp2(g_l - G) * K) @ M;      M = exp2(g_l) M - W^T @ T      (chunks in reverse)
+    forward:  T = d * (W @ M);   M = exp2(g_l) M - K^T @ T
+    backward: T = d * (K @ M);   M = exp2(g_l) M - W^T @ T      (chunks in reverse)
 
-two [BT, K] x [K, BV] products a chunk instead of a [K, K] x [K, K] one, and no [K, K] tile.
-`precision`: "fp32" keeps M in fp32 through tf32x3 products (fla's promise: the chain in fp32);
-"bf16" rounds M and T to bf16 before each product, the arithmetic of fla's own state scan (the single
-layer's state carries that rounding too). Shapes as fla's: k [1, T, H, K], w [1, T, HV, K], g [1, T, HV]
+two [BT, K] x [K, BV] products a chunk instead of a [K, K] x [K, K] one, and no [K, K] tile; W and
+K enter as they are (bf16: exact operands). `precision`, what M and T are rounded to before each
+product (fp32 accumulation throughout): "fp32" none (tf32x3 products, as fla's); "bf16x2" a hi + lo
+pair of bf16 (two products each, ~16 significant bits); "bf16" one bf16, the arithmetic of fla's own
+state scan (the single layer's state carries that rounding too). Measured over a 32K part on an
+H200: fp32 4.4 / 5.6 ms (forward / backward), bf16 0.82 / 1.06 ms. Shapes as fla's: k [1, T, H, K], w [1, T, HV, K], g [1, T, HV]
 fp32; `cu_seqlens` [2] (the segment's start and end); out [HV, K, K] (a strided view is fine: the
 `[..., V:]` columns of fla's [HV, K, V + K] summary). On CUDA (or under TRITON_INTERPRET=1) the
 Triton kernel runs; elsewhere `transition_torch`, the same per-chunk algorithm.
@@ -36,7 +38,7 @@ except ImportError:  # pragma: no cover - triton is absent on some CPU-only inst
     triton = None
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-PRECISIONS = ("fp32", "bf16")
+PRECISIONS = ("fp32", "bf16x2", "bf16")  # the kernel's MODE 0, 1, 2
 
 
 def use_triton(t: torch.Tensor) -> bool:
@@ -47,7 +49,7 @@ if triton is not None:
     @triton.jit(do_not_specialize=["T"])
     def _transition_kernel(k, w, g, out, cu_seqlens, stride_oh, stride_ok, T, H: tl.constexpr, HV: tl.constexpr,
                            K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                           REVERSE: tl.constexpr, FP32: tl.constexpr):
+                           REVERSE: tl.constexpr, MODE: tl.constexpr):
         i_c, i_h = tl.program_id(0), tl.program_id(1).to(tl.int64)
         bos = tl.load(cu_seqlens).to(tl.int64)
         T = (tl.load(cu_seqlens + 1).to(tl.int64) - bos).to(tl.int32)
@@ -69,22 +71,23 @@ if triton is not None:
             b_gl = tl.load(g + last * HV).to(tl.float32)
             b_g = tl.load(g + o_t * HV, mask=m_t, other=0.0).to(tl.float32)
             b_d = tl.where(m_t, tl.exp2(b_gl - b_g), 0.0)  # each row's decay to the chunk's end
-            if FP32:
-                b_kd = b_k.to(tl.float32) * b_d[:, None]
-                b_wf = b_w.to(tl.float32)
-                if REVERSE:
-                    b_t = tl.dot(b_kd, b_m, input_precision="tf32x3")
-                    b_m = b_m * tl.exp2(b_gl) - tl.dot(tl.trans(b_wf), b_t, input_precision="tf32x3")
-                else:
-                    b_t = tl.dot(b_wf, b_m, input_precision="tf32x3")
-                    b_m = b_m * tl.exp2(b_gl) - tl.dot(tl.trans(b_kd), b_t, input_precision="tf32x3")
-            else:  # fla's state scan: the decay on the [BT, BV] product, bf16 operands, fp32 accumulation
-                if REVERSE:
-                    b_t = tl.dot((b_k.to(tl.float32) * b_d[:, None]).to(b_w.dtype), b_m.to(b_w.dtype))
-                    b_m = b_m * tl.exp2(b_gl) - tl.dot(tl.trans(b_w), b_t.to(b_w.dtype))
-                else:
-                    b_t = tl.dot(b_w, b_m.to(b_w.dtype)) * b_d[:, None]
-                    b_m = b_m * tl.exp2(b_gl) - tl.dot(tl.trans(b_k), b_t.to(b_k.dtype))
+            # T = d * (X @ M), M = exp2(g_l) M - Y^T @ T: X, Y = W, K forward; K, W backward
+            b_x = b_k if REVERSE else b_w
+            b_y = b_w if REVERSE else b_k
+            if MODE == 0:  # tf32x3 on fp32 operands
+                b_t = tl.dot(b_x.to(tl.float32), b_m, input_precision="tf32x3") * b_d[:, None]
+                b_u = tl.dot(tl.trans(b_y.to(tl.float32)), b_t, input_precision="tf32x3")
+            else:  # bf16 operands (the inputs' own, exact), M and T rounded once (MODE 2) or as hi + lo (MODE 1)
+                b_hi = b_m.to(b_x.dtype)
+                b_t = tl.dot(b_x, b_hi)
+                if MODE == 1:
+                    b_t = tl.dot(b_x, (b_m - b_hi.to(tl.float32)).to(b_x.dtype), b_t)
+                b_t = b_t * b_d[:, None]
+                b_thi = b_t.to(b_y.dtype)
+                b_u = tl.dot(tl.trans(b_y), b_thi)
+                if MODE == 1:
+                    b_u = tl.dot(tl.trans(b_y), (b_t - b_thi.to(tl.float32)).to(b_y.dtype), b_u)
+            b_m = b_m * tl.exp2(b_gl) - b_u
         p = out + i_h * stride_oh + o_k[:, None] * stride_ok + o_c[None, :]
         tl.store(p, b_m.to(out.dtype.element_ty), mask=m_k[:, None] & (o_c < K)[None, :])
 
@@ -123,28 +126,31 @@ def transition_map(k, w, g, cu_seqlens, out, *, chunk_size: int = 64, reverse: b
     BV = 32 if K <= 64 else 64
     _transition_kernel[(triton.cdiv(K, BV), HV)](
         k, w, g, out, cu_seqlens, out.stride(0), out.stride(1), k.shape[1], H=k.shape[2], HV=HV, K=K,
-        BT=chunk_size, BK=BK, BV=BV, REVERSE=reverse, FP32=precision == "fp32", num_warps=4, num_stages=2)
+        BT=chunk_size, BK=BK, BV=BV, REVERSE=reverse, MODE=PRECISIONS.index(precision), num_warps=4,
+        num_stages=2)
     return out
 
 
 def transition_torch(k, w, g, cu_seqlens, *, chunk_size: int = 64, reverse: bool = False,
                      precision: str = "fp32") -> torch.Tensor:
-    """The kernel's algorithm in torch (CPU): [HV, K, K] fp32 ("bf16": M and T rounded as the kernel does)."""
+    """The kernel's algorithm in torch (CPU): [HV, K, K] fp32, M and T rounded as the kernel's `precision`
+    rounds them (bf16: once; bf16x2: to a hi + lo pair)."""
     lo, hi = (int(x) for x in cu_seqlens.tolist())
     H, HV, K = k.shape[2], w.shape[2], k.shape[3]
     kk = k[0, lo:hi].float().repeat_interleave(HV // H, dim=1).transpose(0, 1)  # [HV, L, K]
     ww, gg = w[0, lo:hi].float().transpose(0, 1), g[0, lo:hi].float().transpose(0, 1)  # [HV, L, K], [HV, L]
-    rnd = (lambda t: t.bfloat16().float()) if precision == "bf16" else (lambda t: t)
+
+    def rnd(t):
+        if precision == "fp32":
+            return t
+        top = t.bfloat16().float()
+        return top if precision == "bf16" else top + (t - top).bfloat16().float()
     m = torch.eye(K, device=k.device).expand(HV, K, K).clone()
     starts = range(0, hi - lo, chunk_size)
     for s in (reversed(starts) if reverse else starts):
-        kc, wc, gc = kk[:, s:s + chunk_size], ww[:, s:s + chunk_size], gg[:, s:s + chunk_size]
+        x, y = (kk, ww) if reverse else (ww, kk)
+        gc = gg[:, s:s + chunk_size]
         gl = gc[:, -1:]
-        kd = kc * torch.exp2(gl - gc)[..., None]
-        if reverse:
-            t = rnd(kd) @ rnd(m)
-            m = m * torch.exp2(gl)[..., None] - wc.transpose(1, 2) @ rnd(t)
-        else:
-            t = (wc @ rnd(m)) * torch.exp2(gl - gc)[..., None] if precision == "bf16" else wc @ m
-            m = m * torch.exp2(gl)[..., None] - (kc if precision == "bf16" else kd).transpose(1, 2) @ rnd(t)
+        t = (x[:, s:s + chunk_size] @ rnd(m)) * torch.exp2(gl - gc)[..., None]
+        m = m * torch.exp2(gl)[..., None] - y[:, s:s + chunk_size].transpose(1, 2) @ rnd(t)
     return m

@@ -7,7 +7,7 @@ summary writes [state columns | transition map M]; its M programs compose [K, K]
 Here, per part of `--tokens` (Qwen3.5's heads, 16 key / 32 value of 128, bf16, chunks of 64):
 - fla: `chunk_cp_fwd_h` / `chunk_cp_bwd_dh` whole (state columns and M);
 - fla_state_columns: fla's kernel over the state columns only (the grid our path launches);
-- ours_fp32 / ours_bf16: `kernels/linear_attention_cp_transition.py`'s M, forward and reverse;
+- ours_fp32 / ours_bf16x2 / ours_bf16: `kernels/linear_attention_cp_transition.py`'s M, forward and reverse;
 - plain_state_scan: fla's `chunk_gated_delta_rule_fwd_h` over the same chunks (the scale);
 each timed (median of `--iters` after warm-up), and M's relative difference from fla's M (which
 keeps the chain in fp32). One JSON document: stamp, shapes, ms per kernel, differences.
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from pathlib import Path
 
@@ -28,20 +27,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # benchmarks/: sta
 from stamp import stamp  # noqa: E402
 from timing import median_ms  # noqa: E402
 
-from bumblebee.kernels.linear_attention_cp_transition import transition_map  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the test suite's rows (benchmarks import references from tests)
+from bumblebee.kernels.linear_attention_cp_transition import PRECISIONS, transition_map  # noqa: E402
+from tests.primitives.test_context_parallel_transition import local_cumsum, make  # noqa: E402
 
 
 def inputs(T, H, HV, K, V, device, seed=0):
-    g = torch.Generator(device=device).manual_seed(seed)
-    k = torch.nn.functional.normalize(torch.randn(1, T, H, K, device=device, generator=g), dim=-1)
-    w = 0.6 * torch.nn.functional.normalize(torch.randn(1, T, HV, K, device=device, generator=g), dim=-1)
-    step = -torch.nn.functional.softplus(torch.randn(1, T, HV, device=device, generator=g) - 3) / math.log(2)
-    gate = step.view(1, T // 64, 64, HV).cumsum(2).view(1, T, HV)  # chunk-local cumulative (log2)
-    u = torch.randn(1, T, HV, V, device=device, generator=g) * 0.1
-    q = torch.nn.functional.normalize(torch.randn(1, T, H, K, device=device, generator=g), dim=-1)
-    do = torch.randn(1, T, HV, V, device=device, generator=g) * 0.1
+    """The transition test's rows (unit keys, delta-rule W, per-head decays from slow to fast: the map
+    keeps its slow heads over a 32K part), plus the state columns' inputs."""
+    k, w, step = make(T, H, HV, K, seed)
+    gate = local_cumsum(step, 64, 0)
+    g = torch.Generator().manual_seed(seed + 1)
+    u, do = (torch.randn(1, T, HV, V, generator=g) * 0.1 for _ in range(2))
+    q = torch.nn.functional.normalize(torch.randn(1, T, H, K, generator=g), dim=-1)
     b = torch.bfloat16
-    return dict(k=k.to(b), w=w.to(b), g=gate, u=u.to(b), q=q.to(b), do=do.to(b), dv=(0.1 * do).to(b))
+    return {n: t.to(device, b if n != "g" else torch.float32)
+            for n, t in dict(k=k, w=w, g=gate, u=u, q=q, do=do, dv=0.1 * do).items()}
 
 
 def rel(a, b):
@@ -63,7 +64,7 @@ def main():
     x = inputs(T, H, HV, K, V, dev)
     cu = torch.tensor([0, T], device=dev, dtype=torch.long)
     hm = {n: torch.zeros(HV, K, V + K, device=dev) for n in ("fla_fwd", "fla_bwd")}
-    ours = {(p_, r): torch.zeros(HV, K, K, device=dev) for p_ in ("fp32", "bf16") for r in (False, True)}
+    ours = {(p_, r): torch.zeros(HV, K, K, device=dev) for p_ in PRECISIONS for r in (False, True)}
     calls = {
         "fla_fwd": lambda: chunk_cp_fwd_h(k=x["k"], w=x["w"], u=x["u"], hm=hm["fla_fwd"], g=x["g"], cu_seqlens=cu),
         "fla_bwd": lambda: chunk_cp_bwd_dh(q=x["q"], k=x["k"], w=x["w"], do=x["do"], dv=x["dv"], dhm=hm["fla_bwd"],
