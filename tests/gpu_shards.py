@@ -31,7 +31,8 @@ in the next call, 220 s: fla's first autotuning of its CP kernels. Run it inside
 DeltaNet files, whose autotuning warms part of the cache. At 32b2c7d on four fresh H200s, shard 3 (two
 GPUs) beside a gated DeltaNet CP benchmark (the other two) ran out of 440 s; the next call, Triton's
 cache warm, passed 25 and skipped 1 in 310 s; shard 4 passed 55 in 144 s, shard 1 7 (12 skipped:
-flash-attn-4 absent) in 27 s.
+flash-attn-4 absent) in 27 s. At 3c1f397 on four fresh H200s shard 3 (two GPUs) beside a CP benchmark ran out
+of 520 s; the next call passed 25 and skipped 1 in 229 s.
 `tests/core/test_gpu_shards.py` checks that every file
 with a `gpu` mark is in exactly one shard.
 """

@@ -49,11 +49,13 @@ from bumblebee.primitives.context_parallel.gdn import gdn_forward  # noqa: E402
 GPU = dict(tokens=(65536, 131072, 262144), heads=16, kv_heads=2, head_dim=256, hidden=2048,
            gdn=(16, 32, 128, 128), dtype=torch.bfloat16, check_tokens=8192, iters=3)
 GDN_ROWS = {"maps": "cp", "fla": "cp_fla", "fla_concurrent": "cp_fla_concurrent",  # --deltanet -> the row's impl
-            "fla_fp32": "cp_fla_transition_fp32", "fla_bf16": "cp_fla_transition_bf16"}
+            "fla_fp32": "cp_fla_transition_fp32", "fla_bf16x2": "cp_fla_transition_bf16x2",
+            "fla_bf16": "cp_fla_transition_bf16"}
 GDN_FORMS = {"maps": dict(deltanet="maps"), "fla": dict(deltanet="fla"),  # --deltanet -> ContextParallel's options
              "fla_concurrent": dict(deltanet="fla", fla_concurrent_parts=True),
              # the transition maps of kernels/linear_attention_cp_transition.py, both parts at once
              "fla_fp32": dict(deltanet="fla", fla_concurrent_parts=True, fla_transition="fp32"),
+             "fla_bf16x2": dict(deltanet="fla", fla_concurrent_parts=True, fla_transition="bf16x2"),
              "fla_bf16": dict(deltanet="fla", fla_concurrent_parts=True, fla_transition="bf16")}
 SMOKE = dict(tokens=(256,), heads=4, kv_heads=2, head_dim=16, hidden=64, gdn=(2, 4, 16, 16), dtype=torch.float32,
              check_tokens=64, iters=2)
@@ -242,7 +244,7 @@ def main():
                    choices=["attention", "gated_deltanet"])
     p.add_argument("--deltanet", nargs="*", default=None, choices=sorted(GDN_ROWS),
                    help="gated DeltaNet's cp forms (GDN_FORMS: ContextParallel.deltanet; fla_concurrent: fla "
-                        "with fla_concurrent_parts=True; fla_fp32 / fla_bf16: that with fla_transition; default "
+                        "with fla_concurrent_parts=True; fla_fp32 / fla_bf16x2 / fla_bf16: that with fla_transition; default "
                         "every form on CUDA, maps on the CPU smoke: fla's CP kernels need CUDA)")
     args = p.parse_args()
     cuda = torch.cuda.is_available() and not args.cpu_smoke

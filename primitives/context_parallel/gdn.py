@@ -32,7 +32,7 @@ from bumblebee.primitives.linear_attention import fla_falls_back, fla_ops
 BLOCK = 64
 # ContextParallel.deltanet: fla's CP kernels where they serve, else the maps (auto); this file's maps; fla's
 DELTANET = ("auto", "maps", "fla")
-FLA_TRANSITIONS = ("fla", "fp32", "bf16")  # ContextParallel.fla_transition
+FLA_TRANSITIONS = ("fla", "fp32", "bf16x2", "bf16")  # ContextParallel.fla_transition
 
 
 def _slot(c: int, cp: int) -> int:

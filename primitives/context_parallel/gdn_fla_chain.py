@@ -1,4 +1,5 @@
-"""fla's zigzag chain pass with a rank's two parts summarized at once (`ContextParallel.fla_concurrent_parts`).
+"""fla's zigzag chain pass with a rank's two parts summarized at once (`ContextParallel.fla_concurrent_parts`)
+and, on request, the transition maps from our kernel (`ContextParallel.fla_transition`).
 
 Under fla 0.6's zigzag context a rank holds two parts of the sequence. Before the plain rule, the
 forward summarizes each part as an affine state map (`chunk_cp_fwd_h`: a scan over every chunk of
@@ -9,7 +10,11 @@ program per (column block, value head), 128 for Qwen3.5's 32 heads of 128, so on
 of an H100/H200 idle, and a rank that holds neither the first nor the last part pays two scan
 lengths. Here the two scans run at once on two CUDA streams: the same kernels on the same inputs
 into separate outputs, then the same gather and merges as fla's, so the result equals fla's bit for
-bit (`tests/primitives/test_context_parallel_fla_gpu.py`).
+bit (`tests/primitives/test_context_parallel_fla_gpu.py`). Measured on H200s: 2-5% off the layer, as
+the summaries' transition programs fill an SM each. Those programs compose [K, K] transforms in
+tf32x3 (28 of a CP = 2 rank's 71 ms at 128K); with `fla_transition` other than "fla" fla's kernel
+runs over the state columns only and `kernels/linear_attention_cp_transition.py` writes the map
+(bf16: 6.6x faster forward over a 32K part), as extra calls at once where the parts are.
 
 fla's gated delta rule calls the two pre-process functions through its module's names
 (`fla.ops.gated_delta_rule.chunk`). `install()` rebinds those names once to dispatchers that take
@@ -33,8 +38,9 @@ _FLA: dict[str, object] = {}   # fla's own pre-process functions, by name (fille
 @dataclasses.dataclass(frozen=True)
 class ChainPass:
     """How a registered context's chain passes run: `concurrent_parts` (the two parts' scans at once)
-    and `transition` ("fla": fla's own summary kernels; "fp32" / "bf16": fla's kernels for the state
-    columns and `kernels/linear_attention_cp_transition.py` for the transition map, at that precision)."""
+    and `transition` ("fla": fla's own summary kernels; "fp32" / "bf16x2" / "bf16": fla's kernel for
+    the state columns and `kernels/linear_attention_cp_transition.py` for the transition map, at that
+    precision)."""
     concurrent_parts: bool = False
     transition: str = "fla"
 
