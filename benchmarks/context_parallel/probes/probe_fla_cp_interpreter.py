@@ -1,8 +1,9 @@
 """Probe (CPU, no GPU): gated DeltaNet under context parallelism on fla's Triton kernels, run by Triton's
 interpreter on CPU tensors, at CP = 2 and 4 over gloo, against the single layer on the whole sequence:
 `ContextParallel(deltanet="fla")` (fla's own CP kernels and chain code), the same with
-`fla_concurrent_parts=True` (the chain passes through `gdn_fla_chain.py`, here in turn as off CUDA)
-and the maps as they run on CUDA (fla's rule with an entering state, fla's conv over [halo | chunk]
+`fla_concurrent_parts=True` (the chain passes through `gdn_fla_chain.py`, here in turn as off CUDA),
+`fla_transition="bf16x2"` (the transition maps from `kernels/linear_attention_cp_transition.py`; fp32
+operands here, so its bf16 roundings are exact: this checks the wiring, not the rounding) and the maps as they run on CUDA (fla's rule with an entering state, fla's conv over [halo | chunk]
 rows for unpacked shards).
 
 fla's CP path needs CUDA; this runs the same Python and the same Triton kernel code on a CPU machine,
@@ -18,7 +19,8 @@ Numbers (fp32): per rank, output, input gradient and every parameter gradient (s
 group) against the float64 twin; beside them the fp32 twin's error and fla's own single layer's
 (same interpreter, no CP). A check passes within 4x the larger of those two plus 1e-5 of the
 reference's max. Each row also counts the chain passes `gdn_fla_chain.py` served in its run
-(`gdn_fla_chain_passes`: > 0 for `fla concurrent`, 0 for the others, else the probe stops). Writes
+(`gdn_fla_chain_passes`: > 0 for `fla concurrent` and `fla transition bf16x2`, 0 for the others) and
+the maps our kernel made (`transition_maps`: > 0 for the transition form only), else the probe stops. Writes
 results/probe_fla_cp_interpreter.json (stamped).
 
     python benchmarks/context_parallel/probes/probe_fla_cp_interpreter.py [--ranks 2 4] [--dqkwg ours]
@@ -39,6 +41,8 @@ T, HIDDEN, DIMS = 128, 32, (2, 4, 16, 16)  # 2 key / 4 value heads of 16; parts 
 CASES = {"unpacked B=1": (1, None), "unpacked B=2": (2, None), "packed": (1, (0, 5, 6, 70, 128))}
 MODES = {"fla": dict(deltanet="fla"),  # row mode -> ContextParallel's options (all on fla's kernels)
          "fla concurrent": dict(deltanet="fla", fla_concurrent_parts=True),
+         # the transition maps from kernels/linear_attention_cp_transition.py, the parts in turn
+         "fla transition bf16x2": dict(deltanet="fla", fla_transition="bf16x2"),
          "maps on fla": dict(deltanet="maps")}
 PATCHES = {  # file in fla -> (text, replacement): interpreter limits, same arithmetic
     "ops/common/chunk_delta_h.py": ("i_t.to(tl.int64)", "tl.cast(i_t, tl.int64)"),
@@ -86,15 +90,21 @@ def _grads(fn, module, x, w):
 
 
 def _count_chain_passes():
-    """Counts the chain passes `gdn_fla_chain.py` serves (its `at_once` calls), so each row says which
-    path ran: fla's serial pre-processes, or ours with the parts at once (here in turn: no CUDA)."""
+    """Counts the chain passes `gdn_fla_chain.py` serves (its `_run` calls) and the transition maps our
+    kernel makes (`transition_map` calls), so each row says which path ran: fla's serial pre-processes,
+    or ours (parts at once: here in turn, no CUDA; transition maps from our kernel)."""
+    from bumblebee.kernels import linear_attention_cp_transition as transition
     from bumblebee.primitives.context_parallel import gdn_fla_chain
-    count, real = [0], gdn_fla_chain.at_once
+    count, run, make = [0, 0], gdn_fla_chain._run, transition.transition_map
 
-    def counting(calls, device):
+    def counting(calls, how, device):
         count[0] += 1
-        return real(calls, device)
-    gdn_fla_chain.at_once = counting
+        return run(calls, how, device)
+
+    def counting_maps(*args, **kw):
+        count[1] += 1
+        return make(*args, **kw)
+    gdn_fla_chain._run, transition.transition_map = counting, counting_maps
     return count
 
 
@@ -143,15 +153,18 @@ def _worker(rank, world, port, out_dir, dqkwg):
         singles = [_grads(lambda t: m(t, cu_seqlens=cu_t), m, x.float(), w) for m in (twin, fla_single)]
         batch = layout.make_batch(dist.group.WORLD, T, cu_t)
         for mode in MODES:
-            before, first_row = passes[0], len(rows)
+            before, maps_before, first_row = passes[0], passes[1], len(rows)
             _compare(rows, mode, case, world, rank, batch, want, singles,
                      _grads(lambda t: gdn_forward(twin, t, batch, **MODES[mode]), twin,
                             layout.shard(x, world, rank).float(), layout.shard(w, world, rank)))
-            taken = passes[0] - before  # gdn_fla_chain's chain passes: the concurrent form's, no other's
-            if (taken > 0) != MODES[mode].get("fla_concurrent_parts", False):
-                raise RuntimeError(f"{mode}: gdn_fla_chain took {taken} chain passes")
+            taken, maps = passes[0] - before, passes[1] - maps_before
+            ours = MODES[mode].get("fla_transition", "fla") != "fla"
+            # gdn_fla_chain serves the concurrent and transition forms; our maps only the latter, on
+            # every rank that exports a summary (all but one end of the chain at CP = 2 and 4)
+            if (taken > 0) != (MODES[mode].get("fla_concurrent_parts", False) or ours) or (maps > 0) != ours:
+                raise RuntimeError(f"{mode}: gdn_fla_chain took {taken} chain passes, our kernel {maps} maps")
             for r in rows[first_row:]:
-                r["gdn_fla_chain_passes"] = taken
+                r["gdn_fla_chain_passes"], r["transition_maps"] = taken, maps
     if calls is not None:
         if not calls[0]:
             raise RuntimeError("--dqkwg ours: our kernel was never called: the hook did not take fla's calls")
