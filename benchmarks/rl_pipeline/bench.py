@@ -50,9 +50,10 @@ process reads; CUDA context and allocator in the local mode).
 With `--seeds`, every seed runs every eta (a seed's etas back to back) and `summary` gives per eta
 the median and range over seeds. Reported per eta and seed: wall seconds and steps to the threshold
 (None if not reached) and to each level, median seconds a step, the trainer's mean idle fraction,
-the producers' final (cumulative) idle fraction, mean staleness and behave_kl, the reward curve; and
-the speedup of each eta over eta = 0 in wall time to the threshold and per step, and (`levels`) to
-each level over the seeds. `--weights p2p` (ray mode; a whole GPU per actor or none) publishes
+the producers' final (cumulative) idle fraction, mean staleness and behave_kl, the reward curve and
+each step's seconds (`step_s`); and the speedup of each eta over eta = 0 in wall time to the
+threshold and per step, and (`levels`) to each level over the seeds. `--weights p2p` (ray mode; a
+whole GPU per actor or none) publishes
 through the weight-transfer primitive (NCCL between the actors' GPUs) instead of Ray's object store.
 Writes <out>/rl_pipeline_<device>_x<gpus>[_ray][_medium][_p2p].json (stamped: commit, versions, device, date).
 """
@@ -167,7 +168,8 @@ def run_eta(eta, args, task, model, devices, quiet) -> dict:
             "tokens_per_s_median": statistics.median(m["tokens_per_s"] for m in log),
             "train_s_median": statistics.median(m["train_s"] for m in log),
             "publish_s_median": statistics.median(m["publish_s"] for m in log),
-            "reward": [round(m["reward"], 4) for m in log]}
+            "reward": [round(m["reward"], 4) for m in log],
+            "step_s": [round(b["wall_s"] - a, 4) for a, b in zip([0.0] + [m["wall_s"] for m in log], log)]}
 
 
 def to_levels(log, levels, window) -> dict:

@@ -31,6 +31,7 @@ def _smoke(tmp_path, *flags) -> dict:
         assert r["staleness_mean"] <= r["eta"]
         if r["eta"] == 0:  # synchronous: on-policy, the sampler's log-probs the trainer's up to rounding
             assert r["staleness_mean"] == 0 and abs(r["behave_kl_mean"]) <= 8 * torch.finfo(torch.float32).eps
+        assert len(r["step_s"]) == r["steps"] and abs(sum(r["step_s"]) - r["wall_s"]) <= 1e-4 * r["steps"]
         window, levels = result["config"]["window"], result["config"]["levels"]
         assert set(r["to_level"]) == {f"{x:g}" for x in levels} and result["config"]["threshold"] in levels
         for level, hit in r["to_level"].items():  # the first step whose window mean reaches the level
