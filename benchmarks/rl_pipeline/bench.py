@@ -40,7 +40,9 @@ Workloads (`--workload`; each flag below overrides its value):
 
 Each eta trains from the same seed until the mean reward of the last `--window` steps reaches
 `--threshold` (or `--max-steps`, or `--max-seconds` of the eta's own clock); the wall times to the
-lower `--levels` are read off the same run. The clock starts after the first weights are published
+lower `--levels` are read off the same run, and so is each level's time by the policy that sampled the
+rewards (`policy_to_level`: a reward counts for the weights version that sampled it, a version's time
+is its publish; the trained rewards lag it by up to eta steps). The clock starts after the first weights are published
 and the pipeline's warm-up (`PipelineConfig.warmup`: each trainer rank runs a step's calls training
 nothing, each producer one throwaway engine call), so model build, process start-up and the fresh
 processes' first CUDA calls are outside it and the first step is a step like the others
@@ -156,6 +158,7 @@ def run_eta(eta, args, task, model, devices, quiet) -> dict:
     hit = reached(log)
     return {"eta": eta, "reached": hit, "steps": len(log), "wall_s": log[-1]["wall_s"],
             "to_level": to_levels(log, args.levels, args.window),
+            "policy_to_level": policy_levels(log, args.levels, args.window),
             "wall_s_to_threshold": log[-1]["wall_s"] if hit else None,
             "steps_to_threshold": len(log) if hit else None,
             "first_step_s": log[0]["wall_s"],
@@ -184,19 +187,45 @@ def to_levels(log, levels, window) -> dict:
     return out
 
 
-def level_speedups(rows) -> list[dict]:
+def policy_levels(log, levels, window) -> dict:
+    """{level: [version, wall seconds at its publish]} for the first weights version v whose samples,
+    pooled with those of the `window` - 1 versions before it, reach the level's mean reward: the
+    policy's own time to the level. The trained rewards above lag it by the samples' staleness (up
+    to eta steps); here each reward counts for the version that sampled it (`reward_by_version`),
+    and version v's time is the end of step v - 1, when the trainer published it."""
+    sums: dict[int, list] = {}
+    for m in log:
+        for v, (total, n) in m["reward_by_version"].items():
+            s = sums.setdefault(int(v), [0.0, 0])
+            s[0] += total
+            s[1] += n
+    out = {}
+    for level in levels:
+        hit = None
+        for v in sorted(sums):
+            pooled = [sums[u] for u in range(v - window + 1, v + 1) if u in sums]
+            if v >= window - 1 and sum(n for _, n in pooled) and \
+                    sum(t for t, _ in pooled) / sum(n for _, n in pooled) >= level:
+                hit = v
+                break
+        out[f"{level:g}"] = None if hit is None else [hit, log[hit - 1]["wall_s"] if hit else 0.0]
+    return out
+
+
+def level_speedups(rows, field: str = "to_level") -> list[dict]:
     """Per eta and level over the seeds: each seed's eta = 0 wall time to the level over this eta's
-    (median, min, max; seeds where either run missed the level are left out, and counted)."""
+    (median, min, max; seeds where either run missed the level are left out, and counted), from the
+    rows' `field` ("to_level": trained rewards, `steps` the steps; "policy_to_level": `steps` the versions)."""
     out = []
     for eta in sorted({r["eta"] for r in rows}):
-        for level in rows[0]["to_level"]:
+        for level in rows[0][field]:
             ratios, steps = [], []
             for r in rows:
                 base = next((b for b in rows if b["eta"] == 0 and b["seed"] == r["seed"]), None)
                 if r["eta"] != eta or base is None:
                     continue
-                a, b = base["to_level"][level], r["to_level"][level]
-                if a and b:
+                a, b = base[field][level], r[field][level]
+                if a and b and b[1] > 0:
                     ratios.append(a[1] / b[1])
                     steps.append(b[0])
             out.append({"eta": eta, "level": float(level), "seeds": len(ratios), "steps": steps,
@@ -306,7 +335,8 @@ def write(rows, args, devices, model) -> Path:
               "workload": args.workload, "gpus": gpus, "devices": devices, "model": model,
               "task": {"name": "copy_digits", "length": args.digits},
               "config": {k: v for k, v in vars(args).items() if k not in ("out", "quiet")}, "rows": rows,
-              "summary": summarize(rows), "levels": level_speedups(rows)}
+              "summary": summarize(rows), "levels": level_speedups(rows),
+              "policy_levels": level_speedups(rows, "policy_to_level")}
     out = Path(args.out) if args.out else HERE / "results"
     out.mkdir(parents=True, exist_ok=True)
     name = "cpu" if args.cpu_smoke else result["device"].lower().replace("nvidia ", "").replace(" ", "_")

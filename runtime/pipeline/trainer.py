@@ -185,7 +185,8 @@ def grpo_step(rt, groups: list[Group], objective: Objective, *, version: int, pa
     m = {"version": version, "reward": sum(r for g in groups for r in g.rewards) / len(lengths),
          "groups": len(groups), "groups_kept": len(kept), "staleness_max": max(stale, default=0),
          "staleness_mean": sum(stale) / max(len(stale), 1), "tokens": sum(lengths), "lengths": lengths,
-         "spans_max": max((len(c.spans) for g in groups for c in g.completions), default=0)}
+         "spans_max": max((len(c.spans) for g in groups for c in g.completions), default=0),
+         "reward_by_version": _reward_by_version(groups, version)}
     if not kept:  # every group all-equal: nothing to learn from; the weights stay (the version advances)
         opt = rt.optim_step()
         return {**m, "applied": opt["applied"], "loss": 0.0, "grad_norm": 0.0, "behave_kl": 0.0, "kl": 0.0,
@@ -204,6 +205,18 @@ def grpo_step(rt, groups: list[Group], objective: Objective, *, version: int, pa
         if world > 1:
             out = _over_ranks(out, int(mask.sum()), group)
     return {**m, "applied": opt["applied"], "grad_norm": float(opt["grad_norm"]), **out}
+
+
+def _reward_by_version(groups: list[Group], version: int) -> dict:
+    """{str(v): [reward sum, completions]} by the version that sampled each completion's first token
+    (`version` for an empty one): the policy each reward measures, which lags the trainer's by up to eta."""
+    out: dict = {}
+    for g in groups:
+        for c, r in zip(g.completions, g.rewards):
+            s = out.setdefault(str(c.versions[0] if c.versions else version), [0.0, 0])
+            s[0] += r
+            s[1] += 1
+    return out
 
 
 def _ppo_pass(rt, groups: list[Group], objective: Objective, *, pad_id: int, ref, train: bool):

@@ -38,7 +38,13 @@ def _smoke(tmp_path, *flags) -> dict:
             means = [statistics.mean(r["reward"][i - window + 1:i + 1]) for i in range(window - 1, r["steps"])]
             first = next((i + window for i, m in enumerate(means) if m >= float(level)), None)
             assert (hit and hit[0]) == first and (hit is None or hit[1] <= r["wall_s"]), (level, hit, means)
-    assert len(result["levels"]) == len(result["summary"]) * len(result["config"]["levels"])
+        for level, hit in r["policy_to_level"].items():  # version v's time: its publish, the end of step v - 1
+            if hit is not None:
+                assert window - 1 <= hit[0] < r["steps"] and abs(hit[1] - sum(r["step_s"][:hit[0]])) <= 1e-3, hit
+            trained = r["to_level"][level]
+            if r["eta"] == 0 and hit and trained:  # on-policy: version v's samples are step v's, one step sooner
+                assert hit[0] == trained[0] - 1, (level, hit, trained)
+    assert len(result["levels"]) == len(result["policy_levels"]) == len(result["summary"]) * len(result["config"]["levels"])
     for summary in result["summary"]:  # per eta over the seeds
         mine = [r for r in result["rows"] if r["eta"] == summary["eta"]]
         assert summary["seeds"] == len(mine) and summary["reached"] == sum(r["reached"] for r in mine)
