@@ -3,7 +3,6 @@ rollout producers (an engine adapter, rule rewards) and the trainer (the runtime
 from __future__ import annotations
 
 import asyncio
-import itertools
 import time
 
 import ray
@@ -11,7 +10,7 @@ import torch
 
 from bumblebee.runtime.pipeline.admission import Ledger
 from bumblebee.runtime.pipeline.config import PipelineConfig, PipelineTimeout
-from bumblebee.runtime.pipeline.engine import rollout
+from bumblebee.runtime.pipeline.engine import rollout, warm_engine
 from bumblebee.runtime.pipeline.samples import Group
 from bumblebee.runtime.pipeline.weights import get
 
@@ -98,8 +97,7 @@ class Producer:
         cfg = self.cfg
         if not self.channel.refresh(self.engine) and self.engine.version < 0:
             self.channel.wait_newer(self.engine, cfg.weight_timeout_s)
-        prompts = [p for p, _ in itertools.islice(self.task.prompts(cfg.seed), cfg.groups_per_call)]
-        self.engine.generate(prompts, cfg.group_size, cfg.sampling, seed=0)
+        warm_engine(self.engine, self.task, cfg)
 
     def _refresh(self) -> None:
         """Load the newest weights if they are newer than the engine's (between chunks, or on wait)."""

@@ -4,6 +4,8 @@ vLLM or SGLang adapter implements; the shipped one runs transformers' `generate`
 weights the trainer exports (`Runtime.export_weights`: HF names and layout)."""
 from __future__ import annotations
 
+import itertools
+
 import re
 from typing import Callable, Iterable, Protocol
 
@@ -137,3 +139,15 @@ def rollout(engine, task, leases, cfg, *, holder=0, refresh=None) -> list[Group]
                             seed=cfg.seed * 1_000_003 + leases[0][0].group, refresh=refresh)
     return [Group(lease.group, lease.ticket, list(prompt), cs, [float(task.reward(meta, c.tokens)) for c in cs],
                   producer=holder) for (lease, prompt, meta), cs in zip(leases, comps)]
+
+
+def warmup_prompt(task, cfg) -> list[int]:
+    """The prompt the trainer's warm-up step trains nothing on (`PipelineConfig.warmup`): the task's first."""
+    return next(iter(task.prompts(cfg.seed)))[0]
+
+
+def warm_engine(engine, task, cfg) -> None:
+    """`PipelineConfig.warmup` on a producer: one throwaway engine call of `groups_per_call` prompts
+    (nothing leased, scored or submitted; seed 0, apart from the run's seeds)."""
+    prompts = [p for p, _ in itertools.islice(task.prompts(cfg.seed), cfg.groups_per_call)]
+    engine.generate(prompts, cfg.group_size, cfg.sampling, seed=0)

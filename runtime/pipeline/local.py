@@ -11,7 +11,6 @@ raises ends the run with its error)."""
 from __future__ import annotations
 
 import functools
-import itertools
 import threading
 import time
 
@@ -19,7 +18,7 @@ import torch
 
 from bumblebee.runtime.pipeline.admission import Ledger
 from bumblebee.runtime.pipeline.config import PipelineConfig, PipelineTimeout
-from bumblebee.runtime.pipeline.engine import TransformersEngine, rollout
+from bumblebee.runtime.pipeline.engine import TransformersEngine, rollout, warm_engine, warmup_prompt
 from bumblebee.runtime.pipeline.report import emit
 from bumblebee.runtime.pipeline.trainer import build_runtime, grpo_step, own_default_group, warmup_step
 
@@ -119,8 +118,7 @@ class LocalPipeline:
             if self.stopping:
                 return
         self._newest(engine)
-        prompts = [p for p, _ in itertools.islice(self.task.prompts(cfg.seed), cfg.groups_per_call)]
-        engine.generate(prompts, cfg.group_size, cfg.sampling, seed=0)
+        warm_engine(engine, self.task, cfg)
         self.warmed.wait()
 
     # -- trainer -------------------------------------------------------------------------------
@@ -160,7 +158,7 @@ class LocalPipeline:
                 _use(self.trainer_device)
                 rt, ref = build_runtime(self.model_config, cfg, device=self.trainer_device)
                 if self.warmed is not None:
-                    warmup_step(rt, cfg, prompt=next(iter(self.task.prompts(cfg.seed)))[0],
+                    warmup_step(rt, cfg, prompt=warmup_prompt(self.task, cfg),
                                 vocab=self.model_config["vocab_size"], pad_id=self.task.pad_id, ref=ref)
                 self._publish(rt, 0)
                 if self.warmed is not None:

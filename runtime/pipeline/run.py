@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import functools
 import time
-from pathlib import Path
 
 import ray
 
 from bumblebee.runtime.pipeline.actors import Producer, Scheduler, Trainer
 from bumblebee.runtime.pipeline.config import PipelineConfig, PipelineTimeout
-from bumblebee.runtime.pipeline.engine import TransformersEngine
+from bumblebee.runtime.pipeline.engine import TransformersEngine, warmup_prompt
 from bumblebee.runtime.pipeline.report import emit
 from bumblebee.runtime.pipeline.weights import ObjectStoreChannel, WeightStore, get
 
@@ -65,7 +64,7 @@ class Pipeline:
         get(joins, cfg.call_timeout_s, "the trainer's and producers' start")
         get([t.publish.remote(flush=True) for t in self.trainers], cfg.call_timeout_s, "the first weights")
         if cfg.warmup:
-            prompt = next(iter(task.prompts(cfg.seed)))[0]
+            prompt = warmup_prompt(task, cfg)
             get([t.warmup.remote(prompt) for t in self.trainers] + [p.warmup.remote() for p in self.producers.values()],
                 cfg.call_timeout_s, "the warm-up")
         for i, p in self.producers.items():

@@ -6,7 +6,6 @@ own summary kernel at a 16K-token segment (256 chunks)."""
 from __future__ import annotations
 
 import json
-import math
 import sys
 
 import pytest
