@@ -46,8 +46,8 @@ def use_triton(t: torch.Tensor) -> bool:
 
 
 if triton is not None:
-    @triton.jit(do_not_specialize=["T"])
-    def _transition_kernel(k, w, g, out, cu_seqlens, stride_oh, stride_ok, T, H: tl.constexpr, HV: tl.constexpr,
+    @triton.jit
+    def _transition_kernel(k, w, g, out, cu_seqlens, stride_oh, stride_ok, H: tl.constexpr, HV: tl.constexpr,
                            K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                            REVERSE: tl.constexpr, MODE: tl.constexpr):
         i_c, i_h = tl.program_id(0), tl.program_id(1).to(tl.int64)
@@ -125,7 +125,7 @@ def transition_map(k, w, g, cu_seqlens, out, *, chunk_size: int = 64, reverse: b
     BK = triton.next_power_of_2(K)
     BV = 32 if K <= 64 else 64
     _transition_kernel[(triton.cdiv(K, BV), HV)](
-        k, w, g, out, cu_seqlens, out.stride(0), out.stride(1), k.shape[1], H=k.shape[2], HV=HV, K=K,
+        k, w, g, out, cu_seqlens, out.stride(0), out.stride(1), H=k.shape[2], HV=HV, K=K,
         BT=chunk_size, BK=BK, BV=BV, REVERSE=reverse, MODE=PRECISIONS.index(precision), num_warps=4,
         num_stages=2)
     return out
@@ -146,9 +146,9 @@ def transition_torch(k, w, g, cu_seqlens, *, chunk_size: int = 64, reverse: bool
         top = t.bfloat16().float()
         return top if precision == "bf16" else top + (t - top).bfloat16().float()
     m = torch.eye(K, device=k.device).expand(HV, K, K).clone()
+    x, y = (kk, ww) if reverse else (ww, kk)
     starts = range(0, hi - lo, chunk_size)
     for s in (reversed(starts) if reverse else starts):
-        x, y = (kk, ww) if reverse else (ww, kk)
         gc = gg[:, s:s + chunk_size]
         gl = gc[:, -1:]
         t = (x[:, s:s + chunk_size] @ rnd(m)) * torch.exp2(gl - gc)[..., None]

@@ -29,7 +29,7 @@ from bumblebee.primitives.context_parallel import gdn_fla_chain as chain
 from bumblebee.primitives.context_parallel.layout import CPBatch
 from bumblebee.primitives.linear_attention import fla_falls_back, fla_ops, fla_qkv, scoped
 
-# CPBatch -> {concurrent parts: fla's context}: one a batch and option (the layers of a step share it)
+# CPBatch -> {ChainPass: fla's context}: one a batch and chain-pass options (the layers of a step share it)
 _CONTEXTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 

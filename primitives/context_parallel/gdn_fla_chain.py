@@ -18,7 +18,7 @@ runs over the state columns only and `kernels/linear_attention_cp_transition.py`
 
 fla's gated delta rule calls the two pre-process functions through its module's names
 (`fla.ops.gated_delta_rule.chunk`). `install()` rebinds those names once to dispatchers that take
-the contexts registered here (`register`: the contexts our layers built with the option on) and
+the contexts registered here (`register`: the contexts our layers built with either option on) and
 hand every other call, with its arguments untouched, to fla's own function (so does a call with a
 keyword this file does not know: a newer fla's).
 """
@@ -45,7 +45,7 @@ class ChainPass:
     transition: str = "fla"
 
 
-def register(context, chain_pass: ChainPass = ChainPass(concurrent_parts=True)) -> None:
+def register(context, chain_pass: ChainPass) -> None:
     """Route `context`'s chain passes through this module (kept until the context is collected)."""
     key = id(context)
     _MINE[key] = (weakref.ref(context, lambda _: _MINE.pop(key, None)), chain_pass)
@@ -158,8 +158,10 @@ def _run(calls, how: ChainPass, device) -> None:
             call()
 
 
-def _pow2(n: int) -> int:
-    return 1 << (n - 1).bit_length()
+def _fla_blocks(K: int) -> tuple[int, int]:
+    """(BV, BK) as fla's summary wrappers launch its kernels: column block i is a state column block
+    below V / BV, a transition one past it."""
+    return (32 if K <= 64 else 64), 1 << (K - 1).bit_length()
 
 
 def _fwd_summary(*, k, w, u, g, gk, bg, v, hm, seg, chunk_size, transition):
@@ -174,12 +176,12 @@ def _fwd_summary(*, k, w, u, g, gk, bg, v, hm, seg, chunk_size, transition):
     from bumblebee.kernels.linear_attention_cp_transition import transition_map
     T, H, K = k.shape[1], k.shape[2], k.shape[3]
     HV, V = u.shape[2:]
-    BV = 32 if K <= 64 else 64  # fla's wrapper's blocks: its kernel takes column block i as the state's below V / BV
+    BV, BK = _fla_blocks(K)
 
     def state_columns():
         chunk_cp_fwd_kernel_h[(-(-V // BV), HV)](
             k=k, v=u, w=w, g=g, gk=None, bg=None, u=u, hm=hm, cu_seqlens=seg, T=T, H=H, HV=HV, K=K, V=V,
-            BT=chunk_size, BV=BV, BK=_pow2(K), MULTI_SEQS=False)
+            BT=chunk_size, BV=BV, BK=BK, MULTI_SEQS=False)
     return [state_columns, functools.partial(transition_map, k, w, g, seg, hm[:, :, V:], chunk_size=chunk_size,
                                              reverse=False, precision=transition)]
 
@@ -194,12 +196,12 @@ def _bwd_summary(*, q, k, w, do, dv, g, gk, bg, scale, dhm, seg, chunk_size, tra
     from bumblebee.kernels.linear_attention_cp_transition import transition_map
     T, H, K = q.shape[1], q.shape[2], q.shape[3]
     HV, V = do.shape[2:]
-    BV = 32 if K <= 64 else 64
+    BV, BK = _fla_blocks(K)
 
     def state_columns():
         chunk_cp_bwd_kernel_dh[(-(-V // BV), HV)](
             q=q, k=k, w=w, g=g, gk=None, do=do, dhm=dhm, dv=dv, cu_seqlens=seg, scale=scale, T=T, H=H, HV=HV,
-            K=K, V=V, BT=chunk_size, BV=BV, BK=_pow2(K), USE_BG=False)
+            K=K, V=V, BT=chunk_size, BV=BV, BK=BK, USE_BG=False)
     return [state_columns, functools.partial(transition_map, k, w, g, seg, dhm[:, :, V:], chunk_size=chunk_size,
                                              reverse=True, precision=transition)]
 

@@ -5,7 +5,6 @@ weights the trainer exports (`Runtime.export_weights`: HF names and layout)."""
 from __future__ import annotations
 
 import itertools
-
 import re
 from typing import Callable, Iterable, Protocol
 

@@ -14,6 +14,8 @@ import torch
 from bumblebee.primitives.context_parallel import ContextParallel
 from bumblebee.primitives.context_parallel import gdn_fla_chain as chain
 
+CONCURRENT = chain.ChainPass(concurrent_parts=True)
+
 
 class _Context:
     """What the dispatchers read of fla's FLACPContext (a plain dataclass: weakly referenceable)."""
@@ -28,7 +30,7 @@ def _context():
 
 def test_register_routes_only_live_registered_contexts():
     mine, other = _context(), _context()
-    chain.register(mine)
+    chain.register(mine, CONCURRENT)
     assert chain.is_mine(mine) and not chain.is_mine(other) and not chain.is_mine(None)
     key = id(mine)
     del mine
@@ -51,7 +53,7 @@ def test_calls_it_does_not_take_reach_fla_untouched(fla_functions):
     assert chain._fwd_pre_process(k=k, w=k, u=k, cu_seqlens=None, context=unregistered) == "fla fwd"
     assert chain._bwd_pre_process(q=k, k=k, w=k, do=k, dv=k, scale=0.5, context=None) == "fla bwd"
     mine = _context()
-    chain.register(mine)
+    chain.register(mine, CONCURRENT)
     # registered, but a case fla serves itself: CUDA graphs, a given state, another layout, a wide key
     assert chain._fwd_pre_process(k=k, w=k, u=k, context=mine, use_graph=True) == "fla fwd"
     assert chain._fwd_pre_process(k=k, w=k, u=k, context=mine, initial_state=k) == "fla fwd"
@@ -122,7 +124,7 @@ def _zigzag(first, last, before, after):
     ctx = _Context()
     ctx.front_num_seqs, ctx.is_first_by_part, ctx.is_last_by_part = 1, first, last
     ctx.pre_num_ranks_by_part, ctx.post_num_ranks_by_part = before, after
-    chain.register(ctx)
+    chain.register(ctx, CONCURRENT)
     return ctx
 
 
@@ -171,7 +173,7 @@ def test_rank_0_skips_the_chain_ends(fake_fla):
 
 def test_a_keyword_it_does_not_know_goes_to_fla(fla_functions):
     mine = _context()
-    chain.register(mine)
+    chain.register(mine, CONCURRENT)
     k = torch.zeros(1, 8, 2, 16)
     assert chain._fwd_pre_process(k=k, w=k, u=k, context=mine, newer_option=1) == "fla fwd"
     assert fla_functions[0][1]["newer_option"] == 1
