@@ -121,7 +121,8 @@ def test_kernel_under_triton_interpreter():
 @pytest.mark.gpu
 def test_kernel_and_fla_at_a_long_segment_gpu():
     """16K tokens (256 chunks of 64), Qwen3.5's heads (16 key / 32 value of 128): fp32 and bf16x2 within
-    1e-4 of float64 as fla's own map is; bf16 within a bound set by its per-chunk rounding."""
+    1e-4 of float64 (1.4e-6 / 1.8e-6 on an H200 at ebd7322), bf16 within a bound set by its per-chunk rounding
+    (8.7e-4); fla's own map is checked only within 1e-2 (1.9e-3 there)."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     T, H, HV, K, chunk = 16384, 16, 32, 128, 64
@@ -146,10 +147,10 @@ def test_kernel_and_fla_at_a_long_segment_gpu():
         u = torch.zeros(1, T, HV, K, device=dev, dtype=torch.bfloat16)
         chunk_cp_fwd_h(k=kd, w=wd, u=u, hm=hm, g=gd, cu_seqlens=cu.to(torch.long), chunk_size=chunk)
         fla_err = rel(hm[:, :, K:].cpu(), want)
-        assert fla_err < 1e-4, fla_err
+        assert fla_err < 1e-2, fla_err
+    print({"ours": errs, "fla": fla_err})
     for precision, bound in (("fp32", 1e-4), ("bf16x2", 1e-4), ("bf16", 1e-2)):
         assert errs[(precision, False)] < bound and errs[(precision, True)] < bound, errs
-    print({"ours": errs, "fla": fla_err})
 
 
 if __name__ == "__main__" and "--interpret" in sys.argv:
