@@ -213,7 +213,8 @@ def gdn_forward(layer, x_BTD, cu_seqlens, *, row_conv=None, deltanet: str = "aut
                 fla_concurrent_parts: bool = False, fla_transition: str = "fla"):
     """A gated DeltaNet layer (the `linear_attention` slot's parameters) on this rank's chunks.
     deltanet="maps": this file's affine maps (any device); "fla": fla's own CP kernels
-    (`gdn_fla.py`, CUDA; `fla_concurrent_parts`, `fla_transition`: `ContextParallel`'s options); "auto": fla's where
+    (`gdn_fla.py`, CUDA; `fla_concurrent_parts`, `fla_transition`: `ContextParallel`'s options, here defaulting to
+    fla's own path, while `ContextParallel` defaults to the measured faster one); "auto": fla's where
     they serve x and the layer (`why_not_fla_cp`) and no `row_conv` (an option of the maps) is given,
     else the maps. `row_conv` (rows [R, n, C], weight [C, W]) -> SiLU(causal conv): the maps'
     conv of unpacked shards (`halo_conv_rows`); default fla's where fla serves, else the fp32 halo

@@ -55,17 +55,19 @@ class ContextParallel:
                            "plain rule; CUDA), maps (this project's exact fp32 affine maps from one widened call "
                            "of the rule; any device), or auto (fla where its CP kernels serve the layer's input, "
                            "else maps)")
-    fla_concurrent_parts: bool = option(False, "fla's CP kernels (deltanet=fla, or auto where it takes them): a "
-                                        "rank's two parts' state maps (the chain passes, "
-                                        "forward and backward) scanned at once on two CUDA streams "
-                                        "(gdn_fla_chain.py; equal results) instead of one after the other as fla "
-                                        "0.6 does: 2-5% off the layer on H200s")
-    fla_transition: str = option("fla", "fla's CP kernels: what computes each part's transition map (the entering "
-                                 "state's [K, K] map, forward and backward): fla (fla 0.6's summary kernels, the map "
-                                 "composed [K, K] by [K, K] in tf32x3) or, from kernels/linear_attention_cp_transition.py "
-                                 "(the map's columns carried as a state: 6.6x faster than fla's at bf16 over a 32K "
-                                 "part on an H200), fp32 (tf32x3), bf16x2 (hi + lo bf16 operands) or bf16 (the state "
-                                 "scan's rounding); the layer with it not yet measured on GPUs")
+    fla_concurrent_parts: bool = option(True, "fla's CP kernels (deltanet=fla, or auto where it takes them): a "
+                                        "rank's two parts' state maps (the chain passes, forward and backward) "
+                                        "scanned at once on two CUDA streams (gdn_fla_chain.py; equal results) "
+                                        "instead of one after the other as fla 0.6 does: 2-5% off the layer on "
+                                        "H200s; False: fla's own order")
+    fla_transition: str = option("bf16x2", "fla's CP kernels: what computes each part's transition map (the entering "
+                                 "state's [K, K] map, forward and backward): bf16x2 (default), fp32 or bf16 from "
+                                 "kernels/linear_attention_cp_transition.py (the map's columns carried as a state; "
+                                 "bf16x2: hi + lo bf16 operands, 1.8e-6 from float64 over a 16K map; fp32: tf32x3; "
+                                 "bf16: the state scan's rounding, 8.7e-4), or fla (fla 0.6's summary kernels, the "
+                                 "map composed [K, K] by [K, K] in tf32x3; 1.9e-3). With bf16x2 the layer runs "
+                                 "0.85 / 0.76 of the ideal speed-up at 128K, CP = 2 / 4, against fla's 0.68 / 0.61 "
+                                 "(four H200s)")
 
     def __post_init__(self):
         check_choice(self, "exchange", tuple(EXCHANGES))
