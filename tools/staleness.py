@@ -4,11 +4,12 @@ A result file is stamped with the commit whose code ran it (`benchmarks/stamp.py
 the current code when none of the files its benchmark measures changed between that commit and HEAD:
 the benchmark's folder (its results and notes aside; of its probes only the one that wrote the file)
 and the shared timing helper, plus the slot's primitive, twin, kernels and common types (the files
-and folders named for the slot); a benchmark of a whole step measures every primitive (context
-parallelism only where it applies it), twin, kernel, model, the runtime and the core package. Older
+and folders named for the slot); a benchmark of a whole step measures every primitive, twin, kernel,
+model, the runtime and the core package (context parallelism's files only where it applies it). Older
 runs (history.jsonl, history/ and before_* folders) are not checked: they say what they measured.
-A Python file whose change leaves its code alone (comments, docstrings) does not count. Reads git; a
-commit that git does not know (a shallow clone) is reported as unknown, not as current.
+A Python file whose change leaves its code alone (comments, docstrings) does not count, nor does a
+file moved with its code as it was. Reads git; a commit that git does not know (a shallow clone) is
+reported as unknown, not as current.
 """
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ def measured_paths(slot: str) -> list[str]:
     own = [f"benchmarks/{slot}/", "benchmarks/timing.py", f":(exclude)benchmarks/{slot}/results", ":(exclude)*.md"]
     if slot in MEASURES:
         return own + [f"{p}*" for p in MEASURES[slot]] + (list(NOT_IN_STEP) if slot != "rl_pipeline" else []) \
-            + ([] if slot in RUNS_CP else [":(exclude)primitives/context_parallel"])
+            + ([] if slot in RUNS_CP else [f":(exclude){d}/context_parallel*" for d in CODE])
     return own + [f"{d}/{slot}*" for d in CODE]
 
 
@@ -76,11 +77,12 @@ def _code_of(text: str | None):
 
 
 @functools.lru_cache(maxsize=None)  # every result file of a commit asks about the same changed files
-def _only_words(root: Path, commit: str, head: str, path: str) -> bool:
-    """Whether a .py file changed only in comments and docstrings between `commit` and `head`."""
+def _only_words(root: Path, commit: str, head: str, path: str, old_path: str | None = None) -> bool:
+    """Whether a .py file changed only in comments and docstrings between `commit` and `head`
+    (`old_path`: its name at `commit` where git found it moved)."""
     if not path.endswith(".py"):
         return False
-    old, new = (_git(root, "show", f"{rev}:{path}") for rev in (commit, head))
+    old, new = (_git(root, "show", f"{rev}:{name}") for rev, name in ((commit, old_path or path), (head, path)))
     if old.returncode or new.returncode:  # added or removed
         return False
     a = _code_of(old.stdout)
@@ -93,12 +95,18 @@ def changed_since(commit: str, slot: str, root: Path, name: str = "") -> list[st
     measure (`_measured_by`)."""
     if _git(root, "cat-file", "-e", f"{commit}^{{commit}}").returncode:
         return None
-    got = _git(root, "diff", "--name-only", commit, "HEAD", "--", *measured_paths(slot))
+    got = _git(root, "diff", "--name-status", "-M", commit, "HEAD", "--", *measured_paths(slot))
     if got.returncode:
         raise RuntimeError(f"git diff failed: {got.stderr.strip()}")
     head = _git(root, "rev-parse", "HEAD").stdout.strip()
-    return sorted(f for f in got.stdout.split()
-                  if _measured_by(name, f, slot) and not _only_words(root, commit, head, f))
+    changed = []
+    for line in got.stdout.splitlines():
+        status, *paths = line.split("\t")
+        path, old = paths[-1], (paths[0] if status.startswith("R") else None)
+        if status == "R100" or not _measured_by(name, path, slot) or _only_words(root, commit, head, path, old):
+            continue  # moved as it was, another probe's, or words only
+        changed.append(path)
+    return sorted(changed)
 
 
 def current_files(directory: Path) -> list[tuple[str, Path]]:

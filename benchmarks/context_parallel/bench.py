@@ -53,7 +53,7 @@ GDN_ROWS = {"maps": "cp", "fla": "cp_fla", "fla_concurrent": "cp_fla_concurrent"
             "fla_bf16": "cp_fla_transition_bf16"}
 GDN_FORMS = {"maps": dict(deltanet="maps"), "fla": dict(deltanet="fla"),  # --deltanet -> ContextParallel's options
              "fla_concurrent": dict(deltanet="fla", fla_concurrent_parts=True),
-             # the transition maps of kernels/linear_attention_cp_transition.py, both parts at once
+             # the transition maps of kernels/context_parallel_gdn_transition.py, both parts at once
              "fla_fp32": dict(deltanet="fla", fla_concurrent_parts=True, fla_transition="fp32"),
              "fla_bf16x2": dict(deltanet="fla", fla_concurrent_parts=True, fla_transition="bf16x2"),
              "fla_bf16": dict(deltanet="fla", fla_concurrent_parts=True, fla_transition="bf16")}

@@ -12,7 +12,7 @@
   (one call of fla's rule per rank on CUDA);
 - `gdn_fla.py`: gated DeltaNet on fla 0.6's own CP kernels (`ContextParallel(deltanet="fla")`, CUDA);
   `gdn_fla_chain.py`: their chain pass with a rank's two parts scanned at once (`fla_concurrent_parts`)
-  and the transition maps from `kernels/linear_attention_cp_transition.py` (`fla_transition`);
+  and the transition maps from `kernels/context_parallel_gdn_transition.py` (`fla_transition`);
 - `mla.py`: MLA by an all-gather of the latent and RoPE key, heads expanded on each rank;
 - `model.py`: `apply(model, cp_group, ContextParallel(...))` swaps a built model's sequence-mixing
   layers, `loss(model, shard)` its share of the mean loss (MTP included), `sync_grads`.

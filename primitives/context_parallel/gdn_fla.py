@@ -59,7 +59,7 @@ def why_not_fla_cp(x: torch.Tensor, head_k_dim: int | None = None) -> str | None
 def fla_context(batch: CPBatch, conv_width: int, device, concurrent_parts: bool = False, transition: str = "fla"):
     """fla's zigzag CP context of `batch` (built once a batch and options: the layers of a step share
     it); with `concurrent_parts` its chain passes summarize the rank's two parts at once, with a
-    `transition` other than "fla" the transition maps come from `kernels/linear_attention_cp_transition.py`
+    `transition` other than "fla" the transition maps come from `kernels/context_parallel_gdn_transition.py`
     (both `gdn_fla_chain.py`); else fla's own chain passes."""
     how = chain.ChainPass(concurrent_parts, transition)
     ctx = _CONTEXTS.setdefault(batch, {}).get(how)

@@ -13,7 +13,7 @@ into separate outputs, then the same gather and merges as fla's, so the result e
 bit (`tests/primitives/test_context_parallel_fla_gpu.py`). Measured on H200s: 2-5% off the layer, as
 the summaries' transition programs fill an SM each. Those programs compose [K, K] transforms in
 tf32x3 (28 of a CP = 2 rank's 71 ms at 128K); with `fla_transition` other than "fla" fla's kernel
-runs over the state columns only and `kernels/linear_attention_cp_transition.py` writes the map
+runs over the state columns only and `kernels/context_parallel_gdn_transition.py` writes the map
 (bf16: 6.6x faster forward over a 32K part), as extra calls at once where the parts are. Both options
 are on by default (`fla_transition="bf16x2"`): the layer at 128K goes from 0.68 to 0.85 of the ideal
 speed-up at CP = 2 and from 0.61 to 0.76 at CP = 4 on H200s.
@@ -41,7 +41,7 @@ _FLA: dict[str, object] = {}   # fla's own pre-process functions, by name (fille
 class ChainPass:
     """How a registered context's chain passes run: `concurrent_parts` (the two parts' scans at once)
     and `transition` ("fla": fla's own summary kernels; "fp32" / "bf16x2" / "bf16": fla's kernel for
-    the state columns and `kernels/linear_attention_cp_transition.py` for the transition map, at that
+    the state columns and `kernels/context_parallel_gdn_transition.py` for the transition map, at that
     precision)."""
     concurrent_parts: bool = False
     transition: str = "fla"
@@ -175,7 +175,7 @@ def _fwd_summary(*, k, w, u, g, gk, bg, v, hm, seg, chunk_size, transition):
         return [functools.partial(chunk_cp_fwd_h, k=k, w=w, u=u, hm=hm, g=g, gk=gk, bg=bg, v=v, cu_seqlens=seg,
                                   chunk_size=chunk_size)]
     from fla.ops.cp.chunk_fwd import chunk_cp_fwd_kernel_h
-    from bumblebee.kernels.linear_attention_cp_transition import transition_map
+    from bumblebee.kernels.context_parallel_gdn_transition import transition_map
     T, H, K = k.shape[1], k.shape[2], k.shape[3]
     HV, V = u.shape[2:]
     BV, BK = _fla_blocks(K)
@@ -195,7 +195,7 @@ def _bwd_summary(*, q, k, w, do, dv, g, gk, bg, scale, dhm, seg, chunk_size, tra
         return [functools.partial(chunk_cp_bwd_dh, q=q, k=k, w=w, do=do, dv=dv, dhm=dhm, g=g, gk=gk, bg=bg,
                                   scale=scale, cu_seqlens=seg, chunk_size=chunk_size)]
     from fla.ops.cp.chunk_bwd import chunk_cp_bwd_kernel_dh
-    from bumblebee.kernels.linear_attention_cp_transition import transition_map
+    from bumblebee.kernels.context_parallel_gdn_transition import transition_map
     T, H, K = q.shape[1], q.shape[2], q.shape[3]
     HV, V = do.shape[2:]
     BV, BK = _fla_blocks(K)

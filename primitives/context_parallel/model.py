@@ -62,7 +62,7 @@ class ContextParallel:
                                         "H200s; False: fla's own order")
     fla_transition: str = option("bf16x2", "fla's CP kernels: what computes each part's transition map (the entering "
                                  "state's [K, K] map, forward and backward): bf16x2 (default), fp32 or bf16 from "
-                                 "kernels/linear_attention_cp_transition.py (the map's columns carried as a state; "
+                                 "kernels/context_parallel_gdn_transition.py (the map's columns carried as a state; "
                                  "bf16x2: hi + lo bf16 operands, 1.8e-6 from float64 over a 16K map; fp32: tf32x3; "
                                  "bf16: the state scan's rounding, 8.7e-4), or fla (fla 0.6's summary kernels, the "
                                  "map composed [K, K] by [K, K] in tf32x3; 1.9e-3). With bf16x2 the layer runs "

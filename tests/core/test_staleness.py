@@ -67,7 +67,7 @@ def test_whole_step_benchmarks_measure_models_but_not_the_rl_system():
 
 def test_context_parallel_counts_only_for_the_benchmarks_that_apply_it(tmp_path):
     _git(tmp_path, "init", "-q")
-    for rel in ("primitives/context_parallel/gdn.py", "primitives/attention.py",
+    for rel in ("primitives/context_parallel/gdn.py", "kernels/context_parallel_maps.py", "primitives/attention.py",
                 "benchmarks/training_step/bench.py", "benchmarks/composed_step/bench.py"):
         _write(tmp_path, rel, "x = 1\n")
     measured = _commit(tmp_path, "code")
@@ -75,9 +75,11 @@ def test_context_parallel_counts_only_for_the_benchmarks_that_apply_it(tmp_path)
         _write(tmp_path, f"benchmarks/{slot}/results/{slot}.json", json.dumps({"commit": measured, "rows": []}))
     _commit(tmp_path, "results")
     _write(tmp_path, "primitives/context_parallel/gdn.py", "x = 2\n")
+    _write(tmp_path, "kernels/context_parallel_maps.py", "x = 2\n")  # its kernels likewise
     _commit(tmp_path, "cp")
     state = {r["slot"]: r["changed"] for r in staleness.report(tmp_path / "benchmarks", tmp_path)}
-    assert state == {"training_step": [], "composed_step": ["primitives/context_parallel/gdn.py"]}
+    assert state == {"training_step": [],
+                     "composed_step": ["kernels/context_parallel_maps.py", "primitives/context_parallel/gdn.py"]}
     _write(tmp_path, "primitives/attention.py", "x = 2\n")  # a primitive every step runs
     _commit(tmp_path, "attention")
     state = {r["slot"]: r["changed"] for r in staleness.report(tmp_path / "benchmarks", tmp_path)}
@@ -124,3 +126,25 @@ def test_the_cli_lists_this_checkouts_result_files(capsys):
     assert cli.main(["results", "router", "--stale"]) == 0
     out = capsys.readouterr().out
     assert "router/results/router.json" in out and "current result files" in out
+
+
+def test_a_file_moved_as_it_was_keeps_a_result_current(tmp_path):
+    _git(tmp_path, "init", "-q")
+    body = "def f(x):\n    return x + 1\n" * 20  # long enough for git to pair the old and new names
+    _write(tmp_path, "kernels/router_a.py", body)
+    _write(tmp_path, "kernels/router_c.py", body.replace("1", "3"))
+    _write(tmp_path, "benchmarks/router/bench.py", "x = 1\n")
+    measured = _commit(tmp_path, "code")
+    _write(tmp_path, "benchmarks/router/results/router.json", json.dumps({"commit": measured, "rows": []}))
+    _commit(tmp_path, "results")
+
+    def changed():
+        return staleness.report(tmp_path / "benchmarks", tmp_path)[0]["changed"]
+    _git(tmp_path, "mv", "kernels/router_a.py", "kernels/router_b.py")
+    _git(tmp_path, "mv", "kernels/router_c.py", "kernels/router_d.py")
+    _write(tmp_path, "kernels/router_d.py", "# why\n" + body.replace("1", "3"))  # moved, a comment added
+    _commit(tmp_path, "moved")
+    assert changed() == []
+    _write(tmp_path, "kernels/router_b.py", body.replace("x + 1\n", "x + 2\n", 1))  # moved, then its code
+    _commit(tmp_path, "code")
+    assert changed() == ["kernels/router_b.py"]

@@ -182,9 +182,9 @@ def test_a_keyword_it_does_not_know_goes_to_fla(fla_functions):
 @pytest.mark.parametrize("concurrent", [False, True])
 def test_our_transition_maps_beside_flas_state_columns(fake_fla, concurrent):
     """fla_transition="fp32": fla's summary kernel launched over the state columns only (V / BV blocks
-    of its grid), our transition map (kernels/linear_attention_cp_transition.py, its torch path here) in the columns
+    of its grid), our transition map (kernels/context_parallel_gdn_transition.py, its torch path here) in the columns
     past V of the same summary, forward and backward, for each part that exports one."""
-    from bumblebee.kernels.linear_attention_cp_transition import transition_torch
+    from bumblebee.kernels.context_parallel_gdn_transition import transition_torch
     fake_fla["at"](1, 2)
     L, H, HV, K, V = 70, 1, 2, 16, 128  # V = four of fla's 32-wide column blocks (its blocks at K <= 64)
     gen = torch.Generator().manual_seed(0)

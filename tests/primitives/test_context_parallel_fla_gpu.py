@@ -95,7 +95,7 @@ def _scenario(group, packed: bool) -> tuple[dict, tuple]:
         chain.at_once = real
     parts = (max(_max_diff(concurrent, got), _max_diff(auto, got)), _max_diff(again, got),
              fla_served, served[len(fla_served):])
-    # the transition maps from kernels/linear_attention_cp_transition.py (both parts at once): held to the same rule
+    # the transition maps from kernels/context_parallel_gdn_transition.py (both parts at once): held to the same rule
     runs = {"fla": got} | {f"transition {tr}": _run(lambda t, tr=tr: gdn_forward(
         layer, t, batch, deltanet="fla", fla_concurrent_parts=True, fla_transition=tr), layer, mine_x, mine_w)
         for tr in ("fp32", "bf16x2", "bf16")}
@@ -144,7 +144,7 @@ def _spawn(world, packed, tmp_path):
 def test_fla_cp_layer_equals_the_single_layer_on_every_rank(world, packed, tmp_path):
     """Also: the two parts' chain passes at once (`gdn_fla_chain.py`) and the default (`auto`, fla's
     here) give what fla's serial passes give, to within two serial runs' own difference (0 where its
-    kernels are deterministic); the transition maps of kernels/linear_attention_cp_transition.py (fp32,
+    kernels are deterministic); the transition maps of kernels/context_parallel_gdn_transition.py (fp32,
     bf16x2, bf16) meet the float64 rule as fla's own do."""
     for rank, (errors, (concurrent, serial, fla_served, served)) in enumerate(_spawn(world, packed, tmp_path)):
         bad = {k: v for k, v in errors.items() if not v[0] <= 4 * v[1] + 5e-2}  # a wrong state or halo: O(1)

@@ -1,4 +1,4 @@
-"""`kernels/linear_attention_cp_transition.py`: a segment's transition map (forward, and the backward's in reverse)
+"""`kernels/context_parallel_gdn_transition.py`: a segment's transition map (forward, and the backward's in reverse)
 against an independent float64 reference (the product of each chunk's full [K, K] transform, the form
 fla's CP kernels compose). CPU: the torch path (fp32 and bf16 rounding) and the Triton kernel under
 the interpreter (fp32; the interpreter computes bf16 wrongly); GPU (`gpu`): both precisions and fla's
@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from bumblebee.kernels import linear_attention_cp_transition as gt
+from bumblebee.kernels import context_parallel_gdn_transition as gt
 from tests.interpreter import run_under_interpreter
 
 

@@ -7,7 +7,7 @@ summary writes [state columns | transition map M]; its M programs compose [K, K]
 Here, per part of `--tokens` (Qwen3.5's heads, 16 key / 32 value of 128, bf16, chunks of 64):
 - fla: `chunk_cp_fwd_h` / `chunk_cp_bwd_dh` whole (state columns and M);
 - fla_state_columns: fla's kernel over the state columns only (the grid our path launches);
-- ours_fp32 / ours_bf16x2 / ours_bf16: `kernels/linear_attention_cp_transition.py`'s M, forward and reverse;
+- ours_fp32 / ours_bf16x2 / ours_bf16: `kernels/context_parallel_gdn_transition.py`'s M, forward and reverse;
 - plain_state_scan: fla's `chunk_gated_delta_rule_fwd_h` over the same chunks (the scale);
 each timed (median of `--iters` after warm-up), and M's relative difference from fla's M (which
 keeps the chain in fp32). One JSON document: stamp, shapes, ms per kernel, differences.
@@ -28,7 +28,7 @@ from stamp import stamp  # noqa: E402
 from timing import median_ms  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the test suite's rows (benchmarks import references from tests)
-from bumblebee.kernels.linear_attention_cp_transition import PRECISIONS, transition_map  # noqa: E402
+from bumblebee.kernels.context_parallel_gdn_transition import PRECISIONS, transition_map  # noqa: E402
 from tests.primitives.test_context_parallel_transition import local_cumsum, make  # noqa: E402
 
 

@@ -2,7 +2,7 @@
 interpreter on CPU tensors, at CP = 2 and 4 over gloo, against the single layer on the whole sequence:
 `ContextParallel(deltanet="fla")` (fla's own CP kernels and chain code), the same with
 `fla_concurrent_parts=True` (the chain passes through `gdn_fla_chain.py`, here in turn as off CUDA),
-`fla_transition="bf16x2"` (the transition maps from `kernels/linear_attention_cp_transition.py`; fp32
+`fla_transition="bf16x2"` (the transition maps from `kernels/context_parallel_gdn_transition.py`; fp32
 operands here, so its bf16 roundings are exact: this checks the wiring, not the rounding) and the maps as they run on CUDA (fla's rule with an entering state, fla's conv over [halo | chunk]
 rows for unpacked shards).
 
@@ -41,7 +41,7 @@ T, HIDDEN, DIMS = 128, 32, (2, 4, 16, 16)  # 2 key / 4 value heads of 16; parts 
 CASES = {"unpacked B=1": (1, None), "unpacked B=2": (2, None), "packed": (1, (0, 5, 6, 70, 128))}
 MODES = {"fla": dict(deltanet="fla"),  # row mode -> ContextParallel's options (all on fla's kernels)
          "fla concurrent": dict(deltanet="fla", fla_concurrent_parts=True),
-         # the transition maps from kernels/linear_attention_cp_transition.py, the parts in turn
+         # the transition maps from kernels/context_parallel_gdn_transition.py, the parts in turn
          "fla transition bf16x2": dict(deltanet="fla", fla_transition="bf16x2"),
          "maps on fla": dict(deltanet="maps")}
 PATCHES = {  # file in fla -> (text, replacement): interpreter limits, same arithmetic
@@ -93,7 +93,7 @@ def _count_chain_passes():
     """Counts the chain passes `gdn_fla_chain.py` serves (its `_run` calls) and the transition maps our
     kernel makes (`transition_map` calls), so each row says which path ran: fla's serial pre-processes,
     or ours (parts at once: here in turn, no CUDA; transition maps from our kernel)."""
-    from bumblebee.kernels import linear_attention_cp_transition as transition
+    from bumblebee.kernels import context_parallel_gdn_transition as transition
     from bumblebee.primitives.context_parallel import gdn_fla_chain
     count, run, make = [0, 0], gdn_fla_chain._run, transition.transition_map
 
