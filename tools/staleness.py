@@ -5,7 +5,8 @@ the current code when none of the files its benchmark measures changed between t
 the benchmark's folder (its results and notes aside; of its probes only the one that wrote the file)
 and the shared timing helper, plus the slot's primitive, twin, kernels and common types (the files
 and folders named for the slot); a benchmark of a whole step measures every primitive, twin, kernel,
-model, the runtime and the core package (context parallelism's files only where it applies it). Older
+model, the runtime and the core package (context parallelism's files only where it applies it, and
+not a slot its model never runs, as its recorded HF config says: `slots_not_in`). Older
 runs (history.jsonl, history/ and before_* folders) are not checked: they say what they measured.
 A Python file whose change leaves its code alone (comments, docstrings) does not count, nor does a
 file moved with its code as it was. Reads git; a commit that git does not know (a shallow clone) is
@@ -36,12 +37,26 @@ NOT_IN_STEP = (":(exclude)*weight_transfer*", ":(exclude)runtime/pipeline", ":(e
 RUNS_CP = ("composed_step", "context_parallel")
 
 
-def measured_paths(slot: str) -> list[str]:
-    """git pathspecs of the code a slot's benchmark measures (a `*` crosses folders, as git's default)."""
+def slots_not_in(hf_config) -> tuple[str, ...]:
+    """Slots a whole step of the model with this HF config never runs, read from the config a result
+    records: gated DeltaNet without `linear_attention` layer types, MLA without `kv_lora_rank`. No
+    config (or not a dict): none, so every slot counts."""
+    if not isinstance(hf_config, dict):
+        return ()
+    text = hf_config.get("text_config") if isinstance(hf_config.get("text_config"), dict) else {}
+    layer_types = list(hf_config.get("layer_types") or []) + list(text.get("layer_types") or [])
+    mla = "kv_lora_rank" in hf_config or "kv_lora_rank" in text
+    return tuple(s for s, runs in (("linear_attention", "linear_attention" in layer_types), ("mla", mla)) if not runs)
+
+
+def measured_paths(slot: str, not_run: tuple[str, ...] = ()) -> list[str]:
+    """git pathspecs of the code a slot's benchmark measures (a `*` crosses folders, as git's default);
+    `not_run`: slots a whole-step benchmark's model never runs (`slots_not_in`)."""
     own = [f"benchmarks/{slot}/", "benchmarks/timing.py", f":(exclude)benchmarks/{slot}/results", ":(exclude)*.md"]
     if slot in MEASURES:
+        skip = (*not_run, *(() if slot in RUNS_CP else ("context_parallel",))) if MEASURES[slot] == WHOLE_STEP else ()
         return own + [f"{p}*" for p in MEASURES[slot]] + (list(NOT_IN_STEP) if slot != "rl_pipeline" else []) \
-            + ([] if slot in RUNS_CP else [f":(exclude){d}/context_parallel*" for d in CODE])
+            + [f":(exclude){d}/{s}*" for s in skip for d in CODE]
     return own + [f"{d}/{slot}*" for d in CODE]
 
 
@@ -89,13 +104,14 @@ def _only_words(root: Path, commit: str, head: str, path: str, old_path: str | N
     return a is not None and a == _code_of(new.stdout)
 
 
-def changed_since(commit: str, slot: str, root: Path, name: str = "") -> list[str] | None:
+def changed_since(commit: str, slot: str, root: Path, name: str = "",
+                  not_run: tuple[str, ...] = ()) -> list[str] | None:
     """Files the slot's benchmark measures that differ between `commit` and HEAD (None: git does not
     know the commit); `name`, the result file's name, keeps the slot's probes out of what other files
-    measure (`_measured_by`)."""
+    measure (`_measured_by`); `not_run` as in `measured_paths`."""
     if _git(root, "cat-file", "-e", f"{commit}^{{commit}}").returncode:
         return None
-    got = _git(root, "diff", "--name-status", "-M", commit, "HEAD", "--", *measured_paths(slot))
+    got = _git(root, "diff", "--name-status", "-M", commit, "HEAD", "--", *measured_paths(slot, not_run))
     if got.returncode:
         raise RuntimeError(f"git diff failed: {got.stderr.strip()}")
     head = _git(root, "rev-parse", "HEAD").stdout.strip()
@@ -122,8 +138,10 @@ def report(directory: Path | None = None, root: Path | None = None) -> list[dict
     root = Path(root) if root else results.ROOT
     rows = []
     for slot, path in current_files(directory):
-        commit = results.load(path).get("commit")
-        changed = changed_since(commit, slot, root, path.name) if isinstance(commit, str) and commit else None
+        result = results.load(path)
+        commit = result.get("commit")
+        changed = changed_since(commit, slot, root, path.name, slots_not_in(result.get("hf_config"))) \
+            if isinstance(commit, str) and commit else None
         rows.append({"file": str(path.relative_to(directory)), "slot": slot, "commit": commit, "changed": changed})
     return rows
 

@@ -282,12 +282,15 @@ assert "triton" not in sys.modules
 
 
 def _triton_slots() -> set[str]:
-    """Slots with a kernel module that imports Triton (kernels/<slot>_*.py)."""
+    """Registered slots with a kernel module that imports Triton (kernels/<slot>_*.py); a kernel of a
+    primitive package outside the registry (context_parallel) is not a slot's."""
     names = set(registry.slots())
+    packages = {p.name for p in (ROOT / "primitives").iterdir() if (p / "__init__.py").exists()}
     found = set()
     for path in (ROOT / "kernels").glob("*.py"):
         if any(n.split(".")[0] == "triton" for n in _imports(path)):
-            found |= {max((s for s in names if path.stem.startswith(s)), key=len)}
+            owner = max((s for s in names | packages if path.stem.startswith(s + "_")), key=len)
+            found |= {owner} & names
     return found
 
 

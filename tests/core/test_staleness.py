@@ -148,3 +148,26 @@ def test_a_file_moved_as_it_was_keeps_a_result_current(tmp_path):
     _write(tmp_path, "kernels/router_b.py", body.replace("x + 1\n", "x + 2\n", 1))  # moved, then its code
     _commit(tmp_path, "code")
     assert changed() == ["kernels/router_b.py"]
+
+
+def test_a_step_does_not_measure_the_slots_its_model_never_runs(tmp_path):
+    assert staleness.slots_not_in({"model_type": "qwen3_moe"}) == ("linear_attention", "mla")
+    assert staleness.slots_not_in({"text_config": {"layer_types": ["linear_attention", "full_attention"]}}) == ("mla",)
+    assert staleness.slots_not_in({"kv_lora_rank": 512}) == ("linear_attention",)
+    assert staleness.slots_not_in(None) == ()  # nothing recorded: every slot counts
+    _git(tmp_path, "init", "-q")
+    for rel in ("primitives/linear_attention.py", "kernels/mla_rope.py", "benchmarks/training_step/bench.py"):
+        _write(tmp_path, rel, "x = 1\n")
+    measured = _commit(tmp_path, "code")
+    configs = {"moe": {"model_type": "qwen3_moe"}, "hybrid": {"layer_types": ["linear_attention"]}, "none": None}
+    for name, hf in configs.items():
+        _write(tmp_path, f"benchmarks/training_step/results/{name}.json",
+               json.dumps({"commit": measured, "hf_config": hf, "rows": []}))
+    _commit(tmp_path, "results")
+    _write(tmp_path, "primitives/linear_attention.py", "x = 2\n")
+    _write(tmp_path, "kernels/mla_rope.py", "x = 2\n")
+    _commit(tmp_path, "gated deltanet and mla")
+    state = {r["file"]: r["changed"] for r in staleness.report(tmp_path / "benchmarks", tmp_path)}
+    assert state == {"training_step/results/moe.json": [],
+                     "training_step/results/hybrid.json": ["primitives/linear_attention.py"],
+                     "training_step/results/none.json": ["kernels/mla_rope.py", "primitives/linear_attention.py"]}
