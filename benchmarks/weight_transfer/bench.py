@@ -26,7 +26,9 @@ spread (`of_link_rate_spread`: a slow update, the 75th percentile of the iterati
 times, against a fast link round, the 25th, and the reverse; `target_shown` when the first clears
 the target). The
 transaction's cost: staging bytes and the commit's copy time per rollout rank (`--commit undo`: the
-backup's copy, which overlaps the wire). Writes
+backup's copy, which overlaps the wire; `undo_ahead`: the same copy taken after each update, off the
+next one's path, with `window_backups_per_rollout_rank` counting the updates that backed up inside
+their own window, the warm-up's first among them). Writes
 <out>/<device>-ranks<N>.json (stamped: commit, versions, device (the accelerator's name), date; the
 --device kind under "device_type"; per rank, the copy programs' calls against entries: "copies").
 `--profile`: after the timed updates of the first p2p budget, one more on every rank (after a barrier)
@@ -191,6 +193,7 @@ def _endpoint_run(end, call, device, iters, rollout: bool, profile: bool = False
         copy = (lambda: m.commit(end.targets)) if m.staging else (lambda: m.backup(end.targets))
         c = step_times_ms(synced(copy, device), 3, 1, cuda=False)
         got["commit_ms" if m.staging else "backup_ms"] = statistics.median(c)
+        got["window_backups"] = m.window_backups
     return got
 
 
@@ -277,7 +280,8 @@ def measured(args) -> dict | None:
                   "of_link_rate_spread": _spread(gathered, k, link_ms, wire_bytes / (pairs * nbytes)),
                   "staging_bytes_per_rollout_rank": [g[k]["stats"]["staged_bytes"] for g in gathered[T:]],
                   "commit_ms_per_rollout_rank": [g[k].get("commit_ms") for g in gathered[T:]],
-                  "backup_ms_per_rollout_rank": [g[k].get("backup_ms") for g in gathered[T:]]}
+                  "backup_ms_per_rollout_rank": [g[k].get("backup_ms") for g in gathered[T:]],
+                  "window_backups_per_rollout_rank": [g[k].get("window_backups") for g in gathered[T:]]}
     best = max((k for k in impl if k.startswith("p2p")), key=lambda k: per[k]["GBps"])
     # "device" is stamp()'s (the accelerator's name); the kind of device the ranks ran on apart
     return {"model": args.model, "layers": args.layers, "device_type": args.device, "wire_dtype": str(wire),
@@ -307,6 +311,7 @@ def _spread(gathered, k, link_ms, bytes_ratio: float) -> list[float]:
 
 
 def main():
+    from bumblebee.primitives.weight_transfer.execute import COMMITS
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--simulate", action="store_true", help="bytes per update over layouts up to 64 ranks (no ranks)")
     ap.add_argument("--model", default=None, help="default: qwen3-30b-a3b (simulate, cuda), qwen3-moe-tiny (cpu)")
@@ -319,10 +324,11 @@ def main():
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--budget-bytes", type=int, nargs="+", default=[256 << 20],
                     help="p2p's per-round budget; several: one p2p endpoint each, in one run")
-    ap.add_argument("--commit", nargs="+", choices=("stage", "undo"), default=["stage", "undo"],
+    ap.add_argument("--commit", nargs="+", choices=COMMITS, default=list(COMMITS),
                     help="p2p's transaction (P2PTransfer.commit), each with every budget: stage (rows p2p@B) "
                          "receives whole and copies after the wire; undo (rows p2p-undo@B) lands rounds in place "
-                         "behind a backup")
+                         "behind a backup; undo_ahead (rows p2p-undo_ahead@B) with the backup taken after the "
+                         "previous update")
     ap.add_argument("--layout", choices=("given", "infer"), default=None,
                     help="the rollout's layout: written from the engine's rules and checked by one loader call "
                          "(default on cuda: probing a 30B slice takes minutes on the host), or inferred (cpu default)")

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from bumblebee.common.weight_transfer import Link, TransferError, TransferInFlight
 from bumblebee.options import check_bool, check_choice, check_int, option
 from bumblebee.primitives.weight_transfer.endpoints import WeightReceiver, WeightSender
+from bumblebee.primitives.weight_transfer.execute import COMMITS
 from bumblebee.primitives.weight_transfer.infer import LayoutCache, LayoutError, check, infer_layout
 from bumblebee.primitives.weight_transfer.plan import HEADER_BYTES, Plan, make_plan
 from bumblebee.registry import register
@@ -43,7 +44,11 @@ class P2PTransfer:
     commit: str = option("stage", "how a transactional receiver keeps its guarantee: stage receives the whole "
                          "update apart and copies it in after the vote (a copy after the wire); undo backs up "
                          "what the update writes (on a side stream while round 0 is on the wire), writes each "
-                         "round in place as it lands, and copies the backup back if the vote fails")
+                         "round in place as it lands, and copies the backup back if the vote fails; undo_ahead "
+                         "is undo with the backup taken right after the previous update, off the update's path "
+                         "(the targets must change only through this transfer in between: one swapped or "
+                         "written through a torch op is backed up in the window again; a write through .data "
+                         "or outside torch is not seen)")
     verify: bool = option(True, "check an inferred layout against a real load_weights call on random "
                           "tensors (one extra call; a cached layout is always checked)")
     poll_s: float = option(0.005, "the longest pause between store checks, only where the store cannot be "
@@ -55,7 +60,7 @@ class P2PTransfer:
         if isinstance(self.send_buffers, bool) or self.send_buffers not in (1, 2):
             raise ValueError(f"P2PTransfer.send_buffers must be 1 or 2; got {self.send_buffers!r}")
         check_bool(self, "transactional")
-        check_choice(self, "commit", ("stage", "undo"))
+        check_choice(self, "commit", COMMITS)
         check_bool(self, "verify")
         for name in ("timeout_s", "poll_s"):
             value = getattr(self, name)

@@ -11,7 +11,11 @@ An update `n` (both sides count them) has three steps:
    wait, while round r + 1 is already on the wire) round r is unpacked into the targets on a side
    stream. Landing in place keeps the transaction with an undo copy (`commit="undo"`): before the
    first unpack, the side stream copies every element the update writes into a backup, while round
-   0 is on the wire. An exception while packing or unpacking is kept and the rounds go on, so that
+   0 is on the wire; `commit="undo_ahead"` takes it instead right after the previous update committed
+   (off the update's critical path, beside the rollout's own work), valid while the targets changed only
+   through this transfer: a target whose tensor was swapped or written in place through a torch op
+   since (its version counter moved) gets the backup in the update's window again. An exception while
+   packing or unpacking is kept and the rounds go on, so that
    every peer's messages are still consumed; a peer that dies surfaces as a failed or timed-out `wait`;
 3. vote: every rank posts ok or its error and waits for all votes (`timeout_s`): a missing vote
    (a dead rank) or any error raises `TransferError` on every live rank. After a unanimous ok a
@@ -34,6 +38,9 @@ from bumblebee.common.weight_transfer import TransferError
 from bumblebee.primitives.weight_transfer import copies
 from bumblebee.primitives.weight_transfer.boxes import box_shape, view
 from bumblebee.primitives.weight_transfer.spec import dtype_of
+
+
+COMMITS = ("stage", "undo", "undo_ahead")  # P2PTransfer.commit
 
 
 def _align(n: int) -> int:
@@ -136,11 +143,14 @@ class Mover:
 
     def __init__(self, plan, rank: int, group, *, transactional: bool, device, keep_programs: int = 1,
                  send_buffers: int = 1, commit: str = "stage"):
-        if commit not in ("stage", "undo"):
-            raise ValueError(f"Mover: commit must be 'stage' or 'undo'; got {commit!r}")
+        if commit not in COMMITS:
+            raise ValueError(f"Mover: commit must be one of {COMMITS}; got {commit!r}")
         self.plan, self.rank, self.group = plan, rank, group
         self.staging = transactional and commit == "stage"  # else rounds land in place as they arrive
-        self.undo = transactional and commit == "undo"
+        self.undo = transactional and commit in ("undo", "undo_ahead")
+        self.backup_ahead = transactional and commit == "undo_ahead"
+        self.ahead = None  # (targets' identity, their versions) the backup taken ahead holds, if any
+        self.window_backups = 0  # updates that backed up inside their own window (undo modes)
         self.msgs = plan.messages(rank)
         self.size = {dt: dtype_of(dt).itemsize for dt in set(plan.dtypes.values())}
         # larger items first: each entry's offset stays aligned; then in the order of the receiver's
@@ -330,11 +340,15 @@ class Mover:
             return True
 
         self.backed_up = False
-        if landing and self.undo:
+        ahead, self.ahead = self.ahead, None  # used once: the next update's comes after this one's commit
+        if landing and self.undo and ahead is not None and ahead == (dst_ident, _versions(targets)):
+            self.backed_up = True  # the side stream runs it before this update's first unpack
+        elif landing and self.undo:
             try:
                 with side.run():
                     self.backup(targets, dst_ident)
                 self.backed_up = True
+                self.window_backups += 1
             except Exception as e:  # no backup: nothing may be written; the vote fails
                 errors.append(f"backup: {type(e).__name__}: {e}")
                 landing = False
@@ -386,8 +400,24 @@ class Mover:
         landed in place, order the caller's stream after their unpacks."""
         if self.staging:  # the whole update in one program
             self.unpack([k for k in sorted(self.msgs) if k[2] == self.rank], targets, _targets_ident(targets))
-        elif self.recv_bufs[0].device.type == "cuda":
+            return
+        if self.recv_bufs[0].device.type == "cuda":
             torch.cuda.current_stream(self.recv_bufs[0].device).wait_stream(_Side.stream_of(self.recv_bufs[0].device))
+        if self.backup_ahead and self.backed_up:
+            self._back_up_ahead(targets)
+
+    def _back_up_ahead(self, targets) -> None:
+        """The next update's backup, taken now on the side stream (after this update's unpacks, before
+        the next one's): the caller's stream goes on without it. Not taken where it fails (the next
+        update then backs up in its window)."""
+        side = _Side(self.recv_bufs[0].device, after_caller=False)
+        ident = _targets_ident(targets)
+        try:
+            with side.run():
+                self.backup(targets, ident)
+        except Exception:
+            return
+        self.ahead = (ident, _versions(targets))
 
     @torch.no_grad()
     def abort(self, targets) -> None:
@@ -400,6 +430,8 @@ class Mover:
                 self.restore(targets)
             if self.recv_bufs[0].device.type == "cuda":
                 torch.cuda.current_stream(self.recv_bufs[0].device).wait_stream(side.stream)
+            if self.backup_ahead and not self.peer_failed:  # the targets equal the backup again
+                self.ahead = (_targets_ident(targets), _versions(targets))
 
 
 class _Side:
@@ -444,6 +476,12 @@ def _ident_of(read):
 
 def _targets_ident(targets: dict):
     return tuple(targets) + copies.identity(targets.values())
+
+
+def _versions(targets: dict) -> tuple:
+    """The targets' version counters: an in-place write through a torch op moves them (one through
+    `.data` or outside torch does not: `undo_ahead` asks that targets change only through the transfer)."""
+    return tuple(None if t.is_inference() else t._version for t in targets.values())  # inference tensors keep none
 
 
 class read_from:

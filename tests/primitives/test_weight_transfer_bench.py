@@ -1,6 +1,6 @@
 """The weight-transfer benchmark's torchrun mode end to end on 4 gloo ranks at tiny size, on the path
 its GPU runs take (trainer FSDP2 + EP 2 -> rollout TP 2, the layout given and checked, two p2p
-budgets each staged and landed in place (`commit` stage and undo), the twin, the link's
+budgets each staged and landed in place (`commit` stage, undo and undo_ahead), the twin, the link's
 batch_isend_irecv rate): a change cannot break the GPU command unseen."""
 import json
 import os
@@ -26,7 +26,7 @@ def test_bench_measures_p2p_twin_and_link_on_four_gloo_ranks(tmp_path):
     for g in r["ranks"]:  # each p2p rank's copy programs: fewer calls than entries
         assert 0 < g["p2p@1048576"]["copies"]["copy_calls"] < g["p2p@1048576"]["copies"]["entries"], g
     per = r["per_impl"]
-    assert set(per) == {"p2p@65536", "p2p@1048576", "p2p-undo@65536", "p2p-undo@1048576", "broadcast"}
+    assert set(per) == {f"p2p{c}@{b}" for c in ("", "-undo", "-undo_ahead") for b in (65536, 1048576)} | {"broadcast"}
     for k, v in per.items():
         assert v["median_ms"] > 0 and v["first_update_s"] > 0 and v["GBps"] > 0, (k, v)
     # TP 2: each rollout rank takes about half of the model from p2p, all of it from the twin
@@ -37,6 +37,9 @@ def test_bench_measures_p2p_twin_and_link_on_four_gloo_ranks(tmp_path):
     undo = per["p2p-undo@65536"]  # the same bytes, landed in place behind a backup of what they overwrite
     assert undo["wire_bytes"] == per["p2p@65536"]["wire_bytes"]
     assert all(s > 0 for s in undo["staging_bytes_per_rollout_rank"]) and all(b > 0 for b in undo["backup_ms_per_rollout_rank"])
+    assert undo["window_backups_per_rollout_rank"] == [3, 3]  # the first update, the warm-up and the timed one
+    ahead = per["p2p-undo_ahead@65536"]  # the first update backed up in its window, the next two behind backups taken ahead
+    assert ahead["wire_bytes"] == undo["wire_bytes"] and ahead["window_backups_per_rollout_rank"] == [1, 1]
     link = r["link"]
     assert link["pairs"] == 2 and link["GBps"] > 0
     assert 0 < link["message_bytes"] < per["p2p@65536"]["wire_bytes"]  # one rollout rank's update

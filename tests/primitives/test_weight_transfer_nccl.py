@@ -2,7 +2,8 @@
 a vLLM-style engine on cuda:0 bit for bit, twice (the second through the cached copy programs), and
 a trainer killed in the middle of an update makes the rollout raise within the endpoint's timeout
 with its weights intact, then refuse further updates; with the update staged and with its rounds
-landed in place behind a backup (`commit="undo"`: the dead trainer's partial update is put back). The rollout is rank 0, the host of the control
+landed in place behind a backup (`commit="undo"`: the dead trainer's partial update is put back; `"undo_ahead"`: from
+the backup taken after update 2). The rollout is rank 0, the host of the control
 store, so the dead trainer takes no store with it (as a rollout engine's own process would not)."""
 from __future__ import annotations
 
@@ -67,7 +68,7 @@ def nccl2(ctx):
     return res
 
 
-@pytest.fixture(scope="module", params=["stage", "undo"])
+@pytest.fixture(scope="module", params=["stage", "undo", "undo_ahead"])
 def nccl(request, tmp_path_factory):
     if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
         pytest.skip("needs two CUDA devices")

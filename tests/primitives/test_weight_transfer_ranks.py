@@ -3,7 +3,8 @@ without EP = 2) to rollout ranks (a vLLM-style engine at TP 1, 2 and 4, experts 
 transformers' own model; Qwen3, Qwen3-MoE, Qwen3.5-MoE, DeepSeek-V3), sync and async, p2p against
 its broadcast twin; after every transfer each rollout parameter equals, bit for bit, what its own
 load_weights makes of the HF checkpoint of that version, whether the receiver stages the update
-or lands it in place behind a backup (`commit="undo"`). Failures (a receiver that raises
+or lands it in place behind a backup (`commit="undo"`; `"undo_ahead"`: the backup taken after the previous
+update, again in the update's window where a target was written since). Failures (a receiver that raises
 mid-update, in either commit mode, a dtype mismatch, a missing and an extra tensor, an update started while one is in
 flight, a sender killed mid-update) raise on every rank with the previous weights intact; 100
 updates run with flat memory; an async poll is woken by the publish, never by a poll interval."""
@@ -53,14 +54,16 @@ def main4(ctx):
     async_ = registry.resolve("weight_transfer", P2PTransfer(mode="async", budget_bytes=32 << 10, timeout_s=LIMIT))
     # rounds land in place, the update kept a transaction by a backup
     undo = registry.resolve("weight_transfer", P2PTransfer(budget_bytes=32 << 10, timeout_s=LIMIT, commit="undo"))
+    ahead = registry.resolve("weight_transfer", P2PTransfer(budget_bytes=32 << 10, timeout_s=LIMIT, commit="undo_ahead"))
     twin = registry.resolve("weight_transfer", "broadcast")
-    link = {k: Link(ctx.trainers, ctx.rollouts, name=k) for k in ("tp", "ep", "bc", "missing", "extra", "async", "undo")}
+    link = {k: Link(ctx.trainers, ctx.rollouts, name=k)
+            for k in ("tp", "ep", "bc", "missing", "extra", "async", "undo", "ahead")}
     res = {"errors": {}, "snaps": {}, "full": {}}
     if ctx.is_trainer:
         model, state, _ = R.trainer_state(ctx, MOE, ep=True)
-        end = {"tp": p2p(link["tp"]), "ep": single(link["ep"]), "undo": undo(link["undo"])}
+        end = {"tp": p2p(link["tp"]), "ep": single(link["ep"]), "undo": undo(link["undo"]), "ahead": ahead(link["ahead"])}
 
-        def step(v, links=("tp", "ep", "undo")):
+        def step(v, links=("tp", "ep", "undo", "ahead")):
             R.train_step(model, state, v)
             sh = R.shards(model, state)
             for k in links:
@@ -73,16 +76,17 @@ def main4(ctx):
         b = twin(link["bc"])
         b.update(R.shards(model, state), 2)
         res["bytes"] = {"p2p": end["tp"].stats["bytes_sent"], "broadcast": b.stats["bytes_sent"]}
-        res["send_buffers"] = {k: (len(e.mover.send_bufs), e.plan.rounds) for k, e in end.items() if k != "undo"}
+        res["send_buffers"] = {k: (len(e.mover.send_bufs), e.plan.rounds) for k, e in end.items() if k in ("tp", "ep")}
         res["prepacked"] = end["tp"].mover.last_prepacked  # round 0 packed while the agreement was out
         R.train_step(model, state, 3)  # new values, so that the rollout's in-place writes show
         res["errors"]["undo"] = _error(lambda: end["undo"].update(R.shards(model, state), 3))
+        res["errors"]["ahead"] = _error(lambda: end["ahead"].update(R.shards(model, state), 3))
         res["errors"]["raises"] = _error(lambda: end["tp"].update(R.shards(model, state), 3))
         sh = R.shards(model, state)
         if ctx.rank == 1:
             sh[0] = SimpleNamespace(**{**vars(sh[0]), "tensor": sh[0].tensor.to(torch.bfloat16)})
         res["errors"]["dtype"] = _error(lambda: end["tp"].update(sh, 4))
-        step(5, ("tp",))
+        step(5, ("tp", "ahead"))
         end["tp"].ctl.collect("in-flight-tried", ctx.rollouts)  # the rollout's second update was refused
         step(6, ("tp",))
         sh = R.shards(model, state)
@@ -106,12 +110,13 @@ def main4(ctx):
     R.other_meshes(ctx, ep=True)
     man = R.manifest_of_model(MOE)
     eng = {"tp": R.engine(ctx, MOE, man), "ep": R.engine(ctx, MOE, man, ep=True), "bc": R.engine(ctx, MOE, man),
-           "undo": R.engine(ctx, MOE, man)}
-    end = {k: {"ep": single, "undo": undo}.get(k, p2p)(link[k], load_weights=e[0], targets=e[1], layout_key=e[2])
+           "undo": R.engine(ctx, MOE, man), "ahead": R.engine(ctx, MOE, man)}
+    end = {k: {"ep": single, "undo": undo, "ahead": ahead}.get(k, p2p)(link[k], load_weights=e[0], targets=e[1],
+                                                                      layout_key=e[2])
            for k, e in eng.items() if k != "bc"}
     snap = res["snaps"]
     for _ in (1, 2):
-        for k in ("tp", "ep", "undo"):
+        for k in ("tp", "ep", "undo", "ahead"):
             v = end[k].update()
             snap[(k, v)] = _clone(eng[k][1])  # (a[f()] = g() runs g first: update before the clone)
     twin(link["bc"], load_weights=eng["bc"][0], targets=eng["bc"][1]).update()
@@ -127,6 +132,21 @@ def main4(ctx):
     res["errors"]["undo"] = _error(end["undo"].update)
     res["undo_wrote"] = not _same(seen["mid"], snap[("undo", 2)])
     res["intact"] = {"undo": _same(ut, snap[("undo", 2)])}
+    # undo_ahead: update 1 backed up in its window, update 2 behind the backup taken after update 1
+    mover, at = end["ahead"].mover, eng["ahead"][1]
+    res["ahead_windows"] = [mover.window_backups]
+
+    def midway_ahead(r):
+        if r == end["ahead"].plan.rounds - 1:
+            seen["mid_ahead"] = _clone(at)
+            if ctx.rank == ctx.rollouts[-1]:
+                raise RuntimeError("receiver failed mid-update")
+    end["ahead"].on_round = midway_ahead
+    res["errors"]["ahead"] = _error(end["ahead"].update)  # restored from the backup taken after update 2
+    end["ahead"].on_round = None
+    res["ahead_wrote"] = not _same(seen["mid_ahead"], snap[("ahead", 2)])
+    res["intact"]["ahead"] = _same(at, snap[("ahead", 2)])
+    res["ahead_windows"].append(mover.window_backups)
     tp = eng["tp"][1]
     if ctx.rank == ctx.rollouts[-1]:
         end["tp"].on_round = _raise_at(0)
@@ -137,6 +157,10 @@ def main4(ctx):
     res["intact"]["dtype"] = _same(tp, snap[("tp", 2)])
     v = end["tp"].update()
     snap[("tp", v)] = _clone(tp)
+    next(iter(at.values())).add_(1.0)  # a write since the backup taken ahead: this update backs up in its window
+    v = end["ahead"].update()
+    snap[("ahead", v)] = _clone(at)
+    res["ahead_windows"].append(mover.window_backups)
     th = threading.Thread(target=lambda: snap.__setitem__(("tp", 6), (end["tp"].update(), _clone(tp))))
     th.start()  # waits for update 6, which the trainer sends once every rank tried a second one
     while not end["tp"]._busy.locked():  # the thread's update has begun
@@ -184,6 +208,8 @@ def test_fsdp2_ep_trainer_to_tp_and_ep_engines_bitwise(main):
             assert _same(main[rank]["snaps"][("ep", v)], _want(full[v], i, ep_rank=i, ep_size=2)), (rank, v)
             assert _same(main[rank]["snaps"][("undo", v)], _want(full[v], i)), (rank, v)  # landed in place
         assert _same(main[rank]["snaps"][("tp", 5)], _want(full[5], i))
+        for v in (1, 2, 5):  # landed in place behind a backup taken ahead, or in the window
+            assert _same(main[rank]["snaps"][("ahead", v)], _want(full[v], i)), (rank, v)
         assert _same(main[rank]["snaps"][("tp", 6)], _want(full[6], i))
     for rank in (0, 1):  # both send paths ran, over several rounds: tp double-buffered, ep one buffer
         (tp_bufs, tp_rounds), (ep_bufs, ep_rounds) = main[rank]["send_buffers"]["tp"], main[rank]["send_buffers"]["ep"]
@@ -201,6 +227,7 @@ def test_twin_gives_the_same_weights_for_more_bytes(main):
 
 def test_failures_raise_everywhere_and_keep_the_previous_weights(main):
     for case, words in (("raises", "receiver failed mid-update"), ("undo", "receiver failed mid-update"),
+                        ("ahead", "receiver failed mid-update"),
                         ("dtype", "changed since the plan"),
                         ("missing", "['lm_head.weight'] receive nothing"), ("extra", "KeyError: 'model.extra.weight'")):
         for rank, r in enumerate(main):
@@ -210,6 +237,9 @@ def test_failures_raise_everywhere_and_keep_the_previous_weights(main):
     for rank in (2, 3):
         assert main[rank]["errors"]["in_flight"].startswith("TransferInFlight"), main[rank]["errors"]["in_flight"]
         assert main[rank]["undo_wrote"], rank  # the undo update had written rounds in place, then put them back
+        assert main[rank]["ahead_wrote"], rank
+        # update 1 in its window; 2 and the failed 3 behind backups taken ahead; 5 (a target written since) in its window
+        assert main[rank]["ahead_windows"] == [1, 1, 2], main[rank]["ahead_windows"]
 
 
 def test_async_rollout_polls_the_newest_version(main):
