@@ -103,16 +103,21 @@ def test_a_probe_measures_its_own_result_only(tmp_path):
                      "router/results/probe_a_variant.json": a, "router/results/probe_b.json": []}
 
 
-def test_a_change_of_words_only_keeps_a_result_current(tmp_path):
+def _router_result(tmp_path, files: dict):
+    """A repository with `files` and the router's bench, its one result stamped at that commit;
+    returns what `--stale` lists as changed for it."""
     _git(tmp_path, "init", "-q")
-    _write(tmp_path, "primitives/router.py", '"""Doc."""\n\n\ndef f(x):\n    """Doc."""\n    return x + 1  # why\n')
-    _write(tmp_path, "benchmarks/router/bench.py", "x = 1\n")
+    for rel, text in {**files, "benchmarks/router/bench.py": "x = 1\n"}.items():
+        _write(tmp_path, rel, text)
     measured = _commit(tmp_path, "code")
     _write(tmp_path, "benchmarks/router/results/router.json", json.dumps({"commit": measured, "rows": []}))
     _commit(tmp_path, "results")
+    return lambda: staleness.report(tmp_path / "benchmarks", tmp_path)[0]["changed"]
 
-    def changed():
-        return staleness.report(tmp_path / "benchmarks", tmp_path)[0]["changed"]
+
+def test_a_change_of_words_only_keeps_a_result_current(tmp_path):
+    changed = _router_result(tmp_path, {"primitives/router.py":
+                                        '"""Doc."""\n\n\ndef f(x):\n    """Doc."""\n    return x + 1  # why\n'})
     _write(tmp_path, "primitives/router.py", '"""Other doc."""\n\n\ndef f(x):\n    """New."""\n    return x + 1  # how\n')
     _commit(tmp_path, "words")
     assert changed() == []
@@ -129,17 +134,8 @@ def test_the_cli_lists_this_checkouts_result_files(capsys):
 
 
 def test_a_file_moved_as_it_was_keeps_a_result_current(tmp_path):
-    _git(tmp_path, "init", "-q")
     body = "def f(x):\n    return x + 1\n" * 20  # long enough for git to pair the old and new names
-    _write(tmp_path, "kernels/router_a.py", body)
-    _write(tmp_path, "kernels/router_c.py", body.replace("1", "3"))
-    _write(tmp_path, "benchmarks/router/bench.py", "x = 1\n")
-    measured = _commit(tmp_path, "code")
-    _write(tmp_path, "benchmarks/router/results/router.json", json.dumps({"commit": measured, "rows": []}))
-    _commit(tmp_path, "results")
-
-    def changed():
-        return staleness.report(tmp_path / "benchmarks", tmp_path)[0]["changed"]
+    changed = _router_result(tmp_path, {"kernels/router_a.py": body, "kernels/router_c.py": body.replace("1", "3")})
     _git(tmp_path, "mv", "kernels/router_a.py", "kernels/router_b.py")
     _git(tmp_path, "mv", "kernels/router_c.py", "kernels/router_d.py")
     _write(tmp_path, "kernels/router_d.py", "# why\n" + body.replace("1", "3"))  # moved, a comment added
