@@ -311,7 +311,7 @@ def _spread(gathered, k, link_ms, bytes_ratio: float) -> list[float]:
 
 
 def main():
-    from bumblebee.primitives.weight_transfer.execute import COMMITS
+    from bumblebee.primitives.weight_transfer import COMMITS
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--simulate", action="store_true", help="bytes per update over layouts up to 64 ranks (no ranks)")
     ap.add_argument("--model", default=None, help="default: qwen3-30b-a3b (simulate, cuda), qwen3-moe-tiny (cpu)")

@@ -4,7 +4,7 @@
 The receiver's layout is inferred from the engine's own `load_weights` (`infer.py`), the sender's
 comes from `export_weight_shards` without a gather (`spec.py`), the planner moves only the slices
 each receiver keeps, each from one sender (`plan.py`), and every update is a transaction over
-point-to-point rounds (`execute.py`, `endpoints.py`). Usage: skills/weight-transfer/SKILL.md.
+point-to-point rounds (`execute.py`, agreed through the store by `control.py`; `endpoints.py`). Usage: skills/weight-transfer/SKILL.md.
 
     transfer = registry.resolve("weight_transfer", "p2p")        # or P2PTransfer(mode="async")
     end = transfer(link)                                         # a trainer rank: a WeightSender

@@ -19,7 +19,8 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from bumblebee.common.weight_transfer import Link, TransferError, TransferInFlight
-from bumblebee.primitives.weight_transfer.execute import Control, Mover, agree, read_from
+from bumblebee.primitives.weight_transfer.control import Control, agree
+from bumblebee.primitives.weight_transfer.execute import Mover, read_from
 from bumblebee.primitives.weight_transfer.infer import LayoutCache, infer_layout
 from bumblebee.primitives.weight_transfer.plan import make_plan
 from bumblebee.primitives.weight_transfer.spec import SenderSpecs

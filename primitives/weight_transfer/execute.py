@@ -27,14 +27,10 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import pickle
-import threading
-import time
 
 import torch
 import torch.distributed as dist
 
-from bumblebee.common.weight_transfer import TransferError
 from bumblebee.primitives.weight_transfer import copies
 from bumblebee.primitives.weight_transfer.boxes import box_shape, view
 from bumblebee.primitives.weight_transfer.spec import dtype_of
@@ -45,97 +41,6 @@ COMMITS = ("stage", "undo", "undo_ahead")  # P2PTransfer.commit
 
 def _align(n: int) -> int:
     return (n + 7) // 8 * 8
-
-
-class Control:
-    """Posts and collects small pickled messages under `prefix` in the store, with a timeout.
-
-    Waiting is event-driven: each thread (the async service beside the trainer's main thread) talks
-    through its own clone of the store client, so it can block in the store's `wait`, woken the
-    moment the key is set, without holding up another thread's `set` (a shared client serializes
-    them: a publish once waited 0.9 s behind the service's wait). Where the store cannot be cloned,
-    one client is shared under a lock and polled with a backoff from 1 ms to `poll_s`; `polls`
-    counts those pauses (0 on the event-driven path)."""
-
-    def __init__(self, store, prefix: str, ranks, timeout_s: float, poll_s: float = 0.005):
-        self.store = dist.PrefixStore(prefix, store)
-        self.ranks, self.timeout_s, self.poll_s = tuple(ranks), timeout_s, poll_s
-        self._lock = threading.Lock()
-        self._local = threading.local()
-        self.polls = 0
-        try:
-            self.store.clone()
-            self._cloneable = True
-        except Exception:  # a store without clone(): the shared, polled client
-            self._cloneable = False
-
-    @contextlib.contextmanager
-    def _client(self):
-        if not self._cloneable:
-            with self._lock:
-                yield self.store
-            return
-        own = getattr(self._local, "store", None)
-        if own is None:
-            own = self._local.store = self.store.clone()
-        yield own
-
-    def post(self, key: str, rank: int, obj) -> None:
-        with self._client() as st:
-            st.set(f"{key}/{rank}", pickle.dumps(obj))
-
-    def wait(self, keys, timeout_s: float) -> bool:
-        """Whether every key exists within `timeout_s` (TransferError if the store is gone)."""
-        if self._cloneable:
-            try:
-                with self._client() as st:
-                    st.wait(list(keys), datetime.timedelta(seconds=timeout_s))
-                return True
-            except Exception:  # a timeout, or a store that is gone (then _has raises)
-                return self._has(*keys)
-        deadline, pause = time.monotonic() + timeout_s, 0.001
-        while not self._has(*keys):
-            if time.monotonic() > deadline:
-                return False
-            self.polls += 1
-            time.sleep(pause)
-            pause = min(2 * pause, self.poll_s)
-        return True
-
-    def collect(self, key: str, ranks=None, timeout_s=None) -> dict:
-        ranks = self.ranks if ranks is None else ranks
-        keys = [f"{key}/{r}" for r in ranks]
-        limit = timeout_s or self.timeout_s
-        if not self.wait(keys, limit):
-            late = [r for r, k in zip(ranks, keys) if not self._has(k)]
-            raise TransferError(f"{key}: ranks {late} did not answer within {limit} s (dead or stuck)")
-        with self._client() as st:  # one round trip for all ranks' values
-            return {r: pickle.loads(v) for r, v in zip(ranks, st.multi_get(keys))}
-
-    def _has(self, *keys) -> bool:
-        try:
-            with self._client() as st:
-                return st.check(list(keys))
-        except Exception as e:  # the store's host died: no answer will ever come
-            raise TransferError(f"the control store is gone: {type(e).__name__}: {e}") from None
-
-    def forget(self, key: str, rank: int) -> None:
-        try:
-            with self._client() as st:
-                st.delete_key(f"{key}/{rank}")
-        except Exception:
-            pass
-
-
-def agree(ctl: Control, key: str, rank: int, error: str | None, timeout_s=None, **extra) -> dict:
-    """Post this rank's error (None: ok) and `extra`, collect everyone's; TransferError naming every
-    rank that failed (the same message on every rank)."""
-    ctl.post(key, rank, {"err": error, **extra})
-    got = ctl.collect(key, timeout_s=timeout_s)
-    bad = {r: v["err"] for r, v in got.items() if v["err"] is not None}
-    if bad:
-        raise TransferError("; ".join(f"rank {r}: {e}" for r, e in sorted(bad.items())))
-    return got
 
 
 class Mover:
@@ -341,7 +246,7 @@ class Mover:
 
         self.backed_up = False
         ahead, self.ahead = self.ahead, None  # used once: the next update's comes after this one's commit
-        if landing and self.undo and ahead is not None and ahead == (dst_ident, _versions(targets)):
+        if landing and self.undo and ahead is not None and ahead == _backed_state(targets, dst_ident):
             self.backed_up = True  # the side stream runs it before this update's first unpack
         elif landing and self.undo:
             try:
@@ -411,13 +316,13 @@ class Mover:
         the next one's): the caller's stream goes on without it. Not taken where it fails (the next
         update then backs up in its window)."""
         side = _Side(self.recv_bufs[0].device, after_caller=False)
-        ident = _targets_ident(targets)
+        state = _backed_state(targets)
         try:
             with side.run():
-                self.backup(targets, ident)
+                self.backup(targets, state[0])
         except Exception:
             return
-        self.ahead = (ident, _versions(targets))
+        self.ahead = state
 
     @torch.no_grad()
     def abort(self, targets) -> None:
@@ -431,7 +336,7 @@ class Mover:
             if self.recv_bufs[0].device.type == "cuda":
                 torch.cuda.current_stream(self.recv_bufs[0].device).wait_stream(side.stream)
             if self.backup_ahead and not self.peer_failed:  # the targets equal the backup again
-                self.ahead = (_targets_ident(targets), _versions(targets))
+                self.ahead = _backed_state(targets)
 
 
 class _Side:
@@ -478,10 +383,13 @@ def _targets_ident(targets: dict):
     return tuple(targets) + copies.identity(targets.values())
 
 
-def _versions(targets: dict) -> tuple:
-    """The targets' version counters: an in-place write through a torch op moves them (one through
-    `.data` or outside torch does not: `undo_ahead` asks that targets change only through the transfer)."""
-    return tuple(None if t.is_inference() else t._version for t in targets.values())  # inference tensors keep none
+def _backed_state(targets: dict, ident=None) -> tuple:
+    """What a backup taken now holds: the targets' identity (`ident`, taken here when not given) and
+    version counters. An in-place write through a torch op moves a counter (one through `.data` or
+    outside torch does not: `undo_ahead` asks that targets change only through the transfer);
+    inference tensors keep none."""
+    versions = tuple(None if t.is_inference() else t._version for t in targets.values())
+    return (_targets_ident(targets) if ident is None else ident, versions)
 
 
 class read_from:

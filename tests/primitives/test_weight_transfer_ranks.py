@@ -351,7 +351,7 @@ def test_async_poll_is_woken_by_the_publish_not_a_poll_interval(one):
 
 def test_control_waits_in_the_store_and_times_out_naming_the_late_rank():
     import torch.distributed as dist
-    from bumblebee.primitives.weight_transfer.execute import Control
+    from bumblebee.primitives.weight_transfer.control import Control
     store = dist.HashStore()
     for cloneable in (True, False):  # False: a store without clone(), polled with a backoff
         ctl = Control(store, f"c{cloneable}/", (0, 1, 2), timeout_s=LIMIT, poll_s=0.001)

@@ -1,0 +1,105 @@
+"""The update's agreement: small pickled messages through the process group's key-value store
+(every rank posts its check or vote, then collects everyone's within a timeout), so a failure on
+any rank raises the same `TransferError` on every live rank (`execute.py`'s prepare and vote)."""
+from __future__ import annotations
+
+import contextlib
+import datetime
+import pickle
+import threading
+import time
+
+import torch.distributed as dist
+
+from bumblebee.common.weight_transfer import TransferError
+
+
+class Control:
+    """Posts and collects small pickled messages under `prefix` in the store, with a timeout.
+
+    Waiting is event-driven: each thread (the async service beside the trainer's main thread) talks
+    through its own clone of the store client, so it can block in the store's `wait`, woken the
+    moment the key is set, without holding up another thread's `set` (a shared client serializes
+    them: a publish once waited 0.9 s behind the service's wait). Where the store cannot be cloned,
+    one client is shared under a lock and polled with a backoff from 1 ms to `poll_s`; `polls`
+    counts those pauses (0 on the event-driven path)."""
+
+    def __init__(self, store, prefix: str, ranks, timeout_s: float, poll_s: float = 0.005):
+        self.store = dist.PrefixStore(prefix, store)
+        self.ranks, self.timeout_s, self.poll_s = tuple(ranks), timeout_s, poll_s
+        self._lock = threading.Lock()
+        self._local = threading.local()
+        self.polls = 0
+        try:
+            self.store.clone()
+            self._cloneable = True
+        except Exception:  # a store without clone(): the shared, polled client
+            self._cloneable = False
+
+    @contextlib.contextmanager
+    def _client(self):
+        if not self._cloneable:
+            with self._lock:
+                yield self.store
+            return
+        own = getattr(self._local, "store", None)
+        if own is None:
+            own = self._local.store = self.store.clone()
+        yield own
+
+    def post(self, key: str, rank: int, obj) -> None:
+        with self._client() as st:
+            st.set(f"{key}/{rank}", pickle.dumps(obj))
+
+    def wait(self, keys, timeout_s: float) -> bool:
+        """Whether every key exists within `timeout_s` (TransferError if the store is gone)."""
+        if self._cloneable:
+            try:
+                with self._client() as st:
+                    st.wait(list(keys), datetime.timedelta(seconds=timeout_s))
+                return True
+            except Exception:  # a timeout, or a store that is gone (then _has raises)
+                return self._has(*keys)
+        deadline, pause = time.monotonic() + timeout_s, 0.001
+        while not self._has(*keys):
+            if time.monotonic() > deadline:
+                return False
+            self.polls += 1
+            time.sleep(pause)
+            pause = min(2 * pause, self.poll_s)
+        return True
+
+    def collect(self, key: str, ranks=None, timeout_s=None) -> dict:
+        ranks = self.ranks if ranks is None else ranks
+        keys = [f"{key}/{r}" for r in ranks]
+        limit = timeout_s or self.timeout_s
+        if not self.wait(keys, limit):
+            late = [r for r, k in zip(ranks, keys) if not self._has(k)]
+            raise TransferError(f"{key}: ranks {late} did not answer within {limit} s (dead or stuck)")
+        with self._client() as st:  # one round trip for all ranks' values
+            return {r: pickle.loads(v) for r, v in zip(ranks, st.multi_get(keys))}
+
+    def _has(self, *keys) -> bool:
+        try:
+            with self._client() as st:
+                return st.check(list(keys))
+        except Exception as e:  # the store's host died: no answer will ever come
+            raise TransferError(f"the control store is gone: {type(e).__name__}: {e}") from None
+
+    def forget(self, key: str, rank: int) -> None:
+        try:
+            with self._client() as st:
+                st.delete_key(f"{key}/{rank}")
+        except Exception:
+            pass
+
+
+def agree(ctl: Control, key: str, rank: int, error: str | None, timeout_s=None, **extra) -> dict:
+    """Post this rank's error (None: ok) and `extra`, collect everyone's; TransferError naming every
+    rank that failed (the same message on every rank)."""
+    ctl.post(key, rank, {"err": error, **extra})
+    got = ctl.collect(key, timeout_s=timeout_s)
+    bad = {r: v["err"] for r, v in got.items() if v["err"] is not None}
+    if bad:
+        raise TransferError("; ".join(f"rank {r}: {e}" for r, e in sorted(bad.items())))
+    return got
