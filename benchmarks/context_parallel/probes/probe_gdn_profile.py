@@ -8,14 +8,23 @@ rank's two parts' passes at once), printing the tables of rank 0 (which skips on
 of the last rank (which runs every one). Also times the rule alone (`fla_rule`) at the value width
 the maps run (Dv + Dk) and at the single layer's (Dv). One JSON line per case, the tables in text.
 
+`--host` adds, per case and rank, whether the step is bound by the host: `host_ms` (the Python call
+returning, no synchronize) against `device_ms` (CUDA events around the same call), and `syncs`, the
+calls that made the host wait for the device (torch's sync debug mode, set for the count and put
+back). host_ms near device_ms with no syncs: the GPU waits for launches (at 16K tokens a rank the
+layer's kernels are short); host_ms near device_ms with syncs: a host wait inside the step.
+
     torchrun --standalone --nproc_per_node=2 benchmarks/context_parallel/probes/probe_gdn_profile.py \
-        [--tokens 65536] [--deltanet maps fla fla_concurrent]
+        [--tokens 65536] [--deltanet maps fla fla_concurrent] [--host]
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
+import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -58,6 +67,47 @@ def _table(fn, x, label, show_ranks, group=None):
             dist.barrier(group=group)
 
 
+def _cp_layer(layer, batch, options, t):
+    return gdn_forward(layer, t, batch, **options)
+
+
+def _gather_rows(row):
+    rows = [None] * dist.get_world_size()
+    dist.all_gather_object(rows, row)
+    return rows
+
+
+def _host_bound(fn, x, label, iters=5):
+    """Median host and device ms of a step over `iters` (after two warm ones), and the host waits in one."""
+    for _ in range(2):
+        _step(fn, x)
+    host, dev = [], []
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0 = time.perf_counter()
+        start.record()
+        _step(fn, x)
+        end.record()
+        host.append((time.perf_counter() - t0) * 1e3)
+        torch.cuda.synchronize()
+        dev.append(start.elapsed_time(end))
+    torch.cuda.synchronize()
+    before = torch.cuda.get_sync_debug_mode()
+    try:
+        torch.cuda.set_sync_debug_mode(1)  # warn on every synchronizing call
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            _step(fn, x)
+    finally:
+        torch.cuda.set_sync_debug_mode(before)
+    torch.cuda.synchronize()
+    syncs = [str(w.message)[:80] for w in caught if "synchroniz" in str(w.message)]
+    return {"case": label, "rank": dist.get_rank() if dist.is_initialized() else 0,
+            "host_ms": sorted(host)[iters // 2], "device_ms": sorted(dev)[iters // 2],
+            "syncs": len(syncs), "first_syncs": syncs[:3]}
+
+
 def _rule_ms(L, rows, width, device):
     g = torch.Generator(device=device).manual_seed(0)
     q, k = (torch.randn(rows, L, HV, DK, device=device, dtype=torch.bfloat16, generator=g) for _ in range(2))
@@ -79,6 +129,7 @@ def main():
     p.add_argument("--deltanet", nargs="*", default=list(GDN_FORMS), choices=list(GDN_FORMS),
                    help="the cp forms profiled (bench.py's GDN_FORMS: fla_concurrent is deltanet='fla' with "
                         "fla_concurrent_parts=True)")
+    p.add_argument("--host", action="store_true", help="also the host-bound check per case (see the docstring)")
     a = p.parse_args()
     dist.init_process_group("nccl")
     rank, cp = dist.get_rank(), dist.get_world_size()
@@ -91,6 +142,8 @@ def main():
         for n in (T, T // cp):
             x = torch.randn(1, n, HIDDEN, device=device, dtype=torch.bfloat16, requires_grad=True)
             _table(layer, x, f"single layer, {n} tokens", (0,))
+            if a.host:
+                print(json.dumps(_host_bound(layer, x, f"single layer, {n} tokens")), flush=True)
         L = T // (2 * cp)
         for width in (DV, DV + DK):
             print(json.dumps({"rule": "fla_rule", "rows": 2, "chunk": L, "value_width": width,
@@ -99,8 +152,14 @@ def main():
     batch = layout.make_batch(dist.group.WORLD, T, None, device)
     xs = torch.randn(1, T // cp, HIDDEN, device=device, dtype=torch.bfloat16, requires_grad=True)
     for form in a.deltanet:
-        _table(lambda t: gdn_forward(layer, t, batch, **GDN_FORMS[form]), xs,
-               f"cp layer ({form}), CP = {cp}, {T // cp} tokens a rank", (0, cp - 1), dist.group.WORLD)
+        fn = functools.partial(_cp_layer, layer, batch, GDN_FORMS[form])
+        label = f"cp layer ({form}), CP = {cp}, {T // cp} tokens a rank"
+        _table(fn, xs, label, (0, cp - 1), dist.group.WORLD)
+        if a.host:
+            got = _host_bound(fn, xs, label)
+            for row in _gather_rows(got):
+                if rank == 0:
+                    print(json.dumps(row), flush=True)
     dist.destroy_process_group()
 
 
