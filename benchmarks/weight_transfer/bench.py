@@ -28,7 +28,8 @@ the target). The
 transaction's cost: staging bytes and the commit's copy time per rollout rank (`--commit undo`: the
 backup's copy, which overlaps the wire; `undo_ahead`: the same copy taken after each update, off the
 next one's path, with `window_backups_per_rollout_rank` counting the updates that backed up inside
-their own window, the warm-up's first among them). Writes
+their own window, the warm-up's first among them). `--agreement group` adds rows with the prepare and
+vote as one all-gather on the transfer group instead of the store's round trips. Writes
 <out>/<device>-ranks<N>.json (stamped: commit, versions, device (the accelerator's name), date; the
 --device kind under "device_type"; per rank, the copy programs' calls against entries: "copies").
 `--profile`: after the timed updates of the first p2p budget, one more on every rank (after a barrier)
@@ -225,9 +226,9 @@ def measured(args) -> dict | None:
     mesh = DeviceMesh(device.type, torch.tensor(trainers), mesh_dim_names=("dp",))
     ep_mesh = DeviceMesh(device.type, torch.tensor(trainers).view(T // 2, 2), mesh_dim_names=("efsdp", "ep")) \
         if args.ep else None
-    impl = {f"p2p{'' if c == 'stage' else '-' + c}@{b}":
-            registry.resolve("weight_transfer", P2PTransfer(budget_bytes=b, timeout_s=600, commit=c))
-            for c in args.commit for b in args.budget_bytes}
+    impl = {f"p2p{'' if c == 'stage' else '-' + c}{'' if a == 'store' else '-' + a}@{b}":
+            registry.resolve("weight_transfer", P2PTransfer(budget_bytes=b, timeout_s=600, commit=c, agreement=a))
+            for a in args.agreement for c in args.commit for b in args.budget_bytes}
     impl["broadcast"] = registry.resolve("weight_transfer", "broadcast")
     link = {k: Link(trainers, rollouts, name=k) for k in impl}
     first_p2p = next(k for k in impl if k.startswith("p2p"))
@@ -329,6 +330,9 @@ def main():
                          "receives whole and copies after the wire; undo (rows p2p-undo@B) lands rounds in place "
                          "behind a backup; undo_ahead (rows p2p-undo_ahead@B) with the backup taken after the "
                          "previous update")
+    ap.add_argument("--agreement", nargs="+", choices=("store", "group"), default=["store"],
+                    help="P2PTransfer.agreement, each with every commit and budget: store (rows as above) or group "
+                         "(rows ...-group@B: the prepare and vote as one all-gather on the transfer group)")
     ap.add_argument("--layout", choices=("given", "infer"), default=None,
                     help="the rollout's layout: written from the engine's rules and checked by one loader call "
                          "(default on cuda: probing a 30B slice takes minutes on the host), or inferred (cpu default)")

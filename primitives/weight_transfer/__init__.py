@@ -49,6 +49,9 @@ class P2PTransfer:
                          "(the targets must change only through this transfer in between: one swapped or "
                          "written through a torch op is backed up in the window again; a write through .data "
                          "or outside torch is not seen)")
+    agreement: str = option("store", "how the ranks agree before and after an update's bytes: store (the process "
+                            "group's key-value store, round trips) or group (one all-gather on the transfer group, "
+                            "the store only to carry a failure's messages); both raise on every rank within timeout_s")
     verify: bool = option(True, "check an inferred layout against a real load_weights call on random "
                           "tensors (one extra call; a cached layout is always checked)")
     poll_s: float = option(0.005, "the longest pause between store checks, only where the store cannot be "
@@ -61,6 +64,7 @@ class P2PTransfer:
             raise ValueError(f"P2PTransfer.send_buffers must be 1 or 2; got {self.send_buffers!r}")
         check_bool(self, "transactional")
         check_choice(self, "commit", COMMITS)
+        check_choice(self, "agreement", ("store", "group"))
         check_bool(self, "verify")
         for name in ("timeout_s", "poll_s"):
             value = getattr(self, name)

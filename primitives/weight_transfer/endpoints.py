@@ -11,6 +11,7 @@ and skips the versions it was too slow for.
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import time
 
@@ -19,7 +20,7 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from bumblebee.common.weight_transfer import Link, TransferError, TransferInFlight
-from bumblebee.primitives.weight_transfer.control import Control, agree
+from bumblebee.primitives.weight_transfer.control import Control, GroupVote, agree
 from bumblebee.primitives.weight_transfer.execute import Mover, read_from
 from bumblebee.primitives.weight_transfer.infer import LayoutCache, infer_layout
 from bumblebee.primitives.weight_transfer.plan import make_plan
@@ -53,6 +54,7 @@ class _Endpoint:
         self.ctl = Control(store, f"weight_transfer/{link.name}/", link.trainer_ranks + link.rollout_ranks,
                            config.timeout_s, config.poll_s)
         self.n, self.version, self.plan, self.mover = 0, None, None, None
+        self.group_vote = None  # GroupVote once planned, where config.agreement == "group"
         self.broken: str | None = None
         self.on_round = None  # test seam: called with the round index after each round
         self._busy = threading.Lock()
@@ -97,6 +99,9 @@ class _Endpoint:
         self.mover = Mover(self.plan, self.rank, self.link.group, transactional=self.config.transactional,
                            device=self._device(), keep_programs=3 if self.config.mode == "async" else 1,
                            send_buffers=self.config.send_buffers, commit=self.config.commit)
+        if self.config.agreement == "group":
+            self.group_vote = GroupVote(self.ctl, self.link.group, self._device(), self.config.timeout_s)
+        self.setup_n = n
 
     def _transfer(self, version, sent, wait_s):
         """One update (number self.n): setup on the first, then prepare, move, vote, commit, each a
@@ -113,16 +118,23 @@ class _Endpoint:
                 read = read_from(sent[2]) if is_sender else None
                 if is_sender and err is None:  # round 0 packs while the agreement is out
                     self.mover.prepack(read)
-                got = agree(self.ctl, f"{n}/prep", self.rank, err, timeout_s=wait_s, version=version)
-            version = got[self.link.trainer_ranks[0]]["version"]
+                if self.group_vote is not None:
+                    got = self.group_vote(f"{n}/prep", self.rank, err, version if is_sender else -1, wait_s)
+                    version = got[self.link.trainer_ranks[0]]
+                else:
+                    got = agree(self.ctl, f"{n}/prep", self.rank, err, timeout_s=wait_s, version=version)
+                    version = got[self.link.trainer_ranks[0]]["version"]
         except TransferError as e:
             self.broken = self.broken or (None if self.plan is not None else f"a failed setup ({e})")
+            if self.group_vote is not None and "did not answer" in str(e):  # a collective left unfinished
+                self.broken = self.broken or f"update {n} ({e})"
             raise
         with record_function("weight_transfer.move"):
             errors = self.mover.move(read, getattr(self, "targets", None), self.config.timeout_s, self.on_round)
         try:
             with record_function("weight_transfer.vote"):
-                agree(self.ctl, f"{n}/vote", self.rank, "; ".join(errors) or None)
+                vote = self.group_vote or functools.partial(agree, self.ctl)
+                vote(f"{n}/vote", self.rank, "; ".join(errors) or None)
             if not is_sender:
                 with record_function("weight_transfer.commit"):
                     self.mover.commit(self.targets)
@@ -134,11 +146,20 @@ class _Endpoint:
             raise
         finally:
             with record_function("weight_transfer.forget"):
-                for step in ("setup-s", "setup-r", "prep", "vote"):
-                    self.ctl.forget(f"{n - 1}/{step}", self.rank)
+                for key in self._posted_by(n - 1):
+                    self.ctl.forget(key, self.rank)
         self.version = version
         self.stats["staged_bytes"] = self.mover.staged_bytes
         return version
+
+
+    def _posted_by(self, n):
+        """The store keys update n may have left under this rank (with the group's vote: its setup's,
+        and an agreement's only where it failed)."""
+        keys = [f"{n}/{step}" for step in ("setup-s", "setup-r", "prep", "vote")]
+        if self.group_vote is None:
+            return keys
+        return [k for k in keys if (n == self.setup_n and "setup" in k) or k in self.group_vote.posted]
 
 
 class WeightSender(_Endpoint):

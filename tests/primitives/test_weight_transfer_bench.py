@@ -1,6 +1,7 @@
 """The weight-transfer benchmark's torchrun mode end to end on 4 gloo ranks at tiny size, on the path
 its GPU runs take (trainer FSDP2 + EP 2 -> rollout TP 2, the layout given and checked, two p2p
-budgets each staged and landed in place (`commit` stage, undo and undo_ahead), the twin, the link's
+budgets each staged and landed in place (`commit` stage, undo and undo_ahead), each agreed through the
+store and on the group (`agreement`), the twin, the link's
 batch_isend_irecv rate): a change cannot break the GPU command unseen."""
 import json
 import os
@@ -16,7 +17,8 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_bench_measures_p2p_twin_and_link_on_four_gloo_ranks(tmp_path):
     args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
             str(ROOT / "benchmarks" / "weight_transfer" / "bench.py"), "--device", "cpu", "--trainers", "2", "--ep",
-            "--layout", "given", "--iters", "1", "--budget-bytes", "65536", "1048576", "--profile", "--out", str(tmp_path)]
+            "--layout", "given", "--iters", "1", "--budget-bytes", "65536", "1048576",
+            "--agreement", "store", "group", "--profile", "--out", str(tmp_path)]
     p = subprocess.run(args, capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S, cwd=tmp_path,
                        env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert p.returncode == 0, (p.stdout[-2000:], p.stderr[-3000:])
@@ -26,7 +28,8 @@ def test_bench_measures_p2p_twin_and_link_on_four_gloo_ranks(tmp_path):
     for g in r["ranks"]:  # each p2p rank's copy programs: fewer calls than entries
         assert 0 < g["p2p@1048576"]["copies"]["copy_calls"] < g["p2p@1048576"]["copies"]["entries"], g
     per = r["per_impl"]
-    assert set(per) == {f"p2p{c}@{b}" for c in ("", "-undo", "-undo_ahead") for b in (65536, 1048576)} | {"broadcast"}
+    assert set(per) == {f"p2p{c}{a}@{b}" for c in ("", "-undo", "-undo_ahead") for a in ("", "-group")
+                        for b in (65536, 1048576)} | {"broadcast"}
     for k, v in per.items():
         assert v["median_ms"] > 0 and v["first_update_s"] > 0 and v["GBps"] > 0, (k, v)
     # TP 2: each rollout rank takes about half of the model from p2p, all of it from the twin
@@ -40,6 +43,9 @@ def test_bench_measures_p2p_twin_and_link_on_four_gloo_ranks(tmp_path):
     assert undo["window_backups_per_rollout_rank"] == [3, 3]  # the first update, the warm-up and the timed one
     ahead = per["p2p-undo_ahead@65536"]  # the first update backed up in its window, the next two behind backups taken ahead
     assert ahead["wire_bytes"] == undo["wire_bytes"] and ahead["window_backups_per_rollout_rank"] == [1, 1]
+    for k in ("p2p@65536", "p2p-undo_ahead@1048576"):  # agreed on the group: the same bytes
+        group = per[k.replace("@", "-group@")]
+        assert group["wire_bytes"] == per[k]["wire_bytes"] and group["median_ms"] > 0
     link = r["link"]
     assert link["pairs"] == 2 and link["GBps"] > 0
     assert 0 < link["message_bytes"] < per["p2p@65536"]["wire_bytes"]  # one rollout rank's update

@@ -3,7 +3,8 @@ a vLLM-style engine on cuda:0 bit for bit, twice (the second through the cached 
 a trainer killed in the middle of an update makes the rollout raise within the endpoint's timeout
 with its weights intact, then refuse further updates; with the update staged and with its rounds
 landed in place behind a backup (`commit="undo"`: the dead trainer's partial update is put back; `"undo_ahead"`: from
-the backup taken after update 2). The rollout is rank 0, the host of the control
+the backup taken after update 2); each agreed through the store and, for stage and undo_ahead, on the
+group itself (`agreement="group"`: the dead trainer never joins the rollout's all-gather). The rollout is rank 0, the host of the control
 store, so the dead trainer takes no store with it (as a rollout engine's own process would not)."""
 from __future__ import annotations
 
@@ -25,10 +26,11 @@ DEAD_TIMEOUT_S = 5.0
 
 
 def nccl2(ctx):
-    commit = ctx.params.get("commit", "stage")
-    p2p = registry.resolve("weight_transfer", P2PTransfer(budget_bytes=64 << 10, timeout_s=LIMIT, commit=commit))
+    commit, agreement = ctx.params.get("commit", "stage"), ctx.params.get("agreement", "store")
+    p2p = registry.resolve("weight_transfer", P2PTransfer(budget_bytes=64 << 10, timeout_s=LIMIT, commit=commit,
+                                                          agreement=agreement))
     short = registry.resolve("weight_transfer", P2PTransfer(budget_bytes=16 << 10, timeout_s=DEAD_TIMEOUT_S,
-                                                            commit=commit))
+                                                            commit=commit, agreement=agreement))
     link, dying = Link(ctx.trainers, ctx.rollouts, name="nccl"), Link(ctx.trainers, ctx.rollouts, name="dying")
     manifest, res = R.manifest_of_model(MOE), {}
     device = "cuda" if ctx.params.get("cuda") else "cpu"  # cpu: the same scenario over gloo
@@ -68,12 +70,14 @@ def nccl2(ctx):
     return res
 
 
-@pytest.fixture(scope="module", params=["stage", "undo", "undo_ahead"])
+@pytest.fixture(scope="module", params=[("stage", "store"), ("undo", "store"), ("undo_ahead", "store"),
+                                        ("stage", "group"), ("undo_ahead", "group")], ids="-".join)
 def nccl(request, tmp_path_factory):
     if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
         pytest.skip("needs two CUDA devices")
+    commit, agreement = request.param
     return R.spawn(1, 1, __name__, "nccl2", tmp_path_factory.mktemp("nccl"), timeout_s=LIMIT, cuda=True,
-                   rollout_first=True, commit=request.param)
+                   rollout_first=True, commit=commit, agreement=agreement)
 
 
 def test_updates_over_nccl_equal_the_engines_own_load_weights(nccl):

@@ -23,7 +23,6 @@ import argparse
 import functools
 import json
 import sys
-import time
 import warnings
 from pathlib import Path
 
@@ -33,7 +32,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # benchmarks/: timing
 from stamp import print_stamp  # noqa: E402
-from timing import median_ms  # noqa: E402
+from timing import launch_and_device_ms, median_ms  # noqa: E402
 from context_parallel.bench import GDN_FORMS  # noqa: E402  (the bench's cp forms of the layer)
 
 from bumblebee import registry  # noqa: E402
@@ -79,19 +78,7 @@ def _gather_rows(row):
 
 def _host_bound(fn, x, label, iters=5):
     """Median host and device ms of a step over `iters` (after two warm ones), and the host waits in one."""
-    for _ in range(2):
-        _step(fn, x)
-    host, dev = [], []
-    for _ in range(iters):
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        t0 = time.perf_counter()
-        start.record()
-        _step(fn, x)
-        end.record()
-        host.append((time.perf_counter() - t0) * 1e3)
-        torch.cuda.synchronize()
-        dev.append(start.elapsed_time(end))
+    host_ms, device_ms = launch_and_device_ms(lambda: _step(fn, x), iters=iters, warmup=2, cuda=True)
     torch.cuda.synchronize()
     before = torch.cuda.get_sync_debug_mode()
     try:
@@ -104,8 +91,7 @@ def _host_bound(fn, x, label, iters=5):
     torch.cuda.synchronize()
     syncs = [str(w.message)[:80] for w in caught if "synchroniz" in str(w.message)]
     return {"case": label, "rank": dist.get_rank() if dist.is_initialized() else 0,
-            "host_ms": sorted(host)[iters // 2], "device_ms": sorted(dev)[iters // 2],
-            "syncs": len(syncs), "first_syncs": syncs[:3]}
+            "host_ms": host_ms, "device_ms": device_ms, "syncs": len(syncs), "first_syncs": syncs[:3]}
 
 
 def _rule_ms(L, rows, width, device):

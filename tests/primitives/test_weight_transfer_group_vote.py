@@ -1,0 +1,97 @@
+"""`P2PTransfer(agreement="group")` over gloo (1 trainer -> 1 rollout rank, Qwen3-MoE tiny): the prepare
+and the vote as one all-gather on the transfer group. Updates equal the engine's own load_weights bit
+for bit and leave no agreement keys in the store; a receiver that raises mid-update and a sender's
+dtype change raise the same message on both ranks (the store carries the messages of a failed vote
+only) with the previous weights intact, and the endpoint goes on; a trainer killed mid-update (the
+NCCL test's scenario, here over gloo) makes the rollout raise within the timeout, intact, then refuse."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from bumblebee import models, registry
+from bumblebee.primitives.weight_transfer import Link, P2PTransfer
+from tests.limits import SUBPROCESS_TIMEOUT_S as LIMIT
+from tests.primitives import weight_transfer_ranks as R
+from tests.primitives.test_weight_transfer_nccl import DEAD_TIMEOUT_S
+from tests.primitives.weight_transfer_engines import VllmStyleEngine
+
+MOE = "qwen3-moe-tiny"
+
+
+def _agreement_keys(end, n):
+    return [k for k in (f"{n}/prep/{end.rank}", f"{n}/vote/{end.rank}") if end.ctl._has(k)]
+
+
+def flags2(ctx):
+    make = registry.resolve("weight_transfer", P2PTransfer(budget_bytes=32 << 10, timeout_s=LIMIT, agreement="group"))
+    link, manifest, res = Link(ctx.trainers, ctx.rollouts, name="group"), R.manifest_of_model(MOE), {"errors": {}}
+    if ctx.is_trainer:
+        model = models.build(MOE, seed=0)
+        shards = R.shards(model, None)
+        end = make(link)
+        for version in (1, 2):
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(1.0)
+            end.update(shards, version, timeout_s=LIMIT)
+            res[version] = {s.name: s.tensor.detach().clone() for s in shards}
+        res["keys"] = _agreement_keys(end, 1)
+        res["errors"]["raises"] = R.transfer_error(lambda: end.update(shards, 3))
+        bad = [SimpleNamespace(**{**vars(shards[0]), "tensor": shards[0].tensor.to(torch.bfloat16)})] + shards[1:]
+        res["errors"]["dtype"] = R.transfer_error(lambda: end.update(bad, 4))
+        res["after"] = end.update(shards, 5)
+        return res
+    eng = VllmStyleEngine(manifest, models.NAMED[MOE])
+    end = make(link, load_weights=eng.load_weights, targets=eng.params, layout_key="group")
+    for version in (1, 2):
+        res[version] = end.update(timeout_s=LIMIT), {k: t.clone() for k, t in eng.params.items()}
+    res["keys"] = _agreement_keys(end, 1)
+    end.on_round = lambda r: (_ for _ in ()).throw(RuntimeError("receiver failed mid-update")) if r == 0 else None
+    res["errors"]["raises"] = R.transfer_error(end.update)
+    end.on_round = None
+    res["intact_raises"] = all(torch.equal(res[2][1][k], t) for k, t in eng.params.items())
+    res["errors"]["dtype"] = R.transfer_error(end.update)
+    res["intact_dtype"] = all(torch.equal(res[2][1][k], t) for k, t in eng.params.items())
+    res["after"] = end.update()
+    return res
+
+
+@pytest.fixture(scope="module")
+def flags(tmp_path_factory):
+    return R.spawn(1, 1, __name__, "flags2", tmp_path_factory.mktemp("group"), timeout_s=LIMIT)
+
+
+def test_group_agreement_updates_bitwise_with_no_store_votes(flags):
+    trainer, rollout = flags
+    manifest = R.manifest_of_model(MOE)
+    for version in (1, 2):
+        got_version, params = rollout[version]
+        ref = VllmStyleEngine(manifest, models.NAMED[MOE])
+        ref.load_weights(iter(trainer[version].items()))
+        assert got_version == version and all(torch.equal(params[k], ref.params[k]) for k in ref.params), version
+    assert trainer["keys"] == [] and rollout["keys"] == []  # prepare and vote went over the group
+
+
+def test_group_agreement_failures_raise_the_same_message_everywhere_intact(flags):
+    trainer, rollout = flags
+    for case, words in (("raises", "receiver failed mid-update"), ("dtype", "changed since the plan")):
+        assert trainer["errors"][case] is not None and words in trainer["errors"][case], trainer["errors"][case]
+        assert trainer["errors"][case] == rollout["errors"][case]
+        assert rollout[f"intact_{case}"], case
+    assert trainer["after"] == rollout["after"] == 5  # a flagged failure leaves the endpoints usable
+
+
+@pytest.fixture(scope="module")
+def dying(tmp_path_factory):
+    return R.spawn(1, 1, "tests.primitives.test_weight_transfer_nccl", "nccl2", tmp_path_factory.mktemp("dying"),
+                   timeout_s=LIMIT, rollout_first=True, commit="undo_ahead", agreement="group")
+
+
+def test_group_agreement_with_a_killed_trainer_raises_in_time_intact(dying):
+    rollout, trainer = dying
+    assert trainer == {"dead": True}
+    assert rollout["error"] is not None and rollout["took"] < 3 * DEAD_TIMEOUT_S, (rollout["error"], rollout["took"])
+    assert rollout["intact"] and "unusable" in rollout["after"], rollout["after"]
