@@ -51,7 +51,9 @@ class P2PTransfer:
                          "or outside torch is not seen)")
     agreement: str = option("store", "how the ranks agree before and after an update's bytes: store (the process "
                             "group's key-value store, round trips) or group (one all-gather on the transfer group, "
-                            "the store only to carry a failure's messages); both raise on every rank within timeout_s")
+                            "the store only to carry a failure's messages; async: no other collective may run on that group "
+                            "while an update does, so give the link its own group where the trainer's threads use the "
+                            "default one); both raise on every rank within timeout_s")
     verify: bool = option(True, "check an inferred layout against a real load_weights call on random "
                           "tensors (one extra call; a cached layout is always checked)")
     poll_s: float = option(0.005, "the longest pause between store checks, only where the store cannot be "

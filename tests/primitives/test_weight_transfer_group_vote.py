@@ -2,8 +2,10 @@
 and the vote as one all-gather on the transfer group. Updates equal the engine's own load_weights bit
 for bit and leave no agreement keys in the store; a receiver that raises mid-update and a sender's
 dtype change raise the same message on both ranks (the store carries the messages of a failed vote
-only) with the previous weights intact, and the endpoint goes on; a trainer killed mid-update (the
-NCCL test's scenario, here over gloo) makes the rollout raise within the timeout, intact, then refuse."""
+only) with the previous weights intact, and the endpoint goes on; async mode (the sender's service
+thread runs the all-gathers) lands the newest published version bit for bit; a trainer killed
+mid-update (the NCCL test's scenario, here over gloo) makes the rollout raise within the timeout,
+intact, then refuse."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -27,7 +29,10 @@ def _agreement_keys(end, n):
 
 def flags2(ctx):
     make = registry.resolve("weight_transfer", P2PTransfer(budget_bytes=32 << 10, timeout_s=LIMIT, agreement="group"))
+    published = registry.resolve("weight_transfer", P2PTransfer(mode="async", budget_bytes=32 << 10, timeout_s=LIMIT,
+                                                                agreement="group"))
     link, manifest, res = Link(ctx.trainers, ctx.rollouts, name="group"), R.manifest_of_model(MOE), {"errors": {}}
+    link_async = Link(ctx.trainers, ctx.rollouts, name="group-async")
     if ctx.is_trainer:
         model = models.build(MOE, seed=0)
         shards = R.shards(model, None)
@@ -43,6 +48,16 @@ def flags2(ctx):
         bad = [SimpleNamespace(**{**vars(shards[0]), "tensor": shards[0].tensor.to(torch.bfloat16)})] + shards[1:]
         res["errors"]["dtype"] = R.transfer_error(lambda: end.update(bad, 4))
         res["after"] = end.update(shards, 5)
+        a = published(link_async)
+        for version in (6, 7):
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(1.0)
+            a.publish(shards, version)
+            res[version] = {s.name: s.tensor.detach().clone() for s in shards}
+        a.ctl.post("published", ctx.rank, True)
+        a.ctl.collect("polled", ctx.rollouts, timeout_s=LIMIT)
+        a.close()
         return res
     eng = VllmStyleEngine(manifest, models.NAMED[MOE])
     end = make(link, load_weights=eng.load_weights, targets=eng.params, layout_key="group")
@@ -56,6 +71,10 @@ def flags2(ctx):
     res["errors"]["dtype"] = R.transfer_error(end.update)
     res["intact_dtype"] = all(torch.equal(res[2][1][k], t) for k, t in eng.params.items())
     res["after"] = end.update()
+    a = published(link_async, load_weights=eng.load_weights, targets=eng.params, layout_key="group")
+    a.ctl.collect("published", ctx.trainers, timeout_s=LIMIT)
+    res["async"] = a.poll(wait_s=LIMIT), {k: t.clone() for k, t in eng.params.items()}
+    a.ctl.post("polled", ctx.rank, True)
     return res
 
 
@@ -73,6 +92,10 @@ def test_group_agreement_updates_bitwise_with_no_store_votes(flags):
         ref.load_weights(iter(trainer[version].items()))
         assert got_version == version and all(torch.equal(params[k], ref.params[k]) for k in ref.params), version
     assert trainer["keys"] == [] and rollout["keys"] == []  # prepare and vote went over the group
+    got_version, params = rollout["async"]  # async: the newest published version, served by the sender's thread
+    ref = VllmStyleEngine(manifest, models.NAMED[MOE])
+    ref.load_weights(iter(trainer[7].items()))
+    assert got_version == 7 and all(torch.equal(params[k], ref.params[k]) for k in ref.params)
 
 
 def test_group_agreement_failures_raise_the_same_message_everywhere_intact(flags):
