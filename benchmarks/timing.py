@@ -6,8 +6,6 @@ step_times_ms          steps and collectives: every call timed alike (warm-ups d
 step_median_ms         or bookkeeping around each call outside the timed region, memory stats left
                        alone; the per-call list, or its median
 interleaved_median_ms  several callables in rounds, so run order weighs on all alike
-launch_and_device_ms   how long a call takes to return on the host against its device time: whether the
-                       device waits on the host's launches
 do_bench_ms            triton's do_bench (budgets in ms, L2 flushed before each call)
 matmul_tflops          the bf16 matmul rate that floors are read against
 sync, synced           a device synchronize (none on the CPU); fn then one: for pytest-benchmark and
@@ -80,34 +78,6 @@ def step_times_ms(fn, iters, warmup, before=None, after=None, cuda=None) -> list
 def step_median_ms(fn, iters, warmup, before=None, after=None, cuda=None):
     """Median of `step_times_ms` (same arguments)."""
     return statistics.median(step_times_ms(fn, iters, warmup, before=before, after=after, cuda=cuda))
-
-
-def launch_and_device_ms(fn, iters=5, warmup=2, cuda=None) -> tuple:
-    """(median ms until `fn` returns, median ms of its device work) over `iters` calls after `warmup`,
-    the device idle before each. On CUDA the first is the host's time to launch (a call that does not
-    synchronize) and the second CUDA events around the same call: the first near the second says the
-    device waited on the host. Off CUDA both are the host clock's."""
-    cuda = torch.cuda.is_available() if cuda is None else cuda
-    for _ in range(warmup):
-        fn()
-    host, device = [], []
-    for _ in range(iters):
-        if cuda:
-            torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            t0 = time.perf_counter()
-            start.record()
-            fn()
-            end.record()
-            host.append((time.perf_counter() - t0) * 1e3)
-            torch.cuda.synchronize()
-            device.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            host.append((time.perf_counter() - t0) * 1e3)
-            device.append(host[-1])
-    return statistics.median(host), statistics.median(device)
 
 
 def interleaved_median_ms(fns: dict, iters, warmup, rounds=1, before=None, cuda=None) -> dict:

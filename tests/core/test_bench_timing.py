@@ -84,12 +84,6 @@ def test_step_times_ms_times_every_call_and_keeps_those_after_the_warmups(timing
     assert times == pytest.approx([5, 1, 3])
 
 
-def test_launch_and_device_ms_leaves_warmups_untimed_off_cuda(timing):
-    work = FakeWork([50, 2, 4, 3], [])
-    assert timing.launch_and_device_ms(work, iters=3, warmup=1, cuda=False) == pytest.approx((3, 3))
-    assert work.calls == 4
-
-
 def test_step_times_ms_with_no_iterations_only_warms_up(timing):
     work = FakeWork([4, 4], [])
     assert timing.step_times_ms(work, iters=0, warmup=2, cuda=False) == [] and work.calls == 2

@@ -32,7 +32,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # benchmarks/: timing
 from stamp import print_stamp  # noqa: E402
-from timing import launch_and_device_ms, median_ms  # noqa: E402
+from timing import host_seconds, median_ms, sync  # noqa: E402
 from context_parallel.bench import GDN_FORMS  # noqa: E402  (the bench's cp forms of the layer)
 
 from bumblebee import registry  # noqa: E402
@@ -78,7 +78,13 @@ def _gather_rows(row):
 
 def _host_bound(fn, x, label, iters=5):
     """Median host and device ms of a step over `iters` (after two warm ones), and the host waits in one."""
-    host_ms, device_ms = launch_and_device_ms(lambda: _step(fn, x), iters=iters, warmup=2, cuda=True)
+    device_ms = median_ms(lambda: _step(fn, x), iters=iters, warmup=2, cuda=True)
+    host = []
+    for _ in range(iters):  # the call's return on the host clock, the device idle before each
+        sync()
+        host.append(host_seconds(lambda: _step(fn, x))[1] * 1e3)
+    sync()
+    host_ms = sorted(host)[iters // 2]
     torch.cuda.synchronize()
     before = torch.cuda.get_sync_debug_mode()
     try:
