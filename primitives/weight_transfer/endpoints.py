@@ -55,6 +55,7 @@ class _Endpoint:
                            config.timeout_s, config.poll_s)
         self.n, self.version, self.plan, self.mover = 0, None, None, None
         self.group_vote = None  # GroupVote once planned, where config.agreement == "group"
+        self.forgotten_upto = 0  # the updates before this one left no store keys (see _left_before)
         self.broken: str | None = None
         self.on_round = None  # test seam: called with the round index after each round
         self._busy = threading.Lock()
@@ -146,20 +147,23 @@ class _Endpoint:
             raise
         finally:
             with record_function("weight_transfer.forget"):
-                for key in self._posted_by(n - 1):
+                for key in self._left_before(n):
                     self.ctl.forget(key, self.rank)
         self.version = version
         self.stats["staged_bytes"] = self.mover.staged_bytes
         return version
 
-
-    def _posted_by(self, n):
-        """The store keys update n may have left under this rank (with the group's vote: its setup's,
-        and an agreement's only where it failed)."""
-        keys = [f"{n}/{step}" for step in ("setup-s", "setup-r", "prep", "vote")]
+    def _left_before(self, n):
+        """The store keys the updates before n may have left under this rank and no update forgot yet (an
+        update that failed in its prepare forgets nothing); with the group's vote only the setup's and a
+        failed agreement's."""
+        done, self.forgotten_upto = self.forgotten_upto, n
+        keys = [f"{m}/{step}" for m in range(done, n) for step in ("setup-s", "setup-r", "prep", "vote")]
         if self.group_vote is None:
             return keys
-        return [k for k in keys if (n == self.setup_n and "setup" in k) or k in self.group_vote.posted]
+        posted = [k for k in keys if k in self.group_vote.posted]
+        self.group_vote.posted.difference_update(posted)
+        return [k for k in keys if k.startswith(f"{self.setup_n}/setup")] + posted
 
 
 class WeightSender(_Endpoint):

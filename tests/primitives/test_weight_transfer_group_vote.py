@@ -28,10 +28,13 @@ def _agreement_keys(end, n):
 
 
 def flags2(ctx):
+    """1 trainer -> 1 rollout: sync updates 1-2, a receiver failing mid-update, a dtype change, update 5, then
+    async versions 6-7, all agreed on the group."""
     make = registry.resolve("weight_transfer", P2PTransfer(budget_bytes=32 << 10, timeout_s=LIMIT, agreement="group"))
     published = registry.resolve("weight_transfer", P2PTransfer(mode="async", budget_bytes=32 << 10, timeout_s=LIMIT,
                                                                 agreement="group"))
-    link, manifest, res = Link(ctx.trainers, ctx.rollouts, name="group"), R.manifest_of_model(MOE), {"errors": {}}
+    link, manifest = Link(ctx.trainers, ctx.rollouts, name="group"), R.manifest_of_model(MOE)
+    res = {"errors": {}, "rank": ctx.rank}
     link_async = Link(ctx.trainers, ctx.rollouts, name="group-async")
     if ctx.is_trainer:
         model = models.build(MOE, seed=0)
@@ -45,9 +48,11 @@ def flags2(ctx):
             res[version] = {s.name: s.tensor.detach().clone() for s in shards}
         res["keys"] = _agreement_keys(end, 1)
         res["errors"]["raises"] = R.transfer_error(lambda: end.update(shards, 3))
+        res["failed_keys"] = _agreement_keys(end, 2)  # the failed vote's messages went through the store
         bad = [SimpleNamespace(**{**vars(shards[0]), "tensor": shards[0].tensor.to(torch.bfloat16)})] + shards[1:]
         res["errors"]["dtype"] = R.transfer_error(lambda: end.update(bad, 4))
         res["after"] = end.update(shards, 5)
+        res["left_keys"] = _agreement_keys(end, 2) + _agreement_keys(end, 3)  # forgotten by the next updates
         a = published(link_async)
         for version in (6, 7):
             with torch.no_grad():
@@ -66,11 +71,13 @@ def flags2(ctx):
     res["keys"] = _agreement_keys(end, 1)
     end.on_round = lambda r: (_ for _ in ()).throw(RuntimeError("receiver failed mid-update")) if r == 0 else None
     res["errors"]["raises"] = R.transfer_error(end.update)
+    res["failed_keys"] = _agreement_keys(end, 2)
     end.on_round = None
     res["intact_raises"] = all(torch.equal(res[2][1][k], t) for k, t in eng.params.items())
     res["errors"]["dtype"] = R.transfer_error(end.update)
     res["intact_dtype"] = all(torch.equal(res[2][1][k], t) for k, t in eng.params.items())
     res["after"] = end.update()
+    res["left_keys"] = _agreement_keys(end, 2) + _agreement_keys(end, 3)
     a = published(link_async, load_weights=eng.load_weights, targets=eng.params, layout_key="group")
     a.ctl.collect("published", ctx.trainers, timeout_s=LIMIT)
     res["async"] = a.poll(wait_s=LIMIT), {k: t.clone() for k, t in eng.params.items()}
@@ -105,6 +112,8 @@ def test_group_agreement_failures_raise_the_same_message_everywhere_intact(flags
         assert trainer["errors"][case] == rollout["errors"][case]
         assert rollout[f"intact_{case}"], case
     assert trainer["after"] == rollout["after"] == 5  # a flagged failure leaves the endpoints usable
+    for side in (trainer, rollout):  # a failure's messages go through the store, and are forgotten after
+        assert side["failed_keys"] == [f"2/vote/{side['rank']}"] and side["left_keys"] == [], side
 
 
 @pytest.fixture(scope="module")
