@@ -8,8 +8,8 @@ key chunk that is all visible (an earlier key chunk, clipped at s), causal on th
 chunk: square) or empty, so no mask is ever built; unpacked rows are the one-piece case (s = 0).
 
 - `allgather_dense`: the all-gathered K/V in global order, then per piece two blocks: its document's
-  keys before its rows (all visible; cut into blocks of at most `block_keys` keys, so the K/V
-  repeated to the query heads and their gradients stay that size at any T) and its own rows
+  keys before its rows (all visible; cut into blocks of at most `block_keys` keys, so a block's
+  gradients, and K/V where a kernel repeats them, stay that size at any T) and its own rows
   (square, causal). Where no fused block kernel
   takes q's dtype (CUDA fp32) or v's head size differs from q's (MLA's `heads` exchange), one SDPA
   call per piece with a lower-right causal mask
@@ -24,8 +24,8 @@ chunk: square) or empty, so no mask is ever built; unpacked rows are the one-pie
   compute) and each block's dK/dV accumulator travels with it, arriving at its owner after CP steps:
   the exchange of the forward, with the gradients riding it back home.
 
-Key/value heads are repeated to the query heads on the receiving rank (the wire carries K heads);
-dK/dV sum over each group. Inputs keep their dtype (bf16 in training); the kernels accumulate in fp32.
+The wire carries the key/value heads; the CUDA blocks take them as they are, each serving its group of
+query heads (`kernels.py`: repeated only where a kernel refuses the grouped shape, and on the CPU). Inputs keep their dtype (bf16 in training); the kernels accumulate in fp32.
 A packed row costs one kernel call per piece: many short documents mean many small calls (varlen
 kernels would take them in one).
 """
@@ -46,13 +46,9 @@ def _expand(t, groups):
     return t if groups == 1 else t.repeat_interleave(groups, dim=1)
 
 
-def _fold(t, groups):
-    """dK/dV of the repeated heads [B, H, S, D] -> [B, H / groups, S, D] (sum over each group)."""
-    return t if groups == 1 else t.unflatten(1, (-1, groups)).sum(2)
-
-
-BLOCK_KEYS = 65536  # the all-gather's default most keys a block: ~3 GiB of bf16 repeated K/V and gradients
-# at 16 query heads of 256 (Qwen3.5), against ~41 GiB for the last chunk's earlier keys at 1M, CP = 4
+BLOCK_KEYS = 65536  # the all-gather's default most keys a block: where a kernel repeats K/V to the query heads
+# (the CPU twin, a refused grouped shape), ~3 GiB of bf16 repeated K/V and gradients at 16 query heads of 256
+# (Qwen3.5), against ~41 GiB for the last chunk's earlier keys at 1M, CP = 4
 
 
 def allgather_dense(q, k, v, *, scale, batch: CPBatch, block_keys: int = BLOCK_KEYS):
@@ -94,19 +90,18 @@ def _gathered_blocks(batch: CPBatch, block_keys: int = 0):
 
 
 class _GatheredBlocks(torch.autograd.Function):
-    """The all-gather's attention on the fused blocks, merged in fp32 per piece. K/V [B, K, T, D] are
-    repeated to the query heads per block and dK/dV folded back per block, so neither the repeated
-    K/V nor their fp32 gradients ever exist for the whole sequence."""
+    """The all-gather's attention on the fused blocks, merged in fp32 per piece. K/V [B, K, T, D] go to
+    each block with their own heads (`kernels.block_forward` repeats them only where its kernel needs
+    it), so no repeated K/V and no per-block gradient exists for the whole sequence."""
 
     @staticmethod
     def forward(ctx, q, k, v, scale, batch, block_keys):
-        acc, G = torch.promote_types(q.dtype, torch.float32), q.shape[1] // k.shape[1]
+        acc = torch.promote_types(q.dtype, torch.float32)
         o = q.new_zeros(q.shape, dtype=acc)
         lse = q.new_full(q.shape[:3], float("-inf"), dtype=acc)
         bl, aux = _gathered_blocks(batch, block_keys), []
         for a, b, ka, kb, causal in bl:
-            ob, lb, x = block_forward(_rows(q, a, b), _expand(_rows(k, ka, kb), G), _expand(_rows(v, ka, kb), G),
-                                      causal, scale)
+            ob, lb, x = block_forward(_rows(q, a, b), _rows(k, ka, kb), _rows(v, ka, kb), causal, scale)
             aux.append(x)
             new = torch.logaddexp(lse[:, :, a:b], lb)
             o[:, :, a:b] = (o[:, :, a:b] * (lse[:, :, a:b] - new).exp()[..., None]
@@ -120,16 +115,15 @@ class _GatheredBlocks(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do):
         q, k, v, out, lse = ctx.saved_tensors
-        acc, G = torch.promote_types(q.dtype, torch.float32), q.shape[1] // k.shape[1]
+        acc = torch.promote_types(q.dtype, torch.float32)
         do = do.to(q.dtype)
         dq, dk, dv = (torch.zeros_like(t, dtype=acc) for t in (q, k, v))
         for (a, b, ka, kb, causal), x in zip(ctx.blocks, ctx.aux):
-            gq, gk, gv = block_backward(_rows(do, a, b), _rows(q, a, b), _expand(_rows(k, ka, kb), G),
-                                        _expand(_rows(v, ka, kb), G), _rows(out, a, b),
-                                        lse[:, :, a:b].contiguous(), causal, ctx.scale, x)
+            gq, gk, gv = block_backward(_rows(do, a, b), _rows(q, a, b), _rows(k, ka, kb), _rows(v, ka, kb),
+                                        _rows(out, a, b), lse[:, :, a:b].contiguous(), causal, ctx.scale, x)
             dq[:, :, a:b] += to_acc(gq)
-            dk[:, :, ka:kb] += _fold(to_acc(gk), G)
-            dv[:, :, ka:kb] += _fold(to_acc(gv), G)
+            dk[:, :, ka:kb] += to_acc(gk)
+            dv[:, :, ka:kb] += to_acc(gv)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
@@ -159,7 +153,7 @@ def _rows(t, a, b):
 class _RingDense(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, scale, batch):
-        L, cp, rank, G = batch.chunk, batch.cp, batch.rank, q.shape[1] // k.shape[1]
+        L, cp, rank = batch.chunk, batch.cp, batch.rank
         acc = torch.promote_types(q.dtype, torch.float32)  # fp32 accumulators (float64 inputs: float64)
         qs = _halves(q, L)
         o = [q.new_zeros(t.shape, dtype=acc) for t in qs]
@@ -167,7 +161,7 @@ class _RingDense(torch.autograd.Function):
         kv, aux = [k, v], []
         for s in range(cp):
             pending = ring_shift(kv, batch.group) if s < cp - 1 else None  # the next block in flight
-            ks, vs = (_halves(_expand(t, G), L) for t in kv)
+            ks, vs = (_halves(t, L) for t in kv)
             for i, j, a, b, ka, kb, causal in blocks(batch, (rank - s) % cp):
                 ob, lb, x = block_forward(_rows(qs[i], a, b), _rows(ks[j], ka, kb), _rows(vs[j], ka, kb), causal,
                                           scale)
@@ -190,7 +184,7 @@ class _RingDense(torch.autograd.Function):
     def backward(ctx, do):
         q, k, v, out, lse = ctx.saved_tensors
         batch, scale, aux = ctx.batch, ctx.scale, iter(ctx.aux)  # the blocks come in the forward's order
-        L, cp, rank, G = batch.chunk, batch.cp, batch.rank, q.shape[1] // k.shape[1]
+        L, cp, rank = batch.chunk, batch.cp, batch.rank
         qs, os_, dos, lses = (_halves(x, L) for x in (q, out, do.to(q.dtype), lse))
         acc = torch.promote_types(q.dtype, torch.float32)  # fp32 accumulators (float64 inputs: float64)
         dq = [torch.zeros_like(t, dtype=acc) for t in qs]
@@ -198,15 +192,15 @@ class _RingDense(torch.autograd.Function):
         dkv = [torch.zeros_like(k, dtype=acc), torch.zeros_like(v, dtype=acc)]
         for s in range(cp):
             prefetch = ring_shift(kv, batch.group, tag=1) if s < cp - 1 else None
-            ks, vs = (_halves(_expand(t, G), L) for t in kv)
+            ks, vs = (_halves(t, L) for t in kv)
             dk, dv = _halves(dkv[0].clone(), L), _halves(dkv[1].clone(), L)
             for i, j, a, b, ka, kb, causal in blocks(batch, (rank - s) % cp):
                 gq, gk, gv = block_backward(_rows(dos[i], a, b), _rows(qs[i], a, b), _rows(ks[j], ka, kb),
                                             _rows(vs[j], ka, kb), _rows(os_[i], a, b),
                                             lses[i][:, :, a:b].contiguous(), causal, scale, next(aux))
                 dq[i][:, :, a:b] += to_acc(gq)
-                dk[j][:, :, ka:kb] += _fold(to_acc(gk), G)
-                dv[j][:, :, ka:kb] += _fold(to_acc(gv), G)
+                dk[j][:, :, ka:kb] += to_acc(gk)
+                dv[j][:, :, ka:kb] += to_acc(gv)
             # the block's gradients follow it: after the last step they arrive at their owner
             dkv, reqs = [torch.cat(dk, dim=2), torch.cat(dv, dim=2)], []
             if cp > 1:

@@ -476,3 +476,25 @@ def test_layers_equal_the_single_rank_layer(cp, four_ranks):
         assert len(result["errors"]) >= 60
         assert within(result["errors"]) == [], f"rank {rank} of CP = {cp}"
         assert max(result["off"].values()) == 0.0, f"rank {rank} of CP = {cp}: gradient off its positions"
+
+
+def test_grouped_blocks_on_cpu_repeat_and_sum_the_key_heads(monkeypatch):
+    """The CPU twin gets K/V repeated to the query heads and gives dK/dV back with the key heads (the sum
+    over each group of the repeated call's); a grouped shape a CUDA kernel refused is not tried again."""
+    from bumblebee.primitives.context_parallel import kernels
+    g = torch.Generator().manual_seed(0)
+    q, do = (torch.randn(1, 8, 40, 16, generator=g) for _ in range(2))
+    k, v = (torch.randn(1, 2, 40, 16, generator=g) for _ in range(2))
+    o, lse, aux = kernels.block_forward(q, k, v, True, 0.25)
+    dq, dk, dv = kernels.block_backward(do, q, k, v, o, lse, True, 0.25, aux)
+    kr, vr = k.repeat_interleave(4, 1), v.repeat_interleave(4, 1)
+    o_r, lse_r, aux_r = kernels.block_forward(q, kr, vr, True, 0.25)
+    dq_r, dk_r, dv_r = kernels.block_backward(do, q, kr, vr, o_r, lse_r, True, 0.25, aux_r)
+    assert aux[:2] == ("cpu", 4) and aux_r[:2] == ("cpu", 1) and dk.shape == k.shape and dv.shape == v.shape
+    assert torch.equal(o, o_r) and torch.equal(dq, dq_r)
+    torch.testing.assert_close(dk, dk_r.unflatten(1, (2, 4)).sum(2))
+    torch.testing.assert_close(dv, dv_r.unflatten(1, (2, 4)).sum(2))
+    monkeypatch.setattr(kernels, "_GROUPED_REFUSED", set())
+    assert kernels._tries("cudnn", q, k, True) == (1, 4) and kernels._tries("cudnn", q, kr, True) == (1,)
+    kernels._refused("cudnn", q, k, True, 1)
+    assert kernels._tries("cudnn", q, k, True) == (4,) and kernels._tries("flash", q, k, True) == (1, 4)

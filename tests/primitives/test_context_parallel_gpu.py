@@ -1,7 +1,7 @@
 """Context parallelism's CUDA paths on one GPU (bf16; `pytest -m gpu`): what the CPU suite cannot run.
 
 - the fused blocks (`kernels.block_forward` / `block_backward`, SDPA's cuDNN kernel and, with cuDNN's
-  SDPA backend off, its flash kernel) and the ring and the all-gather at CP = 1 (the same block
+  SDPA backend off, its flash kernel; grouped-query blocks with their own key heads) and the ring and the all-gather at CP = 1 (the same block
   schedules, no exchange) on each, unpacked and packed (per document piece), against float64;
 - MLA's cp forward at CP = 1, both exchanges (DeepSeek-V3's head dims, q/k 192 and v 128), against
   the `mla` slot's layer;
@@ -78,6 +78,29 @@ def test_block_forward_and_backward(causal, D, kernel):
     assert (lse.double() - lse64).abs().max().item() < 0.05
     ref = _grads(lambda *t: _attention_ref(*t, scale, causal)[0], [t.double() for t in (q, k, v)], do.double())
     plain = _grads(lambda *t: F.scaled_dot_product_attention(*t, is_causal=causal, scale=scale), [qb, kb, vb], do)
+    _close([o.float(), dq.float(), dk.float(), dv.float()], ref, plain)
+
+
+@cuda
+@pytest.mark.parametrize("kernel", ["cudnn", "flash"])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("D", [128, 256])
+def test_grouped_blocks_keep_the_key_heads(causal, D, kernel):
+    """8 query heads on 2 key/value heads: each kernel gets the key heads as they are where it takes the
+    grouped shape (`aux[1]`, the repeat factor, 1), and dK/dV come back with the key heads either way."""
+    g = torch.Generator(device="cuda").manual_seed(D + causal)
+    q, do = (torch.randn(1, 8, 1000, D, device="cuda", generator=g) for _ in range(2))
+    k, v = (torch.randn(1, 2, 1000, D, device="cuda", generator=g) for _ in range(2))
+    scale = D ** -0.5
+    qb, kb, vb = (t.bfloat16() for t in (q, k, v))
+    with _kernel(kernel):
+        o, lse, aux = flash.block_forward(qb, kb, vb, causal, scale)
+        dq, dk, dv = flash.block_backward(do.bfloat16(), qb, kb, vb, o, lse, causal, scale, aux)
+    assert aux[0] == kernel and aux[1] in (1, 4) and dk.shape == k.shape and dv.shape == v.shape
+    print(f"{kernel} D={D} causal={causal}: repeat factor {aux[1]}")  # 1: the grouped kernel ran
+    ref = _grads(lambda *t: _attention_ref(*t, scale, causal)[0], [t.double() for t in (q, k, v)], do.double())
+    plain = _grads(lambda *t: F.scaled_dot_product_attention(*t, is_causal=causal, scale=scale, enable_gqa=True),
+                   [qb, kb, vb], do)
     _close([o.float(), dq.float(), dk.float(), dv.float()], ref, plain)
 
 

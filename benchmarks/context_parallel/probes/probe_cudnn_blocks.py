@@ -43,7 +43,7 @@ def _on(backend, fn):
 
 def cudnn_bwd_empty_bias(do, q, k, v, o, lse, causal, scale, aux):
     """cuDNN's backward given an empty bias tensor where the library passes None (does it take either?)."""
-    _, shape, cq, ck, mq, mk, seed, off = aux
+    _, _, shape, cq, ck, mq, mk, seed, off = aux  # (kernel, repeat factor, ...): block_forward's
     return aten._scaled_dot_product_cudnn_attention_backward(
         do, q, k, v, o, lse.reshape(shape).contiguous(), seed, off, q.new_empty(0), cq, ck, mq, mk, 0.0, causal,
         scale=scale)
