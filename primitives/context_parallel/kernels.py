@@ -94,8 +94,21 @@ def block_forward(q, k, v, causal: bool, scale: float):
 
 def block_backward(do, q, k, v, o, lse, causal: bool, scale: float, aux):
     """(dq, dk, dv) of one block from the whole output o and log-sum-exp lse of its queries; dk, dv with k's
-    heads (in fp32 where the forward repeated them)."""
+    heads (in fp32 where the kernel ran on repeated ones). A grouped backward its kernel refuses runs on
+    the repeated heads instead (the same o and lse: the forward's math does not depend on the repeat)."""
     kind, g = aux[0], aux[1]
+    G = q.shape[1] // k.shape[1]
+    try:
+        return _block_backward(do, q, k, v, o, lse, causal, scale, aux, g)
+    except RuntimeError:
+        if g == G or kind == "cpu":
+            raise
+        _refused(kind, q, k, causal, g)
+        return _block_backward(do, q, k, v, o, lse, causal, scale, aux, G)
+
+
+def _block_backward(do, q, k, v, o, lse, causal, scale, aux, g):
+    kind = aux[0]
     kr, vr = _repeat(k, g), _repeat(v, g)
     if kind == "cpu":
         dq, dk, dv = aten._scaled_dot_product_flash_attention_for_cpu_backward(do, q, kr, vr, o, lse, 0.0, causal,

@@ -498,3 +498,30 @@ def test_grouped_blocks_on_cpu_repeat_and_sum_the_key_heads(monkeypatch):
     assert kernels._tries("cudnn", q, k, True) == (1, 4) and kernels._tries("cudnn", q, kr, True) == (1,)
     kernels._refused("cudnn", q, k, True, 1)
     assert kernels._tries("cudnn", q, k, True) == (4,) and kernels._tries("flash", q, k, True) == (1, 4)
+
+
+def test_a_refused_grouped_backward_runs_on_the_repeated_heads(monkeypatch):
+    """A CUDA kernel whose grouped backward is refused (played here by the CPU op behind a fake flash
+    backward that refuses fewer key heads) reruns it on the repeated heads, from the same o and lse, and
+    the shape is not tried grouped again."""
+    from types import SimpleNamespace
+
+    from bumblebee.primitives.context_parallel import kernels
+    g = torch.Generator().manual_seed(1)
+    q, do = (torch.randn(1, 8, 24, 16, generator=g) for _ in range(2))
+    k, v = (torch.randn(1, 2, 24, 16, generator=g) for _ in range(2))
+    o, lse, aux = kernels.block_forward(q, k, v, True, 0.25)
+    want = kernels.block_backward(do, q, k, v, o, lse, True, 0.25, aux)
+    heads, cpu_backward = [], torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+    def flash_backward(do, q, k, v, o, lse, cum_q, cum_k, max_q, max_k, p, causal, seed, offset, scale):
+        heads.append(k.shape[1])
+        if k.shape[1] != q.shape[1]:
+            raise RuntimeError("grouped backward refused")
+        return cpu_backward(do, q, k, v, o, lse, p, causal, scale=scale)
+    monkeypatch.setattr(kernels, "aten", SimpleNamespace(_scaled_dot_product_flash_attention_backward=flash_backward))
+    monkeypatch.setattr(kernels, "_GROUPED_REFUSED", set())
+    got = kernels.block_backward(do, q, k, v, o, lse, True, 0.25, ("flash", 1, None, None, None, None, None, None))
+    assert heads == [2, 8] and kernels._tries("flash", q, k, True) == (4,)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
