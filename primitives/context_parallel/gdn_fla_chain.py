@@ -35,6 +35,8 @@ import torch.distributed as dist
 
 _MINE: dict[int, tuple] = {}  # id(context) -> (weak ref to the context, its ChainPass): the contexts served here
 _FLA: dict[str, object] = {}   # fla's own pre-process functions, by name (filled by install)
+# storage address -> the forward's buffer of [entering states | its two parts' transition maps] (`_kept_maps`)
+_KEPT: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,16 +112,22 @@ def _fwd_pre_process(*, k, w, u, g=None, gk=None, bg=None, v=None, chunk_size=64
                            **newer)
     HV, V, K, N, front = u.shape[2], u.shape[3], k.shape[-1], len(cu_seqlens) - 1, context.front_num_seqs
     maps = k.new_zeros(2, HV, K, V + K, dtype=torch.float32)
-    entering = k.new_zeros(N, HV, *((V, K) if state_v_first else (K, V)), dtype=torch.float32)
-    last_segments = (cu_seqlens[front - 1:front + 1], cu_seqlens[-2:])
     how = pass_of(context)
     ours = how.transition != "fla" and g is not None and gk is None and bg is None and v is None
+    state = (N, HV, *((V, K) if state_v_first else (K, V)))
+    buf = k.new_zeros(state[0] * state[1] * state[2] * state[3] + (2 * HV * K * K if ours else 0),
+                      dtype=torch.float32)
+    entering = buf[:N * HV * K * V].view(state)
+    last_segments = (cu_seqlens[front - 1:front + 1], cu_seqlens[-2:])
     calls = []
     for i, (seg, last) in enumerate(zip(last_segments, context.is_last_by_part)):
-        if not last:
+        if not last:  # the chain's first part needs no map: nothing enters it
             calls += _fwd_summary(k=k, w=w, u=u, g=g, gk=gk, bg=bg, v=v, hm=maps[i], seg=seg, chunk_size=chunk_size,
-                                  transition=how.transition if ours else None)
+                                  transition=how.transition if ours else None, map_too=not context.is_first_by_part[i])
     _run(calls, how, k.device)
+    if ours:  # the backward's maps are these transposed (`_bwd_pre_process`): kept with the entering states
+        buf[N * HV * K * V:].view(2, HV, K, K).copy_(maps[..., V:])
+        _KEPT[buf.untyped_storage().data_ptr()] = buf
     _merge(maps, context, skip=context.is_first_by_part, targets=(entering[0], entering[front]),
            ranks_before=context.pre_num_ranks_by_part, state_v_first=state_v_first, forward=True)
     return entering
@@ -141,15 +149,28 @@ def _bwd_pre_process(*, q, k, w, do, dv, g=None, gk=None, bg=None, scale=None, s
     first_segments = (cu_seqlens[:2], cu_seqlens[front:front + 2])
     how = pass_of(context)
     ours = how.transition != "fla" and g is not None and gk is None and bg is None
+    kept = _kept_maps(initial_state, N * HV * K * V, HV, K) if ours else None
     calls = []
     for i, (seg, first) in enumerate(zip(first_segments, context.is_first_by_part)):
-        if not first:
+        if not first:  # the chain's last part needs no map: nothing leaves it
             calls += _bwd_summary(q=q, k=k, w=w, do=do, dv=dv, g=g, gk=gk, bg=bg, scale=scale, dhm=maps[i], seg=seg,
-                                  chunk_size=chunk_size, transition=how.transition if ours else None)
+                                  chunk_size=chunk_size, transition=how.transition if ours else None,
+                                  map_too=not context.is_last_by_part[i], forward_map=None if kept is None else kept[i])
     _run(calls, how, q.device)
     _merge(maps, context, skip=context.is_last_by_part, targets=(leaving[front - 1], leaving[-1]),
            ranks_before=context.post_num_ranks_by_part, state_v_first=state_v_first, forward=False)
     return leaving, None
+
+
+def _kept_maps(initial_state, n_state: int, HV: int, K: int):
+    """The forward's two transition maps [2, HV, K, K], where fla handed back the entering states this
+    module's forward made (unpacked rows: fla keeps them as they are; packed ones it copies), else None."""
+    if initial_state is None:
+        return None
+    buf = _KEPT.get(initial_state.untyped_storage().data_ptr())
+    if buf is None or buf.data_ptr() != initial_state.data_ptr() or buf.numel() != n_state + 2 * HV * K * K:
+        return None
+    return buf[n_state:].view(2, HV, K, K)
 
 
 def _run(calls, how: ChainPass, device) -> None:
@@ -166,10 +187,11 @@ def _fla_blocks(K: int) -> tuple[int, int]:
     return (32 if K <= 64 else 64), 1 << (K - 1).bit_length()
 
 
-def _fwd_summary(*, k, w, u, g, gk, bg, v, hm, seg, chunk_size, transition):
+def _fwd_summary(*, k, w, u, g, gk, bg, v, hm, seg, chunk_size, transition, map_too=True):
     """The calls writing one part's forward summary [h_local | M] into hm: fla's `chunk_cp_fwd_h`
     whole (`transition` None), or its kernel over the state columns only (a grid of V / BV column
-    blocks: its M programs are the ones past those) beside ours for M."""
+    blocks: its M programs are the ones past those) beside ours for M (none without `map_too`: M
+    stays 0)."""
     if transition is None:
         from fla.ops.cp.chunk_fwd import chunk_cp_fwd_h
         return [functools.partial(chunk_cp_fwd_h, k=k, w=w, u=u, hm=hm, g=g, gk=gk, bg=bg, v=v, cu_seqlens=seg,
@@ -184,12 +206,17 @@ def _fwd_summary(*, k, w, u, g, gk, bg, v, hm, seg, chunk_size, transition):
         chunk_cp_fwd_kernel_h[(-(-V // BV), HV)](
             k=k, v=u, w=w, g=g, gk=None, bg=None, u=u, hm=hm, cu_seqlens=seg, T=T, H=H, HV=HV, K=K, V=V,
             BT=chunk_size, BV=BV, BK=BK, MULTI_SEQS=False)
+    if not map_too:
+        return [state_columns]
     return [state_columns, functools.partial(transition_map, k, w, g, seg, hm[:, :, V:], chunk_size=chunk_size,
                                              reverse=False, precision=transition)]
 
 
-def _bwd_summary(*, q, k, w, do, dv, g, gk, bg, scale, dhm, seg, chunk_size, transition):
-    """The calls writing one part's backward summary [dh_local | dM] into dhm (as `_fwd_summary`)."""
+def _bwd_summary(*, q, k, w, do, dv, g, gk, bg, scale, dhm, seg, chunk_size, transition, map_too=True,
+                 forward_map=None):
+    """The calls writing one part's backward summary [dh_local | dM] into dhm (as `_fwd_summary`); with our
+    transition maps and the part's `forward_map` kept, dM is that map transposed (the backward composes
+    the chunks' transposed transforms in reverse order: (A_n ... A_1)^T), not computed again."""
     if transition is None:
         from fla.ops.cp.chunk_bwd import chunk_cp_bwd_dh
         return [functools.partial(chunk_cp_bwd_dh, q=q, k=k, w=w, do=do, dv=dv, dhm=dhm, g=g, gk=gk, bg=bg,
@@ -204,6 +231,10 @@ def _bwd_summary(*, q, k, w, do, dv, g, gk, bg, scale, dhm, seg, chunk_size, tra
         chunk_cp_bwd_kernel_dh[(-(-V // BV), HV)](
             q=q, k=k, w=w, g=g, gk=None, do=do, dhm=dhm, dv=dv, cu_seqlens=seg, scale=scale, T=T, H=H, HV=HV,
             K=K, V=V, BT=chunk_size, BV=BV, BK=BK, USE_BG=False)
+    if not map_too:
+        return [state_columns]
+    if forward_map is not None:
+        return [state_columns, functools.partial(dhm[:, :, V:].copy_, forward_map.transpose(-1, -2))]
     return [state_columns, functools.partial(transition_map, k, w, g, seg, dhm[:, :, V:], chunk_size=chunk_size,
                                              reverse=True, precision=transition)]
 

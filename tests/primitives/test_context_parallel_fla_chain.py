@@ -226,3 +226,64 @@ def test_transition_option_is_checked():
     assert ContextParallel().fla_transition == "bf16x2"  # measured: 0.85 against fla's 0.68 (128K, CP = 2)
     with pytest.raises(ValueError, match="fla_transition must be one of"):
         ContextParallel(fla_transition="tf32")
+
+
+def _counted_maps(monkeypatch):
+    """Our transition kernel's calls (its torch path here), counted by direction."""
+    from bumblebee.kernels import context_parallel_gdn_transition as kernel
+    made, real = [], kernel.transition_map
+
+    def counted(*args, reverse=False, **kw):
+        made.append("reverse" if reverse else "forward")
+        return real(*args, reverse=reverse, **kw)
+    monkeypatch.setattr(kernel, "transition_map", counted)
+    return made
+
+
+def _gdn_inputs(L, H=1, HV=2, K=16, V=128):
+    gen = torch.Generator().manual_seed(1)
+    k = torch.nn.functional.normalize(torch.randn(1, 2 * L, H, K, generator=gen), dim=-1)
+    w = 0.5 * torch.randn(1, 2 * L, HV, K, generator=gen) / K ** 0.5
+    g = -torch.rand(1, 2 * L, HV, generator=gen).cumsum(1) * 0.1
+    return k, w, g, torch.randn(1, 2 * L, HV, V, generator=gen), torch.tensor([0, L, 2 * L])
+
+
+@pytest.mark.parametrize("copied", [False, True])
+def test_the_backward_transposes_the_forwards_maps(fake_fla, monkeypatch, copied):
+    """A middle rank's backward takes each part's map as the forward's transposed, found through the entering
+    states fla hands back (unpacked rows: the forward's own tensor), with no transition call; entering states
+    fla copied (packed rows) leave the backward computing its maps. Either way they equal the reverse map."""
+    from bumblebee.kernels.context_parallel_gdn_transition import transition_torch
+    made = _counted_maps(monkeypatch)
+    fake_fla["at"](1, 2)
+    L, V = 70, 128
+    k, w, g, u, cu = _gdn_inputs(L, V=V)
+    ctx = _zigzag((False, False), (False, False), (1, 2), (2, 1))
+    chain.register(ctx, chain.ChainPass(False, "fp32"))
+    entering = chain._fwd_pre_process(k=k, w=w, u=u, g=g, cu_seqlens=cu, context=ctx, chunk_size=64)
+    assert made == ["forward", "forward"]
+    handed_back = entering.clone() if copied else entering
+    chain._bwd_pre_process(q=k, k=k, w=w, do=u, dv=u, g=g, scale=0.5, cu_seqlens=cu, context=ctx, chunk_size=64,
+                           initial_state=handed_back)
+    assert made[2:] == (["reverse", "reverse"] if copied else [])
+    back = fake_fla["merge"][2]["ag_hm"]
+    for part, seg in enumerate(([0, L], [L, 2 * L])):
+        want = transition_torch(k, w, g, torch.tensor(seg), chunk_size=64, reverse=True)
+        assert torch.allclose(back[1 if part == 0 else 2][..., V:] - 1, want, atol=1e-6), part
+
+
+def test_the_chain_ends_get_no_maps(fake_fla, monkeypatch):
+    """Rank 0 holds the chain's first part (nothing enters it: no forward map) and its last (nothing leaves
+    it: no backward map); each still gets its state columns."""
+    made = _counted_maps(monkeypatch)
+    fake_fla["at"](0, 2)
+    L, V = 70, 128
+    k, w, g, u, cu = _gdn_inputs(L, V=V)
+    ctx = _zigzag((True, False), (False, True), (0, 3), (3, 0))
+    chain.register(ctx, chain.ChainPass(False, "bf16x2"))
+    entering = chain._fwd_pre_process(k=k, w=w, u=u, g=g, cu_seqlens=cu, context=ctx, chunk_size=64)
+    chain._bwd_pre_process(q=k, k=k, w=w, do=u, dv=u, g=g, scale=0.5, cu_seqlens=cu, context=ctx, chunk_size=64,
+                           initial_state=entering)
+    assert made == []
+    assert len(fake_fla["fwd kernel"]) == 1 and len(fake_fla["bwd kernel"]) == 1  # the state columns
+    assert fake_fla["merge"][0]["ag_hm"][0][..., V:].eq(0).all()  # rank 0's first part: M left 0 (+ rank 0)
