@@ -240,12 +240,23 @@ def _counted_maps(monkeypatch):
     return made
 
 
-def _gdn_inputs(L, H=1, HV=2, K=16, V=128):
+def _chain_passes(fake_fla, monkeypatch, rank, zigzag, transition, hand_back=lambda t: t, L=70, V=128):
+    """One forward and one backward pre-process on `rank` of CP = 2 with our maps at `transition`, fla handing
+    the backward `hand_back` of the forward's entering states: (the inputs, the transition calls each way)."""
+    made = _counted_maps(monkeypatch)
+    fake_fla["at"](rank, 2)
     gen = torch.Generator().manual_seed(1)
-    k = torch.nn.functional.normalize(torch.randn(1, 2 * L, H, K, generator=gen), dim=-1)
-    w = 0.5 * torch.randn(1, 2 * L, HV, K, generator=gen) / K ** 0.5
-    g = -torch.rand(1, 2 * L, HV, generator=gen).cumsum(1) * 0.1
-    return k, w, g, torch.randn(1, 2 * L, HV, V, generator=gen), torch.tensor([0, L, 2 * L])
+    k = torch.nn.functional.normalize(torch.randn(1, 2 * L, 1, 16, generator=gen), dim=-1)
+    w = 0.5 * torch.randn(1, 2 * L, 2, 16, generator=gen) / 4
+    g = -torch.rand(1, 2 * L, 2, generator=gen).cumsum(1) * 0.1
+    u, cu = torch.randn(1, 2 * L, 2, V, generator=gen), torch.tensor([0, L, 2 * L])
+    ctx = _zigzag(*zigzag)
+    chain.register(ctx, chain.ChainPass(False, transition))
+    entering = chain._fwd_pre_process(k=k, w=w, u=u, g=g, cu_seqlens=cu, context=ctx, chunk_size=64)
+    forward = list(made)
+    chain._bwd_pre_process(q=k, k=k, w=w, do=u, dv=u, g=g, scale=0.5, cu_seqlens=cu, context=ctx, chunk_size=64,
+                           initial_state=hand_back(entering))
+    return (k, w, g), forward, made[len(forward):]
 
 
 @pytest.mark.parametrize("copied", [False, True])
@@ -254,18 +265,10 @@ def test_the_backward_transposes_the_forwards_maps(fake_fla, monkeypatch, copied
     states fla hands back (unpacked rows: the forward's own tensor), with no transition call; entering states
     fla copied (packed rows) leave the backward computing its maps. Either way they equal the reverse map."""
     from bumblebee.kernels.context_parallel_gdn_transition import transition_torch
-    made = _counted_maps(monkeypatch)
-    fake_fla["at"](1, 2)
-    L, V = 70, 128
-    k, w, g, u, cu = _gdn_inputs(L, V=V)
-    ctx = _zigzag((False, False), (False, False), (1, 2), (2, 1))
-    chain.register(ctx, chain.ChainPass(False, "fp32"))
-    entering = chain._fwd_pre_process(k=k, w=w, u=u, g=g, cu_seqlens=cu, context=ctx, chunk_size=64)
-    assert made == ["forward", "forward"]
-    handed_back = entering.clone() if copied else entering
-    chain._bwd_pre_process(q=k, k=k, w=w, do=u, dv=u, g=g, scale=0.5, cu_seqlens=cu, context=ctx, chunk_size=64,
-                           initial_state=handed_back)
-    assert made[2:] == (["reverse", "reverse"] if copied else [])
+    L, V, middle = 70, 128, ((False, False), (False, False), (1, 2), (2, 1))
+    hand_back = (lambda t: t.clone()) if copied else (lambda t: t)
+    (k, w, g), forward, backward = _chain_passes(fake_fla, monkeypatch, 1, middle, "fp32", hand_back)
+    assert forward == ["forward", "forward"] and backward == (["reverse", "reverse"] if copied else [])
     back = fake_fla["merge"][2]["ag_hm"]
     for part, seg in enumerate(([0, L], [L, 2 * L])):
         want = transition_torch(k, w, g, torch.tensor(seg), chunk_size=64, reverse=True)
@@ -275,15 +278,8 @@ def test_the_backward_transposes_the_forwards_maps(fake_fla, monkeypatch, copied
 def test_the_chain_ends_get_no_maps(fake_fla, monkeypatch):
     """Rank 0 holds the chain's first part (nothing enters it: no forward map) and its last (nothing leaves
     it: no backward map); each still gets its state columns."""
-    made = _counted_maps(monkeypatch)
-    fake_fla["at"](0, 2)
-    L, V = 70, 128
-    k, w, g, u, cu = _gdn_inputs(L, V=V)
-    ctx = _zigzag((True, False), (False, True), (0, 3), (3, 0))
-    chain.register(ctx, chain.ChainPass(False, "bf16x2"))
-    entering = chain._fwd_pre_process(k=k, w=w, u=u, g=g, cu_seqlens=cu, context=ctx, chunk_size=64)
-    chain._bwd_pre_process(q=k, k=k, w=w, do=u, dv=u, g=g, scale=0.5, cu_seqlens=cu, context=ctx, chunk_size=64,
-                           initial_state=entering)
-    assert made == []
+    ends = ((True, False), (False, True), (0, 3), (3, 0))
+    _, forward, backward = _chain_passes(fake_fla, monkeypatch, 0, ends, "bf16x2")
+    assert forward == [] and backward == []
     assert len(fake_fla["fwd kernel"]) == 1 and len(fake_fla["bwd kernel"]) == 1  # the state columns
-    assert fake_fla["merge"][0]["ag_hm"][0][..., V:].eq(0).all()  # rank 0's first part: M left 0 (+ rank 0)
+    assert fake_fla["merge"][0]["ag_hm"][0][..., 128:].eq(0).all()  # rank 0's first part: M left 0 (+ rank 0)
