@@ -20,7 +20,10 @@ group) against the float64 twin; beside them the fp32 twin's error and fla's own
 (same interpreter, no CP). A check passes within 4x the larger of those two plus 1e-5 of the
 reference's max. Each row also counts the chain passes `gdn_fla_chain.py` served in its run
 (`gdn_fla_chain_passes`: > 0 for `fla concurrent` and `fla transition bf16x2`, 0 for the others) and
-the maps our kernel made (`transition_maps`: > 0 for the transition form only), else the probe stops. Writes
+the maps our kernel made (`transition_maps`: > 0 for the transition form only, on every rank but 0, which
+holds the chain's two ends) and the backward passes that took the forward's maps transposed (`kept_maps`:
+> 0 there for unpacked rows, and for packed ones where fla keeps the states as they are), else the probe
+stops. Writes
 results/probe_fla_cp_interpreter.json (stamped).
 
     python benchmarks/context_parallel/probes/probe_fla_cp_interpreter.py [--ranks 2 4] [--dqkwg ours]
@@ -90,12 +93,13 @@ def _grads(fn, module, x, w):
 
 
 def _count_chain_passes():
-    """Counts the chain passes `gdn_fla_chain.py` serves (its `_run` calls) and the transition maps our
-    kernel makes (`transition_map` calls), so each row says which path ran: fla's serial pre-processes,
-    or ours (parts at once: here in turn, no CUDA; transition maps from our kernel)."""
+    """Counts the chain passes `gdn_fla_chain.py` serves (its `_run` calls), the transition maps our
+    kernel makes (`transition_map` calls) and the backward passes that took the forward's maps
+    (`_kept_maps` found them), so each row says which path ran: fla's serial pre-processes, or ours
+    (parts at once: here in turn, no CUDA; transition maps from our kernel, the backward's transposed)."""
     from bumblebee.kernels import context_parallel_gdn_transition as transition
     from bumblebee.primitives.context_parallel import gdn_fla_chain
-    count, run, make = [0, 0], gdn_fla_chain._run, transition.transition_map
+    count, run, make, kept = [0, 0, 0], gdn_fla_chain._run, transition.transition_map, gdn_fla_chain._kept_maps
 
     def counting(calls, how, device):
         count[0] += 1
@@ -104,7 +108,11 @@ def _count_chain_passes():
     def counting_maps(*args, **kw):
         count[1] += 1
         return make(*args, **kw)
-    gdn_fla_chain._run, transition.transition_map = counting, counting_maps
+    def counting_kept(*args, **kw):
+        got = kept(*args, **kw)
+        count[2] += got is not None
+        return got
+    gdn_fla_chain._run, transition.transition_map, gdn_fla_chain._kept_maps = counting, counting_maps, counting_kept
     return count
 
 
@@ -153,18 +161,23 @@ def _worker(rank, world, port, out_dir, dqkwg):
         singles = [_grads(lambda t: m(t, cu_seqlens=cu_t), m, x.float(), w) for m in (twin, fla_single)]
         batch = layout.make_batch(dist.group.WORLD, T, cu_t)
         for mode in MODES:
-            before, maps_before, first_row = passes[0], passes[1], len(rows)
+            before, maps_before, kept_before, first_row = passes[0], passes[1], passes[2], len(rows)
             _compare(rows, mode, case, world, rank, batch, want, singles,
                      _grads(lambda t: gdn_forward(twin, t, batch, **MODES[mode]), twin,
                             layout.shard(x, world, rank).float(), layout.shard(w, world, rank)))
-            taken, maps = passes[0] - before, passes[1] - maps_before
+            taken, maps, kept = passes[0] - before, passes[1] - maps_before, passes[2] - kept_before
             ours = MODES[mode].get("fla_transition", "fla") != "fla"
-            # gdn_fla_chain serves the concurrent and transition forms; our maps only the latter, on
-            # every rank that exports a summary (all but one end of the chain at CP = 2 and 4)
-            if (taken > 0) != (MODES[mode].get("fla_concurrent_parts", False) or ours) or (maps > 0) != ours:
-                raise RuntimeError(f"{mode}: gdn_fla_chain took {taken} chain passes, our kernel {maps} maps")
+            # gdn_fla_chain serves the concurrent and transition forms; our maps only the latter, on every
+            # rank but 0 (it holds the chain's two ends: the first needs no forward map, the last no
+            # backward one); unpacked rows' backward takes the forward's maps, packed rows' where fla keeps the
+            # entering states as they are (a rank's parts without a document start inside), else makes its own
+            inner = ours and rank > 0
+            if ((taken > 0) != (MODES[mode].get("fla_concurrent_parts", False) or ours) or (maps > 0) != inner
+                    or (kept > 0 and not inner) or (cu is None and (kept > 0) != inner)):
+                raise RuntimeError(f"{mode}: gdn_fla_chain took {taken} chain passes, our kernel {maps} maps, the "
+                                   f"backward {kept} kept maps")
             for r in rows[first_row:]:
-                r["gdn_fla_chain_passes"], r["transition_maps"] = taken, maps
+                r["gdn_fla_chain_passes"], r["transition_maps"], r["kept_maps"] = taken, maps, kept
     if calls is not None:
         if not calls[0]:
             raise RuntimeError("--dqkwg ours: our kernel was never called: the hook did not take fla's calls")
