@@ -149,13 +149,15 @@ def _bwd_pre_process(*, q, k, w, do, dv, g=None, gk=None, bg=None, scale=None, s
     first_segments = (cu_seqlens[:2], cu_seqlens[front:front + 2])
     how = pass_of(context)
     ours = how.transition != "fla" and g is not None and gk is None and bg is None
-    kept = _kept_maps(initial_state, N * HV * K * V, HV, K) if ours else None
+    # the chain's first part has no backward summary, its last one no map (nothing leaves it)
+    mapped = [not f and not last for f, last in zip(context.is_first_by_part, context.is_last_by_part)]
+    kept = _kept_maps(initial_state, N * HV * K * V, HV, K) if ours and any(mapped) else None
     calls = []
     for i, (seg, first) in enumerate(zip(first_segments, context.is_first_by_part)):
-        if not first:  # the chain's last part needs no map: nothing leaves it
+        if not first:
             calls += _bwd_summary(q=q, k=k, w=w, do=do, dv=dv, g=g, gk=gk, bg=bg, scale=scale, dhm=maps[i], seg=seg,
                                   chunk_size=chunk_size, transition=how.transition if ours else None,
-                                  map_too=not context.is_last_by_part[i], forward_map=None if kept is None else kept[i])
+                                  map_too=mapped[i], forward_map=None if kept is None else kept[i])
     _run(calls, how, q.device)
     _merge(maps, context, skip=context.is_last_by_part, targets=(leaving[front - 1], leaving[-1]),
            ranks_before=context.post_num_ranks_by_part, state_v_first=state_v_first, forward=False)
