@@ -36,7 +36,9 @@ of 520 s; the next call passed 25 and skipped 1 in 229 s. At ebd7322 on four fre
 then (fla's autotune results kept from the first call) 25 passed, 1 skipped, 1 failed (the transition test's
 bound on fla's own map, since set from its measured error) in 367 s; `test_context_parallel_gpu.py` alone on
 two GPUs 30 passed in 325 s (its fla rule tests 264 s of it); shard 4 55 passed in 142 s; shard 1 7 passed,
-12 skipped (flash-attn-4 absent) in 21 s.
+12 skipped (flash-attn-4 absent) in 21 s. At 752e24f on four fresh H200s (fla's autotune results restored):
+shard 4 57 passed in 153 s; shard 3 beside a profile probe ran out of 520 s (compiles), then 26 passed, 1 skipped
+in 147 s beside `test_context_parallel_gpu.py` (30 passed in 292 s); shard 5 alone ran out of 270 s after 3 tests.
 `tests/core/test_gpu_shards.py` checks that every file
 with a `gpu` mark is in exactly one shard.
 """
