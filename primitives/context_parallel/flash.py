@@ -38,12 +38,8 @@ from torch.nn.attention.bias import causal_lower_right
 from bumblebee.norms import to_acc
 from bumblebee.primitives.context_parallel.comm import gather, ring_shift
 from bumblebee.primitives.context_parallel.kernels import (  # noqa: F401  (ring_usable: the dispatch's)
-    block_backward, block_forward, ring_usable)
+    block_backward, block_forward, repeat_heads, ring_usable)
 from bumblebee.primitives.context_parallel.layout import CPBatch, layout_index, rank_chunks
-
-
-def _expand(t, groups):
-    return t if groups == 1 else t.repeat_interleave(groups, dim=1)
 
 
 BLOCK_KEYS = 65536  # the all-gather's default most keys a block: where a kernel repeats K/V to the query heads
@@ -62,7 +58,7 @@ def allgather_dense(q, k, v, *, scale, batch: CPBatch, block_keys: int = BLOCK_K
     if ring_usable(q) and v.shape[-1] == q.shape[-1]:  # per piece two fused blocks (flash's CPU op
         # wants one head size): its document's earlier keys, and its own rows
         return _GatheredBlocks.apply(q, k_all, v_all, scale, batch, block_keys)
-    k_all, v_all = _expand(k_all, G), _expand(v_all, G)
+    k_all, v_all = repeat_heads(k_all, G), repeat_heads(v_all, G)
     L = batch.chunk
     outs = []  # CUDA fp32: per piece one lower-right causal SDPA call against the keys up to itself
     for i, c in enumerate(rank_chunks(batch.rank, batch.cp)):

@@ -114,19 +114,19 @@ def _fwd_pre_process(*, k, w, u, g=None, gk=None, bg=None, v=None, chunk_size=64
     maps = k.new_zeros(2, HV, K, V + K, dtype=torch.float32)
     how = pass_of(context)
     ours = how.transition != "fla" and g is not None and gk is None and bg is None and v is None
-    state = (N, HV, *((V, K) if state_v_first else (K, V)))
-    buf = k.new_zeros(state[0] * state[1] * state[2] * state[3] + (2 * HV * K * K if ours else 0),
-                      dtype=torch.float32)
-    entering = buf[:N * HV * K * V].view(state)
+    mapped, n_state = _mapped(context), N * HV * K * V
+    keep = ours and any(mapped)  # the backward's maps are these transposed: kept with the entering states
+    buf = k.new_zeros(n_state + (2 * HV * K * K if keep else 0), dtype=torch.float32)
+    entering = buf[:n_state].view(N, HV, *((V, K) if state_v_first else (K, V)))
     last_segments = (cu_seqlens[front - 1:front + 1], cu_seqlens[-2:])
     calls = []
     for i, (seg, last) in enumerate(zip(last_segments, context.is_last_by_part)):
-        if not last:  # the chain's first part needs no map: nothing enters it
+        if not last:
             calls += _fwd_summary(k=k, w=w, u=u, g=g, gk=gk, bg=bg, v=v, hm=maps[i], seg=seg, chunk_size=chunk_size,
-                                  transition=how.transition if ours else None, map_too=not context.is_first_by_part[i])
+                                  transition=how.transition if ours else None, map_too=mapped[i])
     _run(calls, how, k.device)
-    if ours:  # the backward's maps are these transposed (`_bwd_pre_process`): kept with the entering states
-        buf[N * HV * K * V:].view(2, HV, K, K).copy_(maps[..., V:])
+    if keep:
+        buf[n_state:].view(2, HV, K, K).copy_(maps[..., V:])
         _KEPT[buf.untyped_storage().data_ptr()] = buf
     _merge(maps, context, skip=context.is_first_by_part, targets=(entering[0], entering[front]),
            ranks_before=context.pre_num_ranks_by_part, state_v_first=state_v_first, forward=True)
@@ -149,8 +149,7 @@ def _bwd_pre_process(*, q, k, w, do, dv, g=None, gk=None, bg=None, scale=None, s
     first_segments = (cu_seqlens[:2], cu_seqlens[front:front + 2])
     how = pass_of(context)
     ours = how.transition != "fla" and g is not None and gk is None and bg is None
-    # the chain's first part has no backward summary, its last one no map (nothing leaves it)
-    mapped = [not f and not last for f, last in zip(context.is_first_by_part, context.is_last_by_part)]
+    mapped = _mapped(context)
     kept = _kept_maps(initial_state, N * HV * K * V, HV, K) if ours and any(mapped) else None
     calls = []
     for i, (seg, first) in enumerate(zip(first_segments, context.is_first_by_part)):
@@ -162,6 +161,12 @@ def _bwd_pre_process(*, q, k, w, do, dv, g=None, gk=None, bg=None, scale=None, s
     _merge(maps, context, skip=context.is_last_by_part, targets=(leaving[front - 1], leaving[-1]),
            ranks_before=context.post_num_ranks_by_part, state_v_first=state_v_first, forward=False)
     return leaving, None
+
+
+def _mapped(context) -> list[bool]:
+    """Which of the rank's two parts need a transition map: not the chain's first (nothing enters it) nor
+    its last (nothing leaves it); the other parts' summaries are their states alone."""
+    return [not first and not last for first, last in zip(context.is_first_by_part, context.is_last_by_part)]
 
 
 def _kept_maps(initial_state, n_state: int, HV: int, K: int):

@@ -31,7 +31,8 @@ def _cudnn() -> bool:
     return torch.backends.cuda.cudnn_sdp_enabled() and torch.backends.cudnn.is_available()
 
 
-def _repeat(t, groups: int):
+def repeat_heads(t, groups: int):
+    """K/V [B, K, S, D] -> [B, K * groups, S, D], each head repeated for its group of query heads."""
     return t if groups == 1 else t.repeat_interleave(groups, dim=1)
 
 
@@ -46,17 +47,20 @@ def _sum_groups(t, groups: int):
 _GROUPED_REFUSED: set = set()  # (kernel, dtype, heads, key heads, head size, causal) refused as grouped
 
 
+def _shape(kernel: str, q, k, causal: bool) -> tuple:
+    return kernel, q.dtype, q.shape[1], k.shape[1], q.shape[3], causal
+
+
 def _tries(kernel: str, q, k, causal: bool):
     """Repeat factors `kernel` is tried with: 1 (k's heads as they are) first, unless refused before for
     this shape, then q's heads."""
     groups = q.shape[1] // k.shape[1]
-    key = (kernel, q.dtype, q.shape[1], k.shape[1], q.shape[3], causal)
-    return (groups,) if key in _GROUPED_REFUSED else (1, groups) if groups > 1 else (1,)
+    return (groups,) if _shape(kernel, q, k, causal) in _GROUPED_REFUSED else (1, groups) if groups > 1 else (1,)
 
 
 def _refused(kernel: str, q, k, causal: bool, g: int) -> None:
     if g == 1 and q.shape[1] != k.shape[1]:
-        _GROUPED_REFUSED.add((kernel, q.dtype, q.shape[1], k.shape[1], q.shape[3], causal))
+        _GROUPED_REFUSED.add(_shape(kernel, q, k, causal))
 
 
 def block_forward(q, k, v, causal: bool, scale: float):
@@ -67,13 +71,13 @@ def block_forward(q, k, v, causal: bool, scale: float):
     (`block_backward` then sums their gradients over each group)."""
     G = q.shape[1] // k.shape[1]
     if q.device.type != "cuda":
-        o, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, _repeat(k, G), _repeat(v, G), 0.0, causal,
+        o, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, repeat_heads(k, G), repeat_heads(v, G), 0.0, causal,
                                                                    scale=scale)
         return o, to_acc(lse), ("cpu", G)
     if _cudnn() and q.shape[2] > 1 and k.shape[2] > 1:  # cuDNN's backward refuses s_q = s_kv = 1 (and a
         for g in _tries("cudnn", q, k, causal):  # refused backward left its graph cache crashing the next
             try:  # call): those go to flash
-                r = aten._scaled_dot_product_cudnn_attention(q, _repeat(k, g), _repeat(v, g), None, True, 0.0,
+                r = aten._scaled_dot_product_cudnn_attention(q, repeat_heads(k, g), repeat_heads(v, g), None, True, 0.0,
                                                              causal, False, scale=scale)
             except RuntimeError:  # a shape cuDNN refuses (checked before launch): repeated, or flash
                 _refused("cudnn", q, k, causal, g)
@@ -82,7 +86,7 @@ def block_forward(q, k, v, causal: bool, scale: float):
             return r[0], to_acc(lse.reshape(lse.shape[:3])), ("cudnn", g, tuple(lse.shape), *r[2:8])
     for g in _tries("flash", q, k, causal):
         try:
-            r = aten._scaled_dot_product_flash_attention(q, _repeat(k, g), _repeat(v, g), 0.0, causal, False,
+            r = aten._scaled_dot_product_flash_attention(q, repeat_heads(k, g), repeat_heads(v, g), 0.0, causal, False,
                                                          scale=scale)
         except RuntimeError:
             if g == G:
@@ -109,7 +113,7 @@ def block_backward(do, q, k, v, o, lse, causal: bool, scale: float, aux):
 
 def _block_backward(do, q, k, v, o, lse, causal, scale, aux, g):
     kind = aux[0]
-    kr, vr = _repeat(k, g), _repeat(v, g)
+    kr, vr = repeat_heads(k, g), repeat_heads(v, g)
     if kind == "cpu":
         dq, dk, dv = aten._scaled_dot_product_flash_attention_for_cpu_backward(do, q, kr, vr, o, lse, 0.0, causal,
                                                                                scale=scale)
