@@ -25,7 +25,8 @@ chunk: square) or empty, so no mask is ever built; unpacked rows are the one-pie
   the exchange of the forward, with the gradients riding it back home.
 
 The wire carries the key/value heads; the CUDA blocks take them as they are, each serving its group of
-query heads (`kernels.py`: repeated only where a kernel refuses the grouped shape, and on the CPU). Inputs keep their dtype (bf16 in training); the kernels accumulate in fp32.
+query heads (`kernels.py`: repeated only where a kernel refuses the grouped shape, and on the CPU).
+Inputs keep their dtype (bf16 in training); the kernels accumulate in fp32.
 A packed row costs one kernel call per piece: many short documents mean many small calls (varlen
 kernels would take them in one).
 """

@@ -71,8 +71,8 @@ def block_forward(q, k, v, causal: bool, scale: float):
     (`block_backward` then sums their gradients over each group)."""
     G = q.shape[1] // k.shape[1]
     if q.device.type != "cuda":
-        o, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, repeat_heads(k, G), repeat_heads(v, G), 0.0, causal,
-                                                                   scale=scale)
+        o, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, repeat_heads(k, G), repeat_heads(v, G), 0.0,
+                                                                   causal, scale=scale)
         return o, to_acc(lse), ("cpu", G)
     if _cudnn() and q.shape[2] > 1 and k.shape[2] > 1:  # cuDNN's backward refuses s_q = s_kv = 1 (and a
         for g in _tries("cudnn", q, k, causal):  # refused backward left its graph cache crashing the next
