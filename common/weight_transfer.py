@@ -9,12 +9,15 @@ from dataclasses import dataclass
 class Link:
     """Who takes part: global ranks of the trainer and of the rollout engine, the process group
     spanning them (None: the default group), the key-value store for control messages (None: the
-    default group's) and a name that keeps several links apart in that store."""
+    default group's), a name that keeps several links apart in that store, and `vote_group`: a group
+    over the same ranks with a CPU backend (gloo) for `P2PTransfer(agreement="group")`'s host-side
+    votes (None: `group`, which then needs one, as `init_process_group("cpu:gloo,cuda:nccl")` gives)."""
     trainer_ranks: tuple
     rollout_ranks: tuple
     group: object = None
     store: object = None
     name: str = "weights"
+    vote_group: object = None
 
     def __post_init__(self):
         t, r = tuple(self.trainer_ranks), tuple(self.rollout_ranks)

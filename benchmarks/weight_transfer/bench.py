@@ -29,7 +29,7 @@ transaction's cost: staging bytes and the commit's copy time per rollout rank (`
 backup's copy, which overlaps the wire; `undo_ahead`: the same copy taken after each update, off the
 next one's path, with `window_backups_per_rollout_rank` counting the updates that backed up inside
 their own window, the warm-up's first among them). `--agreement group` adds rows with the prepare and
-vote as one all-gather on the transfer group instead of the store's round trips. Writes
+vote as one all-gather on a gloo group over every rank (host-side) instead of the store's round trips. Writes
 <out>/<device>-ranks<N>.json (stamped: commit, versions, device (the accelerator's name), date; the
 --device kind under "device_type"; per rank, the copy programs' calls against entries: "copies").
 `--profile`: after the timed updates of the first p2p budget, one more on every rank (after a barrier)
@@ -230,7 +230,9 @@ def measured(args) -> dict | None:
             registry.resolve("weight_transfer", P2PTransfer(budget_bytes=b, timeout_s=600, commit=c, agreement=a))
             for a in args.agreement for c in args.commit for b in args.budget_bytes}
     impl["broadcast"] = registry.resolve("weight_transfer", "broadcast")
-    link = {k: Link(trainers, rollouts, name=k) for k in impl}
+    # the group vote runs on the host: one gloo group over every rank, made by all of them before any update
+    votes = dist.new_group(list(range(world)), backend="gloo") if "group" in args.agreement else None
+    link = {k: Link(trainers, rollouts, name=k, vote_group=votes if "-group@" in k else None) for k in impl}
     first_p2p = next(k for k in impl if k.startswith("p2p"))
     out = {}
     if rank in trainers:

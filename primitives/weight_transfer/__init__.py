@@ -50,10 +50,10 @@ class P2PTransfer:
                          "written through a torch op is backed up in the window again; a write through .data "
                          "or outside torch is not seen)")
     agreement: str = option("store", "how the ranks agree before and after an update's bytes: store (the process "
-                            "group's key-value store, round trips) or group (one all-gather on the transfer group, "
-                            "the store only to carry a failure's messages; async: no other collective may run on that group "
-                            "while an update does, so give the link its own group where the trainer's threads use the "
-                            "default one); both raise on every rank within timeout_s")
+                            "group's key-value store, round trips) or group (one all-gather on the host over "
+                            "Link.vote_group, a gloo group over the link's ranks, or the link's group where it has a CPU "
+                            "backend; the store only carries a failure's messages; async: no other collective may run on "
+                            "the vote group while an update does); both raise on every rank within timeout_s")
     verify: bool = option(True, "check an inferred layout against a real load_weights call on random "
                           "tensors (one extra call; a cached layout is always checked)")
     poll_s: float = option(0.005, "the longest pause between store checks, only where the store cannot be "

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from bumblebee.common.weight_transfer import Link, TransferError, TransferInFlight
-from bumblebee.primitives.weight_transfer.control import Control, GroupVote, agree
+from bumblebee.primitives.weight_transfer.control import Control, GroupVote, agree, vote_group_of
 from bumblebee.primitives.weight_transfer.execute import Mover, read_from
 from bumblebee.primitives.weight_transfer.infer import LayoutCache, infer_layout
 from bumblebee.primitives.weight_transfer.plan import make_plan
@@ -55,6 +55,7 @@ class _Endpoint:
                            config.timeout_s, config.poll_s)
         self.n, self.version, self.plan, self.mover = 0, None, None, None
         self.group_vote = None  # GroupVote once planned, where config.agreement == "group"
+        self.vote_group = vote_group_of(link) if config.agreement == "group" else None  # checked before any update
         self.forgotten_upto = 0  # the updates before this one left no store keys (see _left_before)
         self.broken: str | None = None
         self.on_round = None  # test seam: called with the round index after each round
@@ -101,7 +102,7 @@ class _Endpoint:
                            device=self._device(), keep_programs=3 if self.config.mode == "async" else 1,
                            send_buffers=self.config.send_buffers, commit=self.config.commit)
         if self.config.agreement == "group":
-            self.group_vote = GroupVote(self.ctl, self.link.group, self._device(), self.config.timeout_s)
+            self.group_vote = GroupVote(self.ctl, self.vote_group, self.config.timeout_s)
         self.setup_n = n
 
     def _transfer(self, version, sent, wait_s):

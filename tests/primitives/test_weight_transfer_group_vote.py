@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from bumblebee import models, registry
 from bumblebee.primitives.weight_transfer import Link, P2PTransfer
@@ -36,6 +37,14 @@ def flags2(ctx):
     link, manifest = Link(ctx.trainers, ctx.rollouts, name="group"), R.manifest_of_model(MOE)
     res = {"errors": {}, "rank": ctx.rank}
     link_async = Link(ctx.trainers, ctx.rollouts, name="group-async")
+    alone = dist.new_group([ctx.trainers[0]])  # every rank makes it, in one order
+    try:  # a vote group that leaves out a rank of the link is refused before any update
+        eng = None if ctx.is_trainer else VllmStyleEngine(manifest, models.NAMED[MOE])
+        kw = {} if eng is None else {"load_weights": eng.load_weights, "targets": eng.params}
+        make(Link(ctx.trainers, ctx.rollouts, name="alone", vote_group=alone), **kw)
+        res["alone"] = None
+    except ValueError as e:
+        res["alone"] = str(e)
     if ctx.is_trainer:
         model = models.build(MOE, seed=0)
         shards = R.shards(model, None)
@@ -99,6 +108,8 @@ def test_group_agreement_updates_bitwise_with_no_store_votes(flags):
         ref.load_weights(iter(trainer[version].items()))
         assert got_version == version and all(torch.equal(params[k], ref.params[k]) for k in ref.params), version
     assert trainer["keys"] == [] and rollout["keys"] == []  # prepare and vote went over the group
+    for side in (trainer, rollout):
+        assert side["alone"] and "vote_group must span exactly the link's ranks" in side["alone"], side["alone"]
     got_version, params = rollout["async"]  # async: the newest published version, served by the sender's thread
     ref = VllmStyleEngine(manifest, models.NAMED[MOE])
     ref.load_weights(iter(trainer[7].items()))
@@ -127,3 +138,18 @@ def test_group_agreement_with_a_killed_trainer_raises_in_time_intact(dying):
     assert trainer == {"dead": True}
     assert rollout["error"] is not None and rollout["took"] < 3 * DEAD_TIMEOUT_S, (rollout["error"], rollout["took"])
     assert rollout["intact"] and "unusable" in rollout["after"], rollout["after"]
+
+
+class _GpuOnlyGroup:
+    """A group whose only backend is a device one (as `init_process_group("nccl")` makes)."""
+
+    def _get_backend(self, device):
+        raise RuntimeError(f"No backend type associated with device type {device.type}")
+
+
+def test_group_agreement_refuses_a_group_without_a_cpu_backend():
+    from bumblebee.primitives.weight_transfer.control import vote_group_of
+    with pytest.raises(ValueError, match=r"votes on the host: Link.vote_group .* backend='gloo'"):
+        vote_group_of(Link((0,), (1,), vote_group=_GpuOnlyGroup()))
+    with pytest.raises(ValueError, match="got group without one"):
+        vote_group_of(Link((0,), (1,), group=_GpuOnlyGroup()))

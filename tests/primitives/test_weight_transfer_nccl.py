@@ -4,7 +4,7 @@ a trainer killed in the middle of an update makes the rollout raise within the e
 with its weights intact, then refuse further updates; with the update staged and with its rounds
 landed in place behind a backup (`commit="undo"`: the dead trainer's partial update is put back; `"undo_ahead"`: from
 the backup taken after update 2); each agreed through the store and, for stage and undo_ahead, on the
-group itself (`agreement="group"`: the dead trainer never joins the rollout's all-gather). The rollout is rank 0, the host of the control
+host (`agreement="group"` on a gloo group: the dead trainer never joins the rollout's all-gather). The rollout is rank 0, the host of the control
 store, so the dead trainer takes no store with it (as a rollout engine's own process would not)."""
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import time
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from bumblebee import models, registry
 from bumblebee.primitives.weight_transfer import Link, P2PTransfer
@@ -31,7 +32,10 @@ def nccl2(ctx):
                                                           agreement=agreement))
     short = registry.resolve("weight_transfer", P2PTransfer(budget_bytes=16 << 10, timeout_s=DEAD_TIMEOUT_S,
                                                             commit=commit, agreement=agreement))
-    link, dying = Link(ctx.trainers, ctx.rollouts, name="nccl"), Link(ctx.trainers, ctx.rollouts, name="dying")
+    # the group vote runs on the host: a gloo group over the link's ranks (every rank makes it, in one order)
+    votes = dist.new_group(list(ctx.trainers + ctx.rollouts), backend="gloo") if agreement == "group" else None
+    link = Link(ctx.trainers, ctx.rollouts, name="nccl", vote_group=votes)
+    dying = Link(ctx.trainers, ctx.rollouts, name="dying", vote_group=votes)
     manifest, res = R.manifest_of_model(MOE), {}
     device = "cuda" if ctx.params.get("cuda") else "cpu"  # cpu: the same scenario over gloo
     if ctx.is_trainer:
