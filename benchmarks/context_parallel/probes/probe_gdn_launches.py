@@ -37,25 +37,30 @@ DEFAULTS = dict(deltanet="fla", fla_concurrent_parts=True, fla_transition="bf16x
 
 
 class Inventory:
-    """Counts, while on, the Triton launches, torch's dispatched ops and the Python calls of this thread
-    (nothing inside a launch: the interpreter's own work is not the host's on a GPU)."""
+    """Counts the Triton launches and torch's dispatched ops of one step, then the Python calls of this
+    thread in another (nothing inside a launch: the interpreter's own work is not the host's on a GPU)."""
 
     def __init__(self):
         from torch.utils._python_dispatch import TorchDispatchMode
         self.inside, self.on = threading.local(), False
         self.triton, self.aten, self.views, self.comm, self.py, self.fns = (collections.Counter() for _ in range(6))
-        import bumblebee
-        self.roots = {"fla": "/fla/", "bumblebee": str(Path(bumblebee.__file__).resolve().parent) + os.sep,
-                      "torch": "/torch/", "triton": "/triton/"}
+        # in this order: the installed packages first, then this repository (where a venv may sit)
+        self.roots = {"fla": "/fla/", "torch": "/torch/", "triton": "/triton/",
+                      "bumblebee": str(HERE.parents[2]) + os.sep}
         inv = self
 
         class Mode(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                if inv.on and not getattr(inv.inside, "v", False):
+                inside = getattr(inv.inside, "v", False)
+                if inv.on and not inside:
                     name = str(func.overloadpacket.__name__)
                     ns = func.namespace
                     (inv.comm if ns == "c10d" else inv.views if func.is_view else inv.aten)[f"{ns}.{name}"] += 1
-                return func(*args, **(kwargs or {}))
+                inv.inside.v = True  # the mode's own Python calls are not the step's
+                try:
+                    return func(*args, **(kwargs or {}))
+                finally:
+                    inv.inside.v = inside
         self.mode = Mode()
 
     def install(self):
@@ -63,13 +68,14 @@ class Inventory:
         run, inv = InterpretedFunction.run, self
 
         def counted(fn_self, *args, **kwargs):
-            if inv.on and not getattr(inv.inside, "v", False):
+            inside = getattr(inv.inside, "v", False)
+            if inv.on and not inside:
                 inv.triton[getattr(fn_self.fn, "__name__", "?")] += 1
             inv.inside.v = True
             try:
                 return run(fn_self, *args, **kwargs)
             finally:
-                inv.inside.v = False
+                inv.inside.v = inside
         InterpretedFunction.run = counted
 
     def _profile(self, frame, event, arg):
@@ -83,10 +89,12 @@ class Inventory:
         for c in (self.triton, self.aten, self.views, self.comm, self.py, self.fns):
             c.clear()
         self.on = True
-        sys.setprofile(self._profile)
-        try:
+        try:  # two steps: the dispatch mode's own Python would count as the step's under the profile hook
             with self.mode:
                 step()
+            self.on = False
+            sys.setprofile(self._profile)
+            step()
         finally:
             sys.setprofile(None)
             self.on = False
