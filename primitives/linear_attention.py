@@ -200,23 +200,30 @@ class FLAConfig:
         check_int(self, "recompute_keep_bytes", 0)
 
 
-def fla_qkv(layer, x_BTD, **conv_kw):
+def fla_qkv(layer, x_BTD, entering=None, **conv_kw):
     """q, k, v [B, T, heads, dim] of a gated DeltaNet layer (the slot's parameters) through fla's causal
     conv with SiLU (`conv_kw`: its cu_seqlens, or a context-parallel cp_context). Each is projected and
     convolved on its own (the rows of in_proj_qkv and of the depthwise conv are per channel), so each
     comes out contiguous, as fla's rule takes it. Split from one [T, conv_dim] output they were strided
     views, copied on the way in and their gradients concatenated on the way out (~12 bytes per
-    channel and token each pass)."""
+    channel and token each pass). `entering`: (q, k, v projections) -> the conv's entering states
+    [N, conv_dim, W] for all three at once (context parallelism's halo), sliced per part."""
     causal_conv1d = fla_ops()[0]
     w_qkv, w_conv = layer.in_proj_qkv.weight, layer.conv1d.weight[:, 0].to(x_BTD.dtype)
-    parts, lo = [], 0
+    pieces, lo = [], 0
     for n, heads, dim in ((layer.key_dim, layer.num_k_heads, layer.head_k_dim),
                           (layer.key_dim, layer.num_k_heads, layer.head_k_dim),
                           (layer.value_dim, layer.num_v_heads, layer.head_v_dim)):
-        y, _ = causal_conv1d(F.linear(x_BTD, w_qkv[lo:lo + n]), weight=w_conv[lo:lo + n], activation="silu",
-                             **conv_kw)
-        parts.append(y.reshape(*y.shape[:2], heads, dim))
+        pieces.append((lo, n, heads, dim))
         lo += n
+    projected = [F.linear(x_BTD, w_qkv[lo:lo + n]) for lo, n, _, _ in pieces]
+    states = entering(projected) if entering is not None else None
+    parts = []
+    for x, (lo, n, heads, dim) in zip(projected, pieces):
+        if states is not None:
+            conv_kw["initial_state"] = states[:, lo:lo + n]
+        y, _ = causal_conv1d(x, weight=w_conv[lo:lo + n], activation="silu", **conv_kw)
+        parts.append(y.reshape(*y.shape[:2], heads, dim))
     return parts
 
 

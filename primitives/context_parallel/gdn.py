@@ -26,18 +26,13 @@ import torch.nn.functional as F
 from bumblebee.norms import to_acc
 from bumblebee.primitives.context_parallel.attention import check_batch
 from bumblebee.primitives.context_parallel.comm import gather
-from bumblebee.primitives.context_parallel.layout import CPBatch, rank_chunks
+from bumblebee.primitives.context_parallel.layout import CPBatch, gather_slot, rank_chunks
 from bumblebee.primitives.linear_attention import fla_falls_back, fla_ops
 
 BLOCK = 64
 # ContextParallel.deltanet: fla's CP kernels where they serve, else the maps (auto); this file's maps; fla's
 DELTANET = ("auto", "maps", "fla")
 FLA_TRANSITIONS = ("fla", "fp32", "bf16x2", "bf16")  # ContextParallel.fla_transition
-
-
-def _slot(c: int, cp: int) -> int:
-    """Where chunk c sits in a gather of every rank's two chunks (layout order)."""
-    return 2 * c if c < cp else 2 * (2 * cp - 1 - c) + 1
 
 
 def _halos(x_BTC, W: int, batch: CPBatch):
@@ -50,7 +45,7 @@ def _halos(x_BTC, W: int, batch: CPBatch):
                          f"(T={batch.T}, CP={batch.cp})")
     tails = torch.stack([x_BTC[:, (i + 1) * L - (W - 1):(i + 1) * L] for i in range(2)], dim=1)
     tails = gather(tails, batch.group, dim=1)  # [B, 2 CP, W-1, C]
-    return torch.stack([tails[:, _slot(c - 1, batch.cp)] if c > 0 else x_BTC.new_zeros(B, W - 1, C)
+    return torch.stack([tails[:, gather_slot(c - 1, batch.cp)] if c > 0 else x_BTC.new_zeros(B, W - 1, C)
                         for c in rank_chunks(batch.rank, batch.cp)], dim=1)
 
 
@@ -193,7 +188,7 @@ def gated_delta_rule(q, k, v, g, beta, *, scale: float, batch: CPBatch, rule=tor
     chunks = rank_chunks(batch.rank, cp)
     entering, S = {}, AB.new_zeros(B, HV, Dk, Dv)
     for c in range(max(chunks)):  # the scan in chunk order, fp32
-        S = AB[:, _slot(c, cp), ..., Dv:] @ S + AB[:, _slot(c, cp), ..., :Dv]
+        S = AB[:, gather_slot(c, cp), ..., Dv:] @ S + AB[:, gather_slot(c, cp), ..., :Dv]
         entering[c + 1] = S
     outs = []
     for i, c in enumerate(chunks):

@@ -43,6 +43,11 @@ def rank_chunks(rank: int, cp: int) -> tuple[int, int]:
     return rank, 2 * cp - 1 - rank
 
 
+def gather_slot(c: int, cp: int) -> int:
+    """Where chunk c sits in a gather of every rank's two chunks (layout order)."""
+    return 2 * c if c < cp else 2 * (2 * cp - 1 - c) + 1
+
+
 def local_index(T: int, cp: int, rank: int, device=None) -> torch.Tensor:
     """[T / cp] the global positions of this rank's tokens, in local order."""
     L = check_cp(T, cp)
