@@ -39,6 +39,9 @@ two GPUs 30 passed in 325 s (its fla rule tests 264 s of it); shard 4 55 passed 
 12 skipped (flash-attn-4 absent) in 21 s. At 752e24f on four fresh H200s (fla's autotune results restored):
 shard 4 57 passed in 153 s; shard 3 beside a profile probe ran out of 520 s (compiles), then 26 passed, 1 skipped
 in 147 s beside `test_context_parallel_gpu.py` (30 passed in 292 s); shard 5 alone ran out of 270 s after 3 tests.
+At e8c6d11 on two fresh H200s (fla's autotune results restored): `test_weight_transfer_nccl.py` 10 passed in 111 s;
+`test_context_parallel_gpu.py` 38 passed (its non-fla tests 45 s, its fla ones 38 s after shard 3); shard 3 ran out
+of 400 s (22 tests), then 26 passed, 1 skipped in 182 s; shard 5 alone ran out of 460 s after 9 tests, no failure.
 `tests/core/test_gpu_shards.py` checks that every file
 with a `gpu` mark is in exactly one shard.
 """
