@@ -58,10 +58,10 @@ def halo(group):
         cp, rank = dist.get_world_size(group), dist.get_rank(group)
         batch = layout.make_batch(group, T, None if cu is None else torch.tensor(cu))
         ctx = _context(group, cu)
-        torch.manual_seed(0)  # the same whole sequence and weights on every rank
+        torch.manual_seed(0)  # the same whole sequence on every rank
         full = [torch.randn(1, T, c, dtype=torch.float64) for c in WIDTHS]
-        ctx_rows = len(ctx.cu_seqlens) - 1
-        weight = torch.randn(ctx_rows, sum(WIDTHS), W, dtype=torch.float64, generator=torch.Generator().manual_seed(rank))
+        rows = len(ctx.cu_seqlens) - 1  # each rank's own loss weights over its states
+        weight = torch.randn(rows, sum(WIDTHS), W, dtype=torch.float64, generator=torch.Generator().manual_seed(rank))
         mine = [f[:, batch.index].clone().requires_grad_() for f in full]
         got = conv_entering_states(mine, context=ctx, width=W)
         (got * weight).sum().backward()
