@@ -214,6 +214,21 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
+def run_workers(script: str, ranks, extra: list[str]) -> list:
+    """Runs `script --worker <world> <port> <out dir> *extra` for each world in `ranks`, each in a process
+    under Triton's interpreter with the private fla copy on its path; every rank's rows, read back from
+    the <world>-<rank>.json files its workers wrote."""
+    with tempfile.TemporaryDirectory() as tmp:
+        site, out = _private_fla(Path(tmp) / "site"), Path(tmp) / "out"
+        out.mkdir()
+        env = {**os.environ, "TRITON_INTERPRET": "1",
+               "PYTHONPATH": os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))}
+        for world in ranks:
+            subprocess.run([sys.executable, script, "--worker", str(world), str(_port()), str(out), *extra],
+                           env=env, check=True)
+        return [r for f in sorted(out.glob("*.json")) for r in json.loads(f.read_text())]
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--ranks", type=int, nargs="*", default=[2, 4])
@@ -229,15 +244,7 @@ def main():
         return
     sys.path.insert(0, str(HERE.parents[1]))
     from stamp import stamp
-    with tempfile.TemporaryDirectory() as tmp:
-        site, out = _private_fla(Path(tmp) / "site"), Path(tmp) / "out"
-        out.mkdir()
-        env = {**os.environ, "TRITON_INTERPRET": "1",
-               "PYTHONPATH": os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))}
-        for world in args.ranks:
-            subprocess.run([sys.executable, __file__, "--worker", str(world), str(_port()), str(out), args.dqkwg],
-                           env=env, check=True)
-        rows = [r for f in sorted(out.glob("*.json")) for r in json.loads(f.read_text())]
+    rows = run_workers(__file__, args.ranks, [args.dqkwg])
     result = {**stamp(), "probe": "fla_cp_interpreter", "fla": "fla-core 0.6.0 (private copy, interpreter patches)",
               "dqkwg": args.dqkwg,
               "tokens": T, "hidden": HIDDEN, "heads_dims": DIMS, "cases": {k: list(v[1] or []) for k, v in CASES.items()},

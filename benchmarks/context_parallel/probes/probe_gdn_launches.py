@@ -22,15 +22,13 @@ import argparse
 import collections
 import json
 import os
-import subprocess
 import sys
-import tempfile
 import threading
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from probe_fla_cp_interpreter import _interpreter_shims, _port, _private_fla  # noqa: E402
+from probe_fla_cp_interpreter import _interpreter_shims, run_workers  # noqa: E402
 
 T, HIDDEN, DIMS = 512, 32, (2, 4, 16, 16)  # parts of 128 (CP 2) or 64 (CP 4): two chunks or one
 DEFAULTS = dict(deltanet="fla", fla_concurrent_parts=True, fla_transition="bf16x2")  # ContextParallel's on CUDA
@@ -155,15 +153,7 @@ def main():
         return
     sys.path.insert(0, str(HERE.parents[1]))
     from stamp import stamp
-    with tempfile.TemporaryDirectory() as tmp:
-        site, out = _private_fla(Path(tmp) / "site"), Path(tmp) / "out"
-        out.mkdir()
-        env = {**os.environ, "TRITON_INTERPRET": "1",
-               "PYTHONPATH": os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))}
-        for world in args.ranks:
-            subprocess.run([sys.executable, __file__, "--worker", str(world), str(_port()), str(out)],
-                           env=env, check=True)
-        rows = [r for f in sorted(out.glob("*.json")) for r in json.loads(f.read_text())]
+    rows = run_workers(__file__, args.ranks, [])
     result = {**stamp(), "probe": "gdn_launches", "fla": "fla-core 0.6.0 (private copy, interpreter patches)",
               "tokens": T, "hidden": HIDDEN, "heads_dims": DIMS, "cp_options": DEFAULTS, "rows": rows}
     (HERE.parent / "results" / "probe_gdn_launches.json").write_text(json.dumps(result, indent=1) + "\n")
