@@ -54,8 +54,9 @@ class _Endpoint:
         self.ctl = Control(store, f"weight_transfer/{link.name}/", link.trainer_ranks + link.rollout_ranks,
                            config.timeout_s, config.poll_s)
         self.n, self.version, self.plan, self.mover = 0, None, None, None
-        self.group_vote = None  # GroupVote once planned, where config.agreement == "group"
-        self.vote_group = vote_group_of(link) if config.agreement == "group" else None  # checked before any update
+        # agreement="group": the vote group is checked here, before any update
+        self.group_vote = GroupVote(self.ctl, vote_group_of(link), config.timeout_s) \
+            if config.agreement == "group" else None
         self.forgotten_upto = 0  # the updates before this one left no store keys (see _left_before)
         self.broken: str | None = None
         self.on_round = None  # test seam: called with the round index after each round
@@ -101,8 +102,6 @@ class _Endpoint:
         self.mover = Mover(self.plan, self.rank, self.link.group, transactional=self.config.transactional,
                            device=self._device(), keep_programs=3 if self.config.mode == "async" else 1,
                            send_buffers=self.config.send_buffers, commit=self.config.commit)
-        if self.config.agreement == "group":
-            self.group_vote = GroupVote(self.ctl, self.vote_group, self.config.timeout_s)
         self.setup_n = n
 
     def _transfer(self, version, sent, wait_s):
