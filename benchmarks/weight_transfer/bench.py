@@ -18,13 +18,16 @@ with FSDP2 (EP 2 with `--ep`; default model on cuda: Qwen3-30B-A3B cut to `--lay
 full-size experts, bf16 on the wire), the others hold a vLLM-style engine at TP = their count. Each
 implementation (p2p once per `--budget-bytes`, then the twin) runs a first update (plan, layout
 check or inference: timed apart) and `--iters` updates after one warm-up, every rank the same calls
-(host clock around a device-synchronized call). The link's own rate is measured in the same run:
+(host clock around a device-synchronized call), then `--iters` more back to back as an RL loop makes
+them (`back_to_back_ms`: each until the caller's stream is done, the device never drained, so side-stream
+work such as `undo_ahead`'s backup runs beside the next update; `period_ms`: the run to a device-wide
+sync over `--iters`). The link's own rate is measured in the same run:
 one message of the first rollout rank's p2p update size from trainer i to rollout i, all such pairs
 at once, by a plain `batch_isend_irecv`. Rates: bytes the receivers take / median update time (the
 slowest rank's), and that as a fraction of the link's rate (target for p2p: >= 0.7), with its
 spread (`of_link_rate_spread`: a slow update, the 75th percentile of the iterations' slowest-rank
 times, against a fast link round, the 25th, and the reverse; `target_shown` when the first clears
-the target). The
+the target; the same from the back-to-back times: `..._back_to_back...`). The
 transaction's cost: staging bytes and the commit's copy time per rollout rank (`--commit undo`: the
 backup's copy, which overlaps the wire; `undo_ahead`: the same copy taken after each update, off the
 next one's path, with `window_backups_per_rollout_rank` counting the updates that backed up inside
@@ -175,13 +178,28 @@ def link_rate_ms(trainers, rollouts, nbytes: int, iters: int, device) -> list[fl
     return ms
 
 
+def _back_to_back_ms(update, device, iters) -> tuple[list[float], float]:
+    """`iters` updates in a row as an RL loop makes them, each timed until the caller's stream is done
+    (the new weights usable there; the device is not drained, so work an endpoint leaves on its side
+    stream, `undo_ahead`'s backup for the next update, runs beside the next update and slows it
+    wherever it competes), and the period: those times plus the last drain (a device-wide sync), over
+    `iters` (the loop's own host time between calls is microseconds)."""
+    done = (lambda: torch.cuda.current_stream(device).synchronize()) if device.type == "cuda" else (lambda: None)
+    sync(device)
+    times = step_times_ms(lambda: (update(), done()), iters, 0, cuda=False)
+    drain = step_times_ms(lambda: sync(device), 1, 0, cuda=False)[0]
+    return times, (sum(times) + drain) / iters
+
+
 def _endpoint_run(end, call, device, iters, rollout: bool, profile: bool = False) -> dict:
     """First update (plan, layout check or inference) timed apart, then `iters` after one warm-up;
     with `profile`, one more under the torch profiler after a barrier (every rank alike)."""
     import torch.distributed as dist
     first = step_times_ms(synced(lambda: call(0), device), 1, 0, cuda=False)[0] / 1e3
     times = step_times_ms(synced(lambda: call(1), device), iters, 1, cuda=False)
+    in_row, period = _back_to_back_ms(lambda: call(1), device, iters)
     got = {"first_update_s": first, "median_ms": statistics.median(times), "times_ms": times,
+           "back_to_back_ms": statistics.median(in_row), "back_to_back_times_ms": in_row, "period_ms": period,
            "stats": dict(end.stats)}
     if profile:
         from profile_breakdown import profile_update
@@ -277,15 +295,23 @@ def measured(args) -> dict | None:
     for k in impl:
         median = max(g[k]["median_ms"] for g in gathered)  # an update ends when its slowest rank does
         wire_bytes = sum(g[k]["stats"]["bytes_received"] for g in gathered[T:])
+        in_row = max(g[k]["back_to_back_ms"] for g in gathered)
+        period = max(g[k]["period_ms"] for g in gathered)
         per[k] = {"median_ms": median, "first_update_s": max(g[k]["first_update_s"] for g in gathered),
                   "wire_bytes": wire_bytes, "GBps": wire_bytes / median / 1e6,
                   "of_link_rate": wire_bytes / median / 1e6 / link_GBps,
-                  "of_link_rate_spread": _spread(gathered, k, link_ms, wire_bytes / (pairs * nbytes)),
+                  "of_link_rate_spread": _spread(gathered, k, "times_ms", link_ms, wire_bytes / (pairs * nbytes)),
+                  "back_to_back_ms": in_row, "period_ms": period,
+                  "of_link_rate_back_to_back": wire_bytes / in_row / 1e6 / link_GBps,
+                  "of_link_rate_back_to_back_spread": _spread(gathered, k, "back_to_back_times_ms", link_ms,
+                                                              wire_bytes / (pairs * nbytes)),
+                  "of_link_rate_period": wire_bytes / period / 1e6 / link_GBps,
                   "staging_bytes_per_rollout_rank": [g[k]["stats"]["staged_bytes"] for g in gathered[T:]],
                   "commit_ms_per_rollout_rank": [g[k].get("commit_ms") for g in gathered[T:]],
                   "backup_ms_per_rollout_rank": [g[k].get("backup_ms") for g in gathered[T:]],
                   "window_backups_per_rollout_rank": [g[k].get("window_backups") for g in gathered[T:]]}
     best = max((k for k in impl if k.startswith("p2p")), key=lambda k: per[k]["GBps"])
+    in_row_best = min((k for k in impl if k.startswith("p2p")), key=lambda k: per[k]["back_to_back_ms"])
     # "device" is stamp()'s (the accelerator's name); the kind of device the ranks ran on apart
     return {"model": args.model, "layers": args.layers, "device_type": args.device, "wire_dtype": str(wire),
             "world": world, "trainers": T, "rollout_tp": world - T, "trainer_ep": 2 if args.ep else 1,
@@ -296,10 +322,12 @@ def measured(args) -> dict | None:
                      "message_bytes": nbytes, "median_ms": rate_ms, "GBps": link_GBps, "times_ms": link_ms},
             "p2p_best": best, "p2p_over_link_rate": per[best]["of_link_rate"], "target_over_link_rate": 0.7,
             "target_shown": per[best]["of_link_rate_spread"][0] >= 0.7,
+            "p2p_best_back_to_back": in_row_best, "target_shown_back_to_back":
+                per[in_row_best]["of_link_rate_back_to_back_spread"][0] >= 0.7,
             "broadcast_over_p2p_time": per["broadcast"]["median_ms"] / per[best]["median_ms"]}
 
 
-def _spread(gathered, k, link_ms, bytes_ratio: float) -> list[float]:
+def _spread(gathered, k, key, link_ms, bytes_ratio: float) -> list[float]:
     """The fraction of the link's rate over the quartiles: [a slow update (the 75th percentile of the
     slowest rank's iteration times) against a fast link round (the 25th), the reverse]. A target is
     shown when the first clears it."""
@@ -308,7 +336,7 @@ def _spread(gathered, k, link_ms, bytes_ratio: float) -> list[float]:
             return xs[0], xs[0]
         q = statistics.quantiles(xs, n=4)
         return q[0], q[2]
-    upd = [max(times) for times in zip(*(g[k]["times_ms"] for g in gathered))]  # an iteration: its slowest rank
+    upd = [max(times) for times in zip(*(g[k][key] for g in gathered))]  # an iteration: its slowest rank
     (u25, u75), (l25, l75) = quartiles(upd), quartiles(link_ms)
     return [bytes_ratio * l25 / u75, bytes_ratio * l75 / u25]  # `of_link_rate` at those times
 

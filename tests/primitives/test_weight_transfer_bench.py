@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.limits import SUBPROCESS_TIMEOUT_S
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -40,7 +42,8 @@ def test_bench_measures_p2p_twin_and_link_on_four_gloo_ranks(tmp_path):
     undo = per["p2p-undo@65536"]  # the same bytes, landed in place behind a backup of what they overwrite
     assert undo["wire_bytes"] == per["p2p@65536"]["wire_bytes"]
     assert all(s > 0 for s in undo["staging_bytes_per_rollout_rank"]) and all(b > 0 for b in undo["backup_ms_per_rollout_rank"])
-    assert undo["window_backups_per_rollout_rank"] == [3, 3]  # the first update, the warm-up and the timed one
+    # the first update, the warm-up, the device-synced one and the back-to-back one
+    assert undo["window_backups_per_rollout_rank"] == [4, 4]
     ahead = per["p2p-undo_ahead@65536"]  # the first update backed up in its window, the next two behind backups taken ahead
     assert ahead["wire_bytes"] == undo["wire_bytes"] and ahead["window_backups_per_rollout_rank"] == [1, 1]
     for k in ("p2p@65536", "p2p-undo_ahead@1048576"):  # agreed on the group: the same bytes
@@ -52,6 +55,13 @@ def test_bench_measures_p2p_twin_and_link_on_four_gloo_ranks(tmp_path):
     assert r["p2p_over_link_rate"] > 0 and r["target_over_link_rate"] == 0.7
     lo, hi = per[r["p2p_best"]]["of_link_rate_spread"]  # quartiles of updates against the link's rounds
     assert 0 < lo <= hi and r["target_shown"] == (lo >= 0.7) and len(link["times_ms"]) == 1
+    for k, v in per.items():  # the updates in a row: each until the caller's stream is done, and the period
+        assert v["back_to_back_ms"] > 0 and v["period_ms"] > 0 and v["of_link_rate_back_to_back"] > 0, (k, v)
+        assert v["of_link_rate_period"] == pytest.approx(v["of_link_rate_back_to_back"] * v["back_to_back_ms"] / v["period_ms"])
+    best = per[r["p2p_best_back_to_back"]]
+    assert best["back_to_back_ms"] == min(v["back_to_back_ms"] for k, v in per.items() if k.startswith("p2p"))
+    lo, hi = best["of_link_rate_back_to_back_spread"]
+    assert 0 < lo <= hi and r["target_shown_back_to_back"] == (lo >= 0.7)
     # --profile: one more update of the first budget traced on every rank, its phases in order
     assert r["profiled"] == "p2p@65536"
     for i, g in enumerate(r["ranks"]):
