@@ -5,6 +5,7 @@ priority change entered before that first call used to restore the uninitialized
 (`kernels/attention_sdpa_cudnn_first.py`). Each case runs in a fresh process, because the state is
 process-wide and this test process may have called SDPA already.
 """
+import functools
 import json
 import subprocess
 import sys
@@ -49,9 +50,15 @@ def _run(model: str, before_too: bool) -> dict:
     return json.loads(line[5:])
 
 
+@functools.cache
+def _fresh() -> dict:
+    """What a process that never ran our code picks: one process for every case."""
+    return _run("none", False)["after"]
+
+
 @pytest.mark.parametrize("model", ["qwen3-tiny", "qwen3-moe-tiny", "deepseek-v3-tiny", "qwen3.5-tiny"])
 def test_plain_sdpa_choice_unchanged_by_a_training_step(model):
-    fresh = _run("none", False)["after"]  # what a process that never ran our code picks
+    fresh = _fresh()
     first = _run(model, False)["after"]  # our step is the process's first SDPA user
     both = _run(model, True)  # a plain call before and after our step
     assert first == fresh, (first, fresh)
