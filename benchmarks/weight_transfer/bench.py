@@ -31,7 +31,8 @@ the target; the same from the back-to-back times: `..._back_to_back...`). The
 transaction's cost: staging bytes and the commit's copy time per rollout rank (`--commit undo`: the
 backup's copy, which overlaps the wire; `undo_ahead`: the same copy taken after each update, off the
 next one's path, with `window_backups_per_rollout_rank` counting the updates that backed up inside
-their own window, the warm-up's first among them). `--agreement group` adds rows with the prepare and
+their own window, the warm-up's first among them). `--nccl-streams high` adds rows (`...-hp@B`) whose link
+group runs NCCL on high-priority streams. `--agreement group` adds rows with the prepare and
 vote as one all-gather on a gloo group over every rank (host-side) instead of the store's round trips. Writes
 <out>/<device>-ranks<N>.json (stamped: commit, versions, device (the accelerator's name), date; the
 --device kind under "device_type"; per rank, the copy programs' calls against entries: "copies").
@@ -178,6 +179,16 @@ def link_rate_ms(trainers, rollouts, nbytes: int, iters: int, device) -> list[fl
     return ms
 
 
+def _high_priority_group(ranks):
+    """An NCCL group over `ranks` whose kernels run on high-priority streams: where a receiver copies on a
+    side stream beside the wire (`commit="undo"`'s backup, `undo_ahead`'s in the next update's window),
+    the GPU's block scheduler then starts NCCL's kernels first instead of after the copy's queued blocks."""
+    import torch.distributed as dist
+    opts = dist.ProcessGroupNCCL.Options()
+    opts.is_high_priority_stream = True
+    return dist.new_group(ranks, backend="nccl", pg_options=opts)
+
+
 def _back_to_back_ms(update, device, iters) -> tuple[list[float], float]:
     """`iters` updates in a row as an RL loop makes them, each timed until the caller's stream is done
     (the new weights usable there; the device is not drained, so work an endpoint leaves on its side
@@ -244,13 +255,15 @@ def measured(args) -> dict | None:
     mesh = DeviceMesh(device.type, torch.tensor(trainers), mesh_dim_names=("dp",))
     ep_mesh = DeviceMesh(device.type, torch.tensor(trainers).view(T // 2, 2), mesh_dim_names=("efsdp", "ep")) \
         if args.ep else None
-    impl = {f"p2p{'' if c == 'stage' else '-' + c}{'' if a == 'store' else '-' + a}@{b}":
+    impl = {f"p2p{'' if c == 'stage' else '-' + c}{'' if a == 'store' else '-' + a}{'' if st == 'default' else '-hp'}@{b}":
             registry.resolve("weight_transfer", P2PTransfer(budget_bytes=b, timeout_s=600, commit=c, agreement=a))
-            for a in args.agreement for c in args.commit for b in args.budget_bytes}
+            for st in args.nccl_streams for a in args.agreement for c in args.commit for b in args.budget_bytes}
     impl["broadcast"] = registry.resolve("weight_transfer", "broadcast")
     # the group vote runs on the host: one gloo group over every rank, made by all of them before any update
     votes = dist.new_group(list(range(world)), backend="gloo") if "group" in args.agreement else None
-    link = {k: Link(trainers, rollouts, name=k, vote_group=votes if "-group@" in k else None) for k in impl}
+    high = _high_priority_group(list(range(world))) if "high" in args.nccl_streams else None
+    link = {k: Link(trainers, rollouts, name=k, group=high if "-hp@" in k else None,
+                    vote_group=votes if "-group" in k else None) for k in impl}
     first_p2p = next(k for k in impl if k.startswith("p2p"))
     out = {}
     if rank in trainers:
@@ -362,7 +375,10 @@ def main():
                          "previous update")
     ap.add_argument("--agreement", nargs="+", choices=("store", "group"), default=["store"],
                     help="P2PTransfer.agreement, each with every commit and budget: store (rows as above) or group "
-                         "(rows ...-group@B: the prepare and vote as one all-gather on the transfer group)")
+                         "(rows ...-group@B: the prepare and vote as one all-gather on one gloo group of every rank)")
+    ap.add_argument("--nccl-streams", nargs="+", choices=("default", "high"), default=["default"],
+                    help="the link's NCCL group (cuda): the default one, or (rows ...-hp@B) a group of every rank "
+                         "with high-priority streams (ProcessGroupNCCL.Options.is_high_priority_stream)")
     ap.add_argument("--layout", choices=("given", "infer"), default=None,
                     help="the rollout's layout: written from the engine's rules and checked by one loader call "
                          "(default on cuda: probing a 30B slice takes minutes on the host), or inferred (cpu default)")
@@ -384,6 +400,8 @@ def main():
         print("plot:", plot(result, out / "simulated.png"))
         return
     cpu = args.device == "cpu"
+    if cpu and "high" in args.nccl_streams:
+        raise ValueError("--nccl-streams high needs --device cuda (stream priorities are NCCL's)")
     args.model = args.model or ("qwen3-moe-tiny" if cpu else "qwen3-30b-a3b")
     from bumblebee import models
     args.layers = args.layers or (models.NAMED[args.model]["num_hidden_layers"] if cpu else 2)

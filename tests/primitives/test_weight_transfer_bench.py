@@ -70,3 +70,12 @@ def test_bench_measures_p2p_twin_and_link_on_four_gloo_ranks(tmp_path):
         phases = [name for name, _, _ in p["phases"]]
         assert phases == (["spec"] if i < 2 else []) + ["prepare", "move", "vote"] + ([] if i < 2 else ["commit"]) \
             + ["forget"]
+
+
+def test_bench_refuses_high_priority_streams_on_the_cpu(tmp_path):
+    """Stream priorities are NCCL's: asked on gloo ranks, the bench says so before any rank starts."""
+    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "weight_transfer" / "bench.py"), "--device", "cpu",
+                        "--nccl-streams", "high", "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S, cwd=tmp_path)
+    assert p.returncode != 0 and "--nccl-streams high needs --device cuda" in p.stderr, p.stderr[-2000:]
+    assert not list(tmp_path.glob("*.json"))
