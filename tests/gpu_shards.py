@@ -42,6 +42,9 @@ in 147 s beside `test_context_parallel_gpu.py` (30 passed in 292 s); shard 5 alo
 At e8c6d11 on two fresh H200s (fla's autotune results restored): `test_weight_transfer_nccl.py` 10 passed in 111 s;
 `test_context_parallel_gpu.py` 38 passed (its non-fla tests 45 s, its fla ones 38 s after shard 3); shard 3 ran out
 of 400 s (22 tests), then 26 passed, 1 skipped in 182 s; shard 5 alone ran out of 460 s after 9 tests, no failure.
+At 9cda0a1 on two fresh H200s (autotune results restored): shard 3 ran out of 480 s (22 tests), then 26 passed,
+1 skipped in 223 s; shard 5 4 passed, 3 skipped (Ray, verl absent) in 134 s; shard 6 ran out of 350 s after 3 tests
+(the SDPA backend-state test's fresh processes, 12 then; 9 since).
 `tests/core/test_gpu_shards.py` checks that every file
 with a `gpu` mark is in exactly one shard.
 """

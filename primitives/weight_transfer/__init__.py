@@ -52,8 +52,9 @@ class P2PTransfer:
     agreement: str = option("store", "how the ranks agree before and after an update's bytes: store (the process "
                             "group's key-value store, round trips) or group (one all-gather on the host over "
                             "Link.vote_group, a gloo group over the link's ranks, or the link's group where it has a CPU "
-                            "backend; the store only carries a failure's messages; async: no other collective may run on "
-                            "the vote group while an update does); both raise on every rank within timeout_s")
+                            "backend; the store only carries a failure's messages, so no keys on a good update; no faster; "
+                            "async: no other collective may run on the vote group while an update does); both raise on "
+                            "every rank within timeout_s")
     verify: bool = option(True, "check an inferred layout against a real load_weights call on random "
                           "tensors (one extra call; a cached layout is always checked)")
     poll_s: float = option(0.005, "the longest pause between store checks, only where the store cannot be "
