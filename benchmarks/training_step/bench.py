@@ -223,7 +223,7 @@ def launch(args, stack: str, seq_len: int, steps: int, profile: bool, tmp: Path,
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.gpus}"] + cmd[1:]
     # Triton's autotuning results cached on disk: a stack's kernels tune once (Liger's fused MoE kernels
     # spend minutes tuning at 32K tokens), as they would once per long training job
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(29500 + seq_len % 997), "RANK": "0",
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(args.port_base + seq_len % 997), "RANK": "0",
            "WORLD_SIZE": "1", "LOCAL_RANK": "0", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
            "TRITON_CACHE_AUTOTUNING": "1"}
     # before the worker: a first run at a new shape can autotune Triton kernels for minutes in silence
@@ -299,6 +299,10 @@ def main() -> None:
     ap.add_argument("--profile-len", type=int, default=32768)
     ap.add_argument("--out", default=str(HERE / "results"))
     ap.add_argument("--tag", default="")
+    ap.add_argument("--note", default="", help="how the run was made: kept in the result")
+    ap.add_argument("--port-base", type=int, default=29500,
+                    help="a one-GPU worker's rendezvous port is this plus seq_len %% 997: runs side by side on one "
+                         "host, one per GPU, need bases at least 1000 apart")
     ap.add_argument("--cpu-smoke", action="store_true")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--init", help=argparse.SUPPRESS)
@@ -336,7 +340,7 @@ def main() -> None:
     def write() -> dict:  # after every row: a run cut short still leaves the rows it measured
         report = {**stamp(), "benchmark": "training_step", "model": args.model, "layers": args.layers,
                   "gpus": args.gpus, "hf_config": hf, "device": gpu, "rows": rows,
-                  "rounds": args.rounds, "comparison": compare(rows, args.target),
+                  "rounds": args.rounds, "comparison": compare(rows, args.target), "note": args.note,
                   "longest_fit": {st: max([r["seq_len"] for r in rows if r["stack"] == st and r.get("fits")],
                                           default=None) for st in dict.fromkeys(r["stack"] for r in rows)}}
         (out / name).write_text(json.dumps(report, indent=1))
