@@ -106,12 +106,16 @@ class TransformersLiger(Stack):
         if hf.model_type.startswith("qwen3_5"):
             # transformers' gated DeltaNet runs flash-linear-attention's chunk_gated_delta_rule where
             # installed; where fla refuses its own gated backward (Hopper, Triton < 3.7.1) the peer gets
-            # the dq/dk/dw/dg kernel we install into fla for ourselves, so both run the same DeltaNet
+            # the dq/dk/dw/dg kernel we install into fla for ourselves (its rule call marked as ours:
+            # scope_deltanet_rule), so both run the same DeltaNet
             from bumblebee.primitives import linear_attention as la
             ops = la.fla_ops() if device.type == "cuda" else None
+            ours_kernel = f"with our chunk_bwd_dqkwg ({la.DQKWG_HOOK}), its rule call marked"
             deltanet = ("transformers' torch path (fla absent)" if ops is None else
-                        f"fla {'with our chunk_bwd_dqkwg (' + la.DQKWG_HOOK + ')' if la.DQKWG_HOOK else 'as is'}")
+                        f"fla {ours_kernel if la.DQKWG_HOOK else 'as is'}")
         model = _transformers_model(path, device, attn_implementation=attn)
+        if deltanet and la.DQKWG_HOOK:
+            scope_deltanet_rule(model, la.scoped)
         model.config.use_cache = False
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         bf16 = mixed_precision == "bf16"
@@ -184,6 +188,37 @@ def build(stack: str, path, device, mesh, *, ep: int = 1, mixed_precision="bf16"
                          "transformers+liger[:attn=..,optim=..], transformers+liger-reference, transformers")
     s.name = stack
     return s
+
+
+def scope_deltanet_rule(model, scoped) -> list[str]:
+    """Run transformers' gated delta rule calls inside our layers' marks (`scoped`, from
+    `primitives/linear_attention.py`): the dq/dk/dw/dg kernel we install into fla's backend registry,
+    where fla refuses its own (Hopper, Triton < 3.7.1), serves only calls inside those marks, so without
+    this the peer's backward gets fla's refusal. transformers' DeltaNet layers call the rule through their
+    module's global `torch_chunk_gated_delta_rule` (fla's function where fla is installed), which is
+    replaced here by the same call, marked, returning the same (output, final state). Returns the
+    modules changed (the benchmark's worker process only: one process per stack)."""
+    import sys
+    changed = []
+    modules = {type(m).__module__ for m in model.modules() if type(m).__name__.endswith("GatedDeltaNet")}
+    for name in sorted(modules):
+        module = sys.modules[name]
+        rule = getattr(module, "torch_chunk_gated_delta_rule", None)
+        if rule is None or getattr(rule, "scoped_rule", False):
+            continue
+
+        def marked(query, key, value, *, g, beta, _rule=rule, **kwargs):
+            state = []
+
+            def run(q, k, v, g_, beta_):  # positional tensors: the marks wrap each one
+                out, final = _rule(q, k, v, g=g_, beta=beta_, **kwargs)
+                state.append(final)
+                return out
+            return scoped(run, query, key, value, g, beta), state[0]
+        marked.scoped_rule = True
+        module.torch_chunk_gated_delta_rule = marked
+        changed.append(name)
+    return changed
 
 
 def _transformers_model(path, device, **kw):
