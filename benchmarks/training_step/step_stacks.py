@@ -204,7 +204,10 @@ def scope_deltanet_rule(model, scoped) -> list[str]:
     for name in sorted(modules):
         module = sys.modules[name]
         rule = getattr(module, "torch_chunk_gated_delta_rule", None)
-        if rule is None or getattr(rule, "scoped_rule", False):
+        if rule is None:  # a transformers whose layers call the rule otherwise: the peer would get the refusal
+            raise RuntimeError(f"{name} has no torch_chunk_gated_delta_rule to mark: transformers' DeltaNet "
+                               "layers call the rule otherwise in this version; update scope_deltanet_rule")
+        if getattr(rule, "scoped_rule", False):
             continue
 
         def marked(query, key, value, *, g, beta, _rule=rule, **kwargs):

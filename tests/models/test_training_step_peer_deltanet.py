@@ -97,3 +97,11 @@ def test_marked_rule_passes_transformers_keywords_and_the_final_state(monkeypatc
     assert torch.equal(out, q * v.sum() + g.sum() + beta.sum())
     out.sum().backward()
     assert all(t.grad is not None for t in (q, v, g, beta))
+
+
+def test_a_transformers_without_the_rule_global_is_refused_by_name(monkeypatch):
+    model = _model()
+    monkeypatch.delattr(sys.modules[MODULE], "torch_chunk_gated_delta_rule")
+    with pytest.raises(RuntimeError, match="torch_chunk_gated_delta_rule"):
+        step_stacks.scope_deltanet_rule(model, la.scoped)
+
