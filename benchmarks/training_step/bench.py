@@ -266,6 +266,7 @@ def merge(paths: list[Path], out: Path, target: float) -> dict:
             raise ValueError(f"--merge: {p} differs from {paths[0]} in {keys} or was measured on a dirty tree")
     rows = [r for run in runs for r in run["rows"]]
     report = {**runs[0], "rows": rows, "comparison": compare(rows, target), "merged_dates": [r["date"] for r in runs],
+              "merged_notes": [r.get("note", "") for r in runs],  # each part's own (the header keeps the first's)
               "longest_fit": {st: max([r["seq_len"] for r in rows if r["stack"] == st and r.get("fits")], default=None)
                               for st in dict.fromkeys(r["stack"] for r in rows)}}
     out.mkdir(parents=True, exist_ok=True)

@@ -17,8 +17,10 @@ if not hasattr(transformers, "Qwen3_5MoeForCausalLM"):
 if importlib.util.find_spec("fla") is not None:  # transformers then binds fla's rule, which needs a GPU
     pytest.skip("flash-linear-attention is installed: transformers' DeltaNet runs it, not its torch path",
                 allow_module_level=True)
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "training_step"))
-import step_stacks  # noqa: E402
+_spec = importlib.util.spec_from_file_location(
+    "training_step_stacks", Path(__file__).resolve().parents[2] / "benchmarks" / "training_step" / "step_stacks.py")
+step_stacks = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(step_stacks)
 
 MODULE = "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe"
 
