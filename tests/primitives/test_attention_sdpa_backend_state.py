@@ -29,11 +29,11 @@ def state():
             "enabled": [torch.backends.cuda.flash_sdp_enabled(), torch.backends.cuda.cudnn_sdp_enabled(),
                         torch.backends.cuda.mem_efficient_sdp_enabled(), torch.backends.cuda.math_sdp_enabled()]}
 
-model_name, before_too = sys.argv[1], sys.argv[2] == "1"
+model_name, before_too, impl = sys.argv[1], sys.argv[2] == "1", json.loads(sys.argv[3])
 out = {"before": state() if before_too else None}
 if model_name != "none":
     import bumblebee as bb
-    model = bb.models.build(model_name, dtype=torch.bfloat16, device="cuda")
+    model = bb.models.build(model_name, impl, dtype=torch.bfloat16, device="cuda")
     ids = torch.randint(0, model.config.vocab_size, (2, 64), device="cuda")
     model(ids, labels=ids).loss.backward()
     torch.cuda.synchronize()
@@ -42,8 +42,15 @@ print("STATE" + json.dumps(out))
 """
 
 
+# The SDPA state is the attention slot's concern; Qwen3.5's DeltaNet layers never call SDPA. On fla they
+# autotune its Triton kernels afresh in each new process (shard 6 ran out of 230-350 s in this case), so they
+# run the torch twin here.
+IMPL = {"qwen3.5-tiny": {"linear_attention": "torch_chunked"}}
+
+
 def _run(model: str, before_too: bool) -> dict:
-    p = subprocess.run([sys.executable, "-c", PROBE, model, "1" if before_too else "0"],
+    impl = json.dumps(IMPL.get(model))
+    p = subprocess.run([sys.executable, "-c", PROBE, model, "1" if before_too else "0", impl],
                        capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S)
     assert p.returncode == 0, p.stderr[-3000:]
     line = next(x for x in p.stdout.splitlines() if x.startswith("STATE"))
