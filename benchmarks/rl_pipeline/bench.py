@@ -6,6 +6,7 @@ producers' and the trainer's idle fractions; a Qwen3 learning to copy digits (ru
     python benchmarks/rl_pipeline/bench.py --mode ray --workload medium --gpus 2 --etas 0 2 --out $OUT
     python benchmarks/rl_pipeline/bench.py --mode ray --workload medium --gpus 2 --etas 0 2 --weights p2p --out $OUT
     python benchmarks/rl_pipeline/bench.py --cpu-smoke [--mode ray] --out DIR  # the tiny model on the CPU
+    python benchmarks/rl_pipeline/bench.py --merge a/x.json,b/x.json --out DIR  # runs of other seeds, one result
 
 Modes. `local` (the default): `runtime/pipeline/local.py`, the trainer and the producer as threads
 of this process (no Ray needed); they share the GIL, so a host-bound step barely overlaps. `ray`:
@@ -50,7 +51,12 @@ processes' first CUDA calls are outside it and the first step is a step like the
 untimed warm-up run of two steps goes first (Triton's on-disk kernel cache, which every fresh
 process reads; CUDA context and allocator in the local mode).
 With `--seeds`, every seed runs every eta (a seed's etas back to back) and `summary` gives per eta
-the median and range over seeds. Reported per eta and seed: wall seconds and steps to the threshold
+the median and range over seeds, the median's distribution-free 95% interval from 6 seeds on
+(order statistics: [min, max] at 6, the 2nd and 9th of 10), and for eta > 0 whether `--target` (1.5x
+less wall time to the threshold) is shown: "shown" when the interval's low end reaches it (the range's
+below 6 seeds), "missed" when its high end stays under it, else "not shown". Seeds run side by side
+(two pipelines on one host's GPU pairs, `CUDA_VISIBLE_DEVICES`, each its own local Ray) join with
+`--merge` (same commit and settings, disjoint seeds; summaries recomputed). Reported per eta and seed: wall seconds and steps to the threshold
 (None if not reached) and to each level, median seconds a step, the trainer's mean idle fraction,
 the producers' final (cumulative) idle fraction, mean staleness and behave_kl, the reward curve and
 each step's seconds (`step_s`); and the speedup of each eta over eta = 0 in wall time to the
@@ -64,6 +70,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import statistics
 import sys
 from pathlib import Path
@@ -109,6 +116,7 @@ WORKLOADS = {
 # qwen3-tiny itself, a few steps of a few groups
 CPU_SMOKE = {"digits": 2, "groups": 4, "group_size": 4, "groups_per_call": 2, "lr": 5e-3, "window": 2, "max_steps": 4}
 RUN_FIELDS = [f.name for f in dataclasses.fields(Workload) if f.name != "model"]
+TARGET = 1.5  # less wall time to the threshold at eta = 2 than at eta = 0, on two GPUs (the issue's target)
 
 
 def model_config(task: CopyDigits, sizes: dict) -> dict:
@@ -212,9 +220,37 @@ def policy_levels(log, levels, window) -> dict:
     return out
 
 
+def median_ci95(values) -> list[float] | None:
+    """A distribution-free 95% interval for the median of `values` (seeds' ratios): the order statistics
+    x_(k), x_(n+1-k) with the largest k whose coverage 1 - 2 P(Binomial(n, 1/2) < k) is still >= 0.95.
+    None under 6 values, where even [min, max] covers less (5 values: 0.94)."""
+    xs, n = sorted(values), len(values)
+    below = lambda k: sum(math.comb(n, i) for i in range(k)) / 2 ** n  # noqa: E731  P(Bin(n, 1/2) < k)
+    ks = [k for k in range(1, n // 2 + 1) if 1 - 2 * below(k) >= 0.95]
+    return [xs[ks[-1] - 1], xs[n - ks[-1]]] if ks else None
+
+
+def spread(values) -> dict | None:
+    """Median, range and the median's 95% interval (`median_ci95`) over seeds; None without values."""
+    if not values:
+        return None
+    return {"median": statistics.median(values), "min": min(values), "max": max(values),
+            "median_ci95": median_ci95(values)}
+
+
+def target_verdict(ratios: dict | None, target: float) -> str | None:
+    """Whether a speed-up over seeds shows `target`: judged on the median's 95% interval where there
+    are 6 seeds or more, else on the range (fewer seeds cannot bound the median tighter). "shown":
+    the low end reaches it; "missed": the high end stays under it; else "not shown"."""
+    if ratios is None:
+        return None
+    low, high = ratios["median_ci95"] or [ratios["min"], ratios["max"]]
+    return "shown" if low >= target else "missed" if high < target else "not shown"
+
+
 def level_speedups(rows, field: str = "to_level") -> list[dict]:
     """Per eta and level over the seeds: each seed's eta = 0 wall time to the level over this eta's
-    (median, min, max; seeds where either run missed the level are left out, and counted), from the
+    (`spread`; seeds where either run missed the level are left out, and counted), from the
     rows' `field` ("to_level": trained rewards, `steps` the steps; "policy_to_level": `steps` the versions)."""
     out = []
     for eta in sorted({r["eta"] for r in rows}):
@@ -229,22 +265,24 @@ def level_speedups(rows, field: str = "to_level") -> list[dict]:
                     ratios.append(a[1] / b[1])
                     steps.append(b[0])
             out.append({"eta": eta, "level": float(level), "seeds": len(ratios), "steps": steps,
-                        "speedup": {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
-                        if ratios else None})
+                        "speedup": spread(ratios)})
     return out
 
 
-def summarize(rows) -> list[dict]:
-    """Per eta over the seeds: how many reached the threshold, the median and range of the wall time to
-    it, and of each seed's speed-up over its own eta = 0 run (in full, and without the first steps)."""
+def summarize(rows, target: float = TARGET) -> list[dict]:
+    """Per eta over the seeds: how many reached the threshold, the `spread` of the wall time to it and
+    of each seed's speed-up over its own eta = 0 run (in full, and without the first steps), and for
+    eta > 0 whether the speed-up to the threshold shows `target` (`target_verdict`)."""
     out = []
     for eta in sorted({r["eta"] for r in rows}):
         mine = [r for r in rows if r["eta"] == eta]
         row = {"eta": eta, "seeds": len(mine), "reached": sum(r["reached"] for r in mine)}
         for field in ("wall_s_to_threshold", "speedup_to_threshold_vs_eta0", "speedup_after_first_step_vs_eta0",
                       "speedup_per_step_vs_eta0"):
-            got = [r[field] for r in mine if r[field] is not None]
-            row[field] = {"median": statistics.median(got), "min": min(got), "max": max(got)} if got else None
+            row[field] = spread([r[field] for r in mine if r[field] is not None])
+        if eta > 0:
+            row["target"] = target
+            row["target_verdict"] = target_verdict(row["speedup_to_threshold_vs_eta0"], target)
         out.append(row)
     return out
 
@@ -271,9 +309,16 @@ def main(argv=None) -> int:
     ap.add_argument("--lr", type=float)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--seeds", type=int, nargs="+", help="several seeds (overrides --seed): per-eta medians and spread")
+    ap.add_argument("--target", type=float, default=TARGET, help="the speed-up to the threshold judged per eta > 0")
+    ap.add_argument("--note", default="", help="how the run was made: kept in the result")
+    ap.add_argument("--merge", default="", help="a.json,b.json: one result from runs of other seeds (same commit and "
+                    "settings), summaries recomputed over all rows; written to --out")
     ap.add_argument("--out", default=None, help="folder of the result file (default: results/ beside this script)")
     ap.add_argument("--quiet", action="store_true")
     args = ap.parse_args(argv)
+    if args.merge:
+        print(f"wrote {merge([Path(p) for p in args.merge.split(',') if p], Path(args.out or HERE / 'results'))}")
+        return 0
     if args.weights == "p2p" and (args.mode != "ray" or (args.gpus == 1 and not args.cpu_smoke)):
         ap.error("--weights p2p needs --mode ray and, on GPUs, --gpus 2 (a whole GPU per actor: two NCCL ranks "
                  "cannot share one)")
@@ -316,6 +361,44 @@ def main(argv=None) -> int:
     return 0
 
 
+# settings that may differ between the parts of a merge (which seeds ran, and how the run was made)
+MERGE_FREE = ("seed", "seeds")
+
+
+def merge(paths: list[Path], out: Path) -> Path:
+    """One result from runs of disjoint seeds at one commit with the same settings (e.g. two pipelines
+    side by side on one host's GPU pairs): rows joined, summaries and level speed-ups recomputed."""
+    if len(paths) < 2:
+        raise ValueError(f"--merge needs two or more result files, got {len(paths)}")
+    runs = [json.loads(p.read_text()) for p in paths]
+    first = runs[0]
+    for p, r in zip(paths, runs):
+        config = {k: v for k, v in r["config"].items() if k not in MERGE_FREE}
+        base = {k: v for k, v in first["config"].items() if k not in MERGE_FREE}
+        differs = [k for k in ("commit", "benchmark", "mode", "workload", "gpus", "device", "model")
+                   if r.get(k) != first.get(k)]
+        settings = sorted(k for k in {*config, *base} if config.get(k) != base.get(k))
+        if r.get("dirty"):
+            raise ValueError(f"--merge: {p} was measured on a dirty tree")
+        if differs or settings:
+            raise ValueError(f"--merge: {p} differs from {paths[0]} in {differs + settings}")
+    seeds = [row["seed"] for r in runs for row in r["rows"] if row["eta"] == 0]
+    if len(seeds) != len(set(seeds)):
+        raise ValueError(f"--merge: a seed ran in more than one part ({sorted(seeds)}): its rows would count twice")
+    rows = [row for r in runs for row in r["rows"]]
+    target = first["config"].get("target", TARGET)
+    result = {**first, "config": {**first["config"], "seeds": sorted(seeds)}, "rows": rows,
+              "summary": summarize(rows, target), "levels": level_speedups(rows),
+              "policy_levels": level_speedups(rows, "policy_to_level"),
+              "merged_dates": [r["date"] for r in runs], "merged_notes": [r.get("note", "") for r in runs]}
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / paths[0].name
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(result, indent=1) + "\n")
+    tmp.replace(path)
+    return path
+
+
 def write(rows, args, devices, model) -> Path:
     """The result file of the rows so far, each with its speed-ups over its seed's eta = 0 run."""
     for r in rows:
@@ -334,8 +417,8 @@ def write(rows, args, devices, model) -> Path:
               "mode": {"local": "local (threads)", "ray": "ray (actors, a process each)"}[args.mode],
               "workload": args.workload, "gpus": gpus, "devices": devices, "model": model,
               "task": {"name": "copy_digits", "length": args.digits},
-              "config": {k: v for k, v in vars(args).items() if k not in ("out", "quiet")}, "rows": rows,
-              "summary": summarize(rows), "levels": level_speedups(rows),
+              "config": {k: v for k, v in vars(args).items() if k not in ("out", "quiet", "note", "merge")},
+              "note": args.note, "rows": rows, "summary": summarize(rows, args.target), "levels": level_speedups(rows),
               "policy_levels": level_speedups(rows, "policy_to_level")}
     out = Path(args.out) if args.out else HERE / "results"
     out.mkdir(parents=True, exist_ok=True)
