@@ -45,16 +45,16 @@ of 400 s (22 tests), then 26 passed, 1 skipped in 182 s; shard 5 alone ran out o
 At 9cda0a1 on two fresh H200s (autotune results restored): shard 3 ran out of 480 s (22 tests), then 26 passed,
 1 skipped in 223 s; shard 5 4 passed, 3 skipped (Ray, verl absent) in 134 s; shard 6 ran out of 350 s after 3 tests
 (the SDPA backend-state test's fresh processes, 12 then; 9 since).
-At f38abbb on four fresh H200s (autotune results restored; each shard on its own GPUs, beside benchmarks in
-the last two calls): shard 4 61 passed in 202 s (GPUs 0, 1); shard 5 3 passed, 3 skipped (Ray, verl absent),
+At f38abbb on four fresh H200s (autotune results restored; shards 4, 5, 6 side by side, then 1, 2, 6, on the
+host's four GPUs): shard 4 61 passed in 202 s (GPUs 0, 1); shard 5 3 passed, 3 skipped (Ray, verl absent),
 1 failed in 137 s (GPUs 2, 3: the CUDA state-sharding run's final q_proj weight 1.0e-5 from the one-process
 reference, 8.7x that reference's own largest error against float64; the bound now takes float32's error over
 the two summation orders, not yet run on a GPU); shard 6 ran out of 330 s, then 230 s, after 3 and 4 tests:
 the SDPA backend-state test's Qwen3.5 case autotuned fla's kernels in each of its fresh processes (that case
 now runs the DeltaNet layers on the torch twin: they never call SDPA; not yet run on a GPU); shard 1 19 passed
 in 93 s, shard 2 56 passed in 116 s (GPUs 1, 2; FA4 installed). Shard 3 did not run (its cold autotuning
-takes more than one call). Its two context-parallel files then moved to shard 7: run it after shard 3 on the same
-machine, whose fla autotuning warms part of its cache.
+takes more than one call). Its two context-parallel files then moved to shard 7: after shard 3 on the same machine
+it finds part of fla's autotuning done; beside it on other GPUs it does its own.
 `tests/core/test_gpu_shards.py` checks that every file
 with a `gpu` mark is in exactly one shard.
 """
