@@ -69,7 +69,8 @@ def reference(steps: int = STEPS, config: str = CFG, device: str = "cpu"):
 
 def _run_reference(steps, config, dtype, device="cpu", parts=1):
     """`parts` > 1: each batch's gradient summed from that many equal row blocks, each block's mean loss
-    weighted by its share, in the order ranks that split the batch sum it."""
+    weighted by its share, in the order ranks that split the batch sum it, and the clip applied as a
+    float32 divisor, as fused AdamW takes it (`common/state_sharding.py:_clipped_step`)."""
     model = models.build(MODELS[config], seed=0, dtype=dtype, device=device)
     params = [p for p in model.parameters()]
     opt = torch.optim.AdamW(params, **HP)
@@ -85,7 +86,15 @@ def _run_reference(steps, config, dtype, device="cpu", parts=1):
                 block_loss.backward()
             loss = sum(losses)
         out["zeros"].append(int(sum((p.grad == 0).sum() for p in params)))
-        out["norm"].append(float(torch.nn.utils.clip_grad_norm_(params, CLIP)))
+        if parts == 1:
+            out["norm"].append(float(torch.nn.utils.clip_grad_norm_(params, CLIP)))
+        else:
+            norm = float(torch.nn.utils.clip_grad_norm_(params, math.inf))  # the norm, gradients untouched
+            coef = min(1.0, CLIP / (norm + 1e-6))
+            if coef < 1.0:
+                divisor = torch.full((), 1.0 / coef, dtype=torch.float32, device=device)
+                torch._foreach_div_([p.grad for p in params], divisor)
+            out["norm"].append(norm)
         opt.step()
         opt.zero_grad()
         out["loss"].append(loss.item())
@@ -111,8 +120,8 @@ def _with_error(ref, ref64):
 
 
 def _split_error(ref, split):
-    """Per tensor, float32's largest weight error over two summation orders: the whole batch (`ref`)
-    and two row blocks (`split`). A run on two CUDA ranks (NCCL's reduce-scatter, fused AdamW taking the
+    """Per tensor, float32's largest weight error over two orders: the whole batch clipped by a factor
+    (`ref`), and two row blocks clipped by a divisor (`split`). A run on two CUDA ranks (NCCL's reduce-scatter, fused AdamW taking the
     clip as its grad_scale) ended 1.0e-5 from the whole-batch reference in q_proj, 8.7x that reference's
     own largest error: Adam turns a rounding-level gradient difference into up to lr x |dg| / eps a step
     (3e-3 x 1e-9 / 1e-6 = 3e-6), so one order's largest error is a poor sample of another's."""
