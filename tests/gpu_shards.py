@@ -49,7 +49,8 @@ At f38abbb on four fresh H200s (autotune results restored; shards 4, 5, 6 side b
 host's four GPUs): shard 4 61 passed in 202 s (GPUs 0, 1); shard 5 3 passed, 3 skipped (Ray, verl absent),
 1 failed in 137 s (GPUs 2, 3: the CUDA state-sharding run's final q_proj weight 1.0e-5 from the one-process
 reference, 8.7x that reference's own largest error against float64; the bound now takes float32's error over
-two orders, the second summing two row blocks and clipping by a divisor as fused AdamW does; not yet run on a GPU); shard 6 ran out of 330 s, then 230 s, after 3 and 4 tests:
+two orders, the second summing two row blocks and clipping by a divisor as fused AdamW does; not yet run on
+a GPU); shard 6 ran out of 330 s, then 230 s, after 3 and 4 tests:
 the SDPA backend-state test's Qwen3.5 case autotuned fla's kernels in each of its fresh processes (that case
 now runs the DeltaNet layers on the torch twin: they never call SDPA; not yet run on a GPU); shard 1 19 passed
 in 93 s, shard 2 56 passed in 116 s (GPUs 1, 2; FA4 installed). Shard 3 did not run (its cold autotuning

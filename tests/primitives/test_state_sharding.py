@@ -121,8 +121,8 @@ def _with_error(ref, ref64):
 
 def _split_error(ref, split):
     """Per tensor, float32's largest weight error over two orders: the whole batch clipped by a factor
-    (`ref`), and two row blocks clipped by a divisor (`split`). A run on two CUDA ranks (NCCL's reduce-scatter, fused AdamW taking the
-    clip as its grad_scale) ended 1.0e-5 from the whole-batch reference in q_proj, 8.7x that reference's
+    (`ref`), and two row blocks clipped by a divisor (`split`). A run on two CUDA ranks (NCCL's
+    reduce-scatter, fused AdamW taking the clip as its grad_scale) ended 1.0e-5 from the whole-batch reference in q_proj, 8.7x that reference's
     own largest error: Adam turns a rounding-level gradient difference into up to lr x |dg| / eps a step
     (3e-3 x 1e-9 / 1e-6 = 3e-6), so one order's largest error is a poor sample of another's."""
     for k, v in split["state"].items():
