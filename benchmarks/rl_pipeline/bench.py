@@ -63,6 +63,10 @@ each step's seconds (`step_s`); and the speedup of each eta over eta = 0 in wall
 threshold and per step, and (`levels`) to each level over the seeds. `--weights p2p` (ray mode; a
 whole GPU per actor or none) publishes
 through the weight-transfer primitive (NCCL between the actors' GPUs) instead of Ray's object store.
+`--colocated` adds, per seed, the colocated synchronous loop on the same GPUs (`runtime/pipeline/colocated.py`:
+every GPU generates its share of a step, then all train data-parallel; its own processes, `colocated_loop.py`),
+the loop a user runs instead of a pipeline: rows `"loop": "colocated"`, the summary's `colocated`, and each
+pipeline row's `speedup_to_threshold_vs_colocated`.
 Writes <out>/rl_pipeline_<device>_x<gpus>[_ray][_medium][_p2p].json (stamped: commit, versions, device, date).
 """
 from __future__ import annotations
@@ -163,7 +167,22 @@ def run_eta(eta, args, task, model, devices, quiet) -> dict:
     gpus_each = 0.0 if args.mode == "local" or args.cpu_smoke else {1: 0.5, 2: 1.0}[args.gpus]  # Ray's share
     train = _train_ray if args.mode == "ray" else _train_local
     log = train(pipeline_config(eta, args, gpus_each), args, task, model, devices, on_step, until)
-    hit = reached(log)
+    return row_of(log, eta, args, reached(log))
+
+
+def run_colocated_anchor(args, task, model) -> dict:
+    """The colocated synchronous loop on the bench's GPUs (`--gpus` ranks, one GPU each; the CPU smoke:
+    two CPU ranks), at the pipeline's settings, stopped as the pipeline runs stop."""
+    from colocated_loop import run_colocated
+    log = run_colocated(pipeline_config(0, args), model, task, ranks=2 if args.cpu_smoke else args.gpus,
+                        device_type="cpu" if args.cpu_smoke else "cuda", window=args.window,
+                        threshold=args.threshold, max_seconds=args.max_seconds)
+    hit = len(log) >= args.window and statistics.mean(m["reward"] for m in log[-args.window:]) >= args.threshold
+    return {"loop": "colocated", **row_of(log, 0, args, hit)}
+
+
+def row_of(log, eta, args, hit: bool) -> dict:
+    """A row of the result from a run's per-step log (`hit`: it reached the threshold)."""
     return {"eta": eta, "reached": hit, "steps": len(log), "wall_s": log[-1]["wall_s"],
             "to_level": to_levels(log, args.levels, args.window),
             "policy_to_level": policy_levels(log, args.levels, args.window),
@@ -248,11 +267,16 @@ def target_verdict(ratios: dict | None, target: float) -> str | None:
     return "shown" if low >= target else "missed" if high < target else "not shown"
 
 
+def piped(row: dict) -> bool:
+    """A pipeline run's row (not the colocated anchor's)."""
+    return row.get("loop", "pipeline") == "pipeline"
+
+
 def level_speedups(rows, field: str = "to_level") -> list[dict]:
     """Per eta and level over the seeds: each seed's eta = 0 wall time to the level over this eta's
     (`spread`; seeds where either run missed the level are left out, and counted), from the
     rows' `field` ("to_level": trained rewards, `steps` the steps; "policy_to_level": `steps` the versions)."""
-    out = []
+    out, rows = [], [r for r in rows if piped(r)]
     for eta in sorted({r["eta"] for r in rows}):
         for level in rows[0][field]:
             ratios, steps = [], []
@@ -273,18 +297,29 @@ def summarize(rows, target: float = TARGET) -> list[dict]:
     """Per eta over the seeds: how many reached the threshold, the `spread` of the wall time to it and
     of each seed's speed-up over its own eta = 0 run (in full, and without the first steps), and for
     eta > 0 whether the speed-up to the threshold shows `target` (`target_verdict`)."""
-    out = []
+    out, rows = [], [r for r in rows if piped(r)]
     for eta in sorted({r["eta"] for r in rows}):
         mine = [r for r in rows if r["eta"] == eta]
         row = {"eta": eta, "seeds": len(mine), "reached": sum(r["reached"] for r in mine)}
         for field in ("wall_s_to_threshold", "speedup_to_threshold_vs_eta0", "speedup_after_first_step_vs_eta0",
-                      "speedup_per_step_vs_eta0"):
-            row[field] = spread([r[field] for r in mine if r[field] is not None])
+                      "speedup_per_step_vs_eta0", "speedup_to_threshold_vs_colocated"):
+            row[field] = spread([r[field] for r in mine if r.get(field) is not None])
         if eta > 0:
             row["target"] = target
             row["target_verdict"] = target_verdict(row["speedup_to_threshold_vs_eta0"], target)
         out.append(row)
     return out
+
+
+def colocated_summary(rows) -> dict | None:
+    """The colocated anchor over the seeds (`--colocated`): how many reached the threshold, the
+    `spread` of its wall time to it and of its median step; None without anchor rows."""
+    mine = [r for r in rows if not piped(r)]
+    if not mine:
+        return None
+    return {"seeds": len(mine), "reached": sum(r["reached"] for r in mine),
+            "wall_s_to_threshold": spread([r["wall_s_to_threshold"] for r in mine if r["reached"]]),
+            "s_per_step_median": spread([r["s_per_step_median"] for r in mine if r["s_per_step_median"]])}
 
 
 def main(argv=None) -> int:
@@ -309,6 +344,8 @@ def main(argv=None) -> int:
     ap.add_argument("--lr", type=float)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--seeds", type=int, nargs="+", help="several seeds (overrides --seed): per-eta medians and spread")
+    ap.add_argument("--colocated", action="store_true", help="per seed, also the colocated synchronous loop on the "
+                    "same GPUs (each GPU generates its share, then all train data-parallel): the anchor a user runs")
     ap.add_argument("--target", type=float, default=TARGET, help="the speed-up to the threshold judged per eta > 0")
     ap.add_argument("--note", default="", help="how the run was made: kept in the result")
     ap.add_argument("--merge", default="", help="a.json,b.json: one result from runs of other seeds (same commit and "
@@ -350,14 +387,23 @@ def main(argv=None) -> int:
             rows.append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "reward"}), flush=True)
             path = write(rows, args, devices, model)  # after every row: a run cut short keeps what it measured
+        if args.colocated:
+            watch = Stopwatch()
+            seeded = argparse.Namespace(**{**vars(args), "seed": seed})
+            row = {"seed": seed, **run_colocated_anchor(seeded, task, model)}
+            row["run_s"] = watch.seconds()
+            rows.append(row)
+            print(json.dumps({k: v for k, v in row.items() if k != "reward"}), flush=True)
+            path = write(rows, args, devices, model)
     print(f"wrote {path}")
     result = json.loads(path.read_text())
-    for r in result["summary"] + result["levels"]:
+    for r in result["summary"] + result["levels"] + [result["colocated"]] * bool(result["colocated"]):
         print(json.dumps(r))
     for r in rows:
-        print(f"seed {r['seed']} eta {r['eta']}: to threshold {r['wall_s_to_threshold']} s in {r['steps_to_threshold']} steps, "
-              f"{r['s_per_step_median'] or float('nan'):.3f} s/step, idle trainer {r['trainer_idle_mean']:.2f} producers "
-              f"{r['producer_idle_final']:.2f}, speedup {r['speedup_to_threshold_vs_eta0']}")
+        what = f"eta {r['eta']}" if piped(r) else "colocated"
+        print(f"seed {r['seed']} {what}: to threshold {r['wall_s_to_threshold']} s in {r['steps_to_threshold']} "
+              f"steps, {r['s_per_step_median'] or float('nan'):.3f} s/step, idle trainer {r['trainer_idle_mean']:.2f} "
+              f"producers {r['producer_idle_final']:.2f}, speedup {r.get('speedup_to_threshold_vs_eta0')}")
     return 0
 
 
@@ -382,14 +428,14 @@ def merge(paths: list[Path], out: Path) -> Path:
             raise ValueError(f"--merge: {p} was measured on a dirty tree")
         if differs or settings:
             raise ValueError(f"--merge: {p} differs from {paths[0]} in {differs + settings}")
-    seeds = [row["seed"] for r in runs for row in r["rows"] if row["eta"] == 0]
+    seeds = [row["seed"] for r in runs for row in r["rows"] if row["eta"] == 0 and piped(row)]
     if len(seeds) != len(set(seeds)):
         raise ValueError(f"--merge: a seed ran in more than one part ({sorted(seeds)}): its rows would count twice")
     rows = [row for r in runs for row in r["rows"]]
     target = first["config"].get("target", TARGET)
     result = {**first, "config": {**first["config"], "seeds": sorted(seeds)}, "rows": rows,
               "summary": summarize(rows, target), "levels": level_speedups(rows),
-              "policy_levels": level_speedups(rows, "policy_to_level"),
+              "policy_levels": level_speedups(rows, "policy_to_level"), "colocated": colocated_summary(rows),
               "merged_dates": [r["date"] for r in runs], "merged_notes": [r.get("note", "") for r in runs]}
     out.mkdir(parents=True, exist_ok=True)
     path = out / paths[0].name
@@ -402,7 +448,13 @@ def merge(paths: list[Path], out: Path) -> Path:
 def write(rows, args, devices, model) -> Path:
     """The result file of the rows so far, each with its speed-ups over its seed's eta = 0 run."""
     for r in rows:
-        base = next((b for b in rows if b["eta"] == 0 and b["seed"] == r["seed"]), None)
+        if not piped(r):
+            continue
+        anchor = next((b for b in rows if not piped(b) and b["seed"] == r["seed"]), None)
+        r["speedup_to_threshold_vs_colocated"] = (anchor["wall_s_to_threshold"] / r["wall_s_to_threshold"]
+                                                  if anchor is not None and anchor["reached"] and r["reached"]
+                                                  else None)
+        base = next((b for b in rows if piped(b) and b["eta"] == 0 and b["seed"] == r["seed"]), None)
         ok = base is not None and base["reached"] and r["reached"]
         r["speedup_to_threshold_vs_eta0"] = base["wall_s_to_threshold"] / r["wall_s_to_threshold"] if ok else None
         # the same without each run's first step (alike for every eta)
@@ -419,6 +471,7 @@ def write(rows, args, devices, model) -> Path:
               "task": {"name": "copy_digits", "length": args.digits},
               "config": {k: v for k, v in vars(args).items() if k not in ("out", "quiet", "note", "merge")},
               "note": args.note, "rows": rows, "summary": summarize(rows, args.target), "levels": level_speedups(rows),
+              "colocated": colocated_summary(rows),
               "policy_levels": level_speedups(rows, "policy_to_level")}
     out = Path(args.out) if args.out else HERE / "results"
     out.mkdir(parents=True, exist_ok=True)

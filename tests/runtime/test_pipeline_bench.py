@@ -46,7 +46,7 @@ def _smoke(tmp_path, *flags) -> dict:
                 assert hit[0] == trained[0] - 1, (level, hit, trained)
     assert len(result["levels"]) == len(result["policy_levels"]) == len(result["summary"]) * len(result["config"]["levels"])
     for summary in result["summary"]:  # per eta over the seeds
-        mine = [r for r in result["rows"] if r["eta"] == summary["eta"]]
+        mine = [r for r in result["rows"] if r["eta"] == summary["eta"] and r.get("loop", "pipeline") == "pipeline"]
         assert summary["seeds"] == len(mine) and summary["reached"] == sum(r["reached"] for r in mine)
         per_step = [r["speedup_per_step_vs_eta0"] for r in mine]
         assert summary["speedup_per_step_vs_eta0"]["min"] == min(per_step)
@@ -67,6 +67,18 @@ def test_rl_pipeline_bench_smoke_on_ray(tmp_path):
     result = _smoke(tmp_path, "--mode", "ray", "--etas", "0", "2", "--weights", "p2p")
     assert result["mode"].startswith("ray") and sorted(r["eta"] for r in result["rows"]) == [0, 2]
     assert result["config"]["weights"] == "p2p"
+
+
+def test_rl_pipeline_bench_smoke_with_the_colocated_anchor(tmp_path):
+    """Per seed, the colocated synchronous loop on two CPU ranks beside the pipeline's etas: its own
+    row (on-policy, the same fields), its summary, and each pipeline row's speed-up over it where both
+    reach the threshold (the smoke's few steps reach none: the field is there, empty)."""
+    result = _smoke(tmp_path, "--etas", "0", "2", "--colocated")
+    anchor = [r for r in result["rows"] if r.get("loop") == "colocated"]
+    assert [(r["seed"], r["eta"]) for r in anchor] == [(0, 0)] and anchor[0]["staleness_mean"] == 0
+    assert all("speedup_to_threshold_vs_colocated" in r for r in result["rows"] if r not in anchor)
+    assert result["colocated"]["seeds"] == 1 and result["colocated"]["s_per_step_median"]["median"] > 0
+    assert [s["seeds"] for s in result["summary"]] == [1, 1]  # the anchor is not an eta's row
 
 
 @pytest.mark.parametrize("flags", [[], ["--mode", "ray", "--gpus", "1"]])

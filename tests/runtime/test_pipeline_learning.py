@@ -36,18 +36,6 @@ def _cfg(**kw):
     return PipelineConfig(**{**base, **kw})
 
 
-@pytest.fixture
-def one_process():
-    """The loops' one-rank group and one torch thread (the actors' reduction order) are this
-    process's: put both back afterwards."""
-    threads, had_group = torch.get_num_threads(), dist.is_initialized()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-    if dist.is_initialized() and not had_group:
-        dist.destroy_process_group()
-
-
 @pytest.mark.slow  # about 5 s a case on an idle core (30 GRPO steps with generation)
 @pytest.mark.parametrize("eta", [0, 2])
 @pytest.mark.parametrize("seed", [0, 1])
