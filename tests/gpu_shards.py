@@ -105,6 +105,7 @@ SHARDS = {
         "tests/runtime/test_pipeline_learning.py",
         "tests/runtime/test_pipeline_ray_gpus.py",  # Ray actors on 2 GPUs, p2p weights over NCCL
         "tests/runtime/test_pipeline_weights_pack.py",  # the object-store channel's pack of CUDA tensors
+        "tests/runtime/test_pipeline_colocated.py",  # the colocated loop on 2 GPUs (NCCL beside gloo)
         "tests/e2e/test_verl_gpu.py",
     )),
     # split from shard 5 at e8c6d11, which ran out of 460 s after these 9 tests: a step of every tiny model (the

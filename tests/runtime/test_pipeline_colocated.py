@@ -2,7 +2,8 @@
 on the same GPUs must beat: with one rank it makes the plain synchronous loop's samples and updates
 (with and without the warm-up); over two gloo ranks each rank generates its share of the step's
 engine calls, every rank trains the gathered groups data-parallel, and the first step (same weights,
-same calls, same seeds) equals one rank's; rank 0's stop decision ends every rank at the same step."""
+same calls, same seeds) equals one rank's; rank 0's stop decision ends every rank at the same step. The
+two-rank case runs on two GPUs too (`gpu`, shard 5: NCCL beside gloo, as the bench's `--colocated`)."""
 from __future__ import annotations
 
 import json
@@ -34,8 +35,8 @@ def _cfg(**kw):
     return PipelineConfig(**{**base, **kw})
 
 
-def _engine():
-    return TransformersEngine(CONFIG, pad_token_id=TASK.pad_id)
+def _engine_on(device: str):
+    return TransformersEngine(CONFIG, device=device, pad_token_id=TASK.pad_id)
 
 
 def _same_updates(a: dict, b: dict, rel: float) -> None:
@@ -47,8 +48,8 @@ def _same_updates(a: dict, b: dict, rel: float) -> None:
 @pytest.mark.parametrize("warmup", [False, True])
 def test_one_rank_makes_the_synchronous_loops_updates(one_process, warmup):
     cfg = _cfg(warmup=warmup)
-    log = colocated_run(cfg, CONFIG, TASK, _engine())
-    plain = synchronous_run(cfg, CONFIG, TASK, _engine())
+    log = colocated_run(cfg, CONFIG, TASK, _engine_on("cpu"))
+    plain = synchronous_run(cfg, CONFIG, TASK, _engine_on("cpu"))
     assert len(log) == len(plain) == cfg.steps
     for a, b in zip(log, plain):
         assert a["staleness_max"] == 0 and sorted(a["group_ids"]) == a["group_ids"]
@@ -62,7 +63,7 @@ def test_one_rank_makes_the_synchronous_loops_updates(one_process, warmup):
 
 def test_refuses_a_staleness_bound(one_process):
     with pytest.raises(ValueError, match="eta must be 0, got 2"):
-        colocated_run(_cfg(eta=2), CONFIG, TASK, _engine())
+        colocated_run(_cfg(eta=2), CONFIG, TASK, _engine_on("cpu"))
 
 
 def _free_port() -> int:
@@ -71,12 +72,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank(rank: int, world: int, port: int, out: str) -> None:
+def _rank(rank: int, world: int, port: int, out: str, device_type: str = "cpu") -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+    device = f"cuda:{rank}" if device_type == "cuda" else "cpu"
+    if device_type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("cpu:gloo,cuda:nccl" if device_type == "cuda" else "gloo",
+                            init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=PROCESS_GROUP_TIMEOUT)
     try:
-        log = colocated_run(_cfg(steps=4), CONFIG, TASK, _engine(), group=dist.group.WORLD,
+        log = colocated_run(_cfg(steps=4), CONFIG, TASK, _engine_on(device), group=dist.group.WORLD, device=device,
                             until=lambda log: log[-1]["step"] == 1)  # rank 0's call decides for both
         Path(out, f"rank{rank}.json").write_text(json.dumps(log))
     except BaseException:
@@ -85,10 +90,15 @@ def _rank(rank: int, world: int, port: int, out: str) -> None:
     leave_group()
 
 
-def test_two_ranks_share_generation_and_train_the_gathered_groups(one_process, tmp_path):
-    mp.spawn(_rank, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+@pytest.mark.parametrize("device_type", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_two_ranks_share_generation_and_train_the_gathered_groups(one_process, tmp_path, device_type):
+    """On two GPUs: NCCL beside gloo, as the bench's `--colocated` runs it."""
+    if device_type == "cuda" and torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA devices")
+    mp.spawn(_rank, args=(2, _free_port(), str(tmp_path), device_type), nprocs=2, join=True)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
-    one = colocated_run(_cfg(steps=1), CONFIG, TASK, _engine())
+    one_device = "cuda:0" if device_type == "cuda" else "cpu"
+    one = colocated_run(_cfg(steps=1), CONFIG, TASK, _engine_on(one_device), device=one_device)
     for log in ranks:
         assert [m["step"] for m in log] == [0, 1]  # both stopped after rank 0's until held
         _same_updates(log[0], one[0], rel=1e-5)  # the same calls on the same weights: the same groups
