@@ -3,7 +3,9 @@ appends the JSONL log, and plots reward and idle fractions (matplotlib, the `plo
 it the run says so and writes no plot). The file (TOML; JSON has the same keys):
 
     model = "qwen3-tiny"                 # a named model or a table of HF config fields
-    mode = "ray"                         # "ray": Ray actors; "local": threads of this process, no Ray
+    mode = "ray"                         # "ray": Ray actors; "local": threads of this process, no Ray;
+                                         # "colocated": the synchronous loop on every rank's device (eta 0;
+                                         # under torchrun each rank generates its share, then all train)
     log = "run.jsonl"
     plot = "run.png"                     # default: the log's name with .png
     [model_overrides]
@@ -32,7 +34,9 @@ Unknown keys are errors naming the key (a typo never silently falls back to a de
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import json
+import os
 import sys
 import tomllib
 from dataclasses import dataclass, field
@@ -43,7 +47,7 @@ from bumblebee.runtime.pipeline.tasks import CopyDigits
 
 TASKS = {"copy_digits": CopyDigits}
 TOP_KEYS = ("model", "model_overrides", "task", "pipeline", "mode", "ray", "devices", "log", "plot")
-MODES = ("ray", "local")
+MODES = ("ray", "local", "colocated")
 
 
 @dataclass(frozen=True)
@@ -107,7 +111,10 @@ def load_config(path) -> LaunchConfig:
     if unknown:
         raise ValueError(f"devices: unknown keys {unknown}; accepted: ['producers', 'trainer']")
     if devices and mode != "local":
-        raise ValueError("devices is for mode 'local' (with Ray, actors ask for GPUs through ray's scheduling)")
+        raise ValueError("devices is for mode 'local' (with Ray, actors ask for GPUs through ray's scheduling; "
+                         "colocated, each rank takes its own: cuda:LOCAL_RANK where CUDA is, else the CPU)")
+    if mode == "colocated" and pipeline.eta != 0:
+        raise ValueError(f"mode 'colocated' is the synchronous loop: pipeline.eta must be 0, got {pipeline.eta}")
     log = raw.get("log")
     plot_path = raw.get("plot", str(Path(log).with_suffix(".png")) if log else None)
     return LaunchConfig(pipeline, model, _build(TASKS[name], task, "task"), dict(raw.get("ray", {})), log, plot_path,
@@ -140,6 +147,8 @@ def plot(log: list[dict], path) -> str:
 
 def run(cfg: LaunchConfig, *, on_step=print) -> list[dict]:
     """Train `cfg` (Ray started and stopped here in mode "ray"); the per-step log."""
+    if cfg.mode == "colocated":
+        return _run_colocated(cfg, on_step)
     if cfg.mode == "local":
         from bumblebee.runtime.pipeline.local import LocalPipeline
         trainer = cfg.devices.get("trainer", "cpu")
@@ -159,6 +168,34 @@ def run(cfg: LaunchConfig, *, on_step=print) -> list[dict]:
         ray.shutdown()
 
 
+def _run_colocated(cfg: LaunchConfig, on_step) -> list[dict]:
+    """Mode "colocated": under torchrun (RANK in the environment) every rank joins the default group made
+    here (NCCL beside gloo on CUDA) and takes cuda:LOCAL_RANK; alone, one rank on cuda:0 or the CPU. Rank 0
+    prints and logs."""
+    import torch
+    import torch.distributed as dist
+
+    from bumblebee.runtime.pipeline.colocated import colocated_run
+    from bumblebee.runtime.pipeline.engine import TransformersEngine
+    ranks = "RANK" in os.environ
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() \
+        else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    engine = TransformersEngine(cfg.model, device=str(device), eos_token_id=cfg.task.eos_id,
+                                pad_token_id=cfg.task.pad_id)
+    if not ranks:
+        return colocated_run(cfg.pipeline, cfg.model, cfg.task, engine, device=device, on_step=on_step,
+                             log_path=cfg.log)
+    dist.init_process_group("cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo",
+                            timeout=datetime.timedelta(seconds=cfg.pipeline.trainer_timeout_s))
+    try:
+        return colocated_run(cfg.pipeline, cfg.model, cfg.task, engine, group=dist.group.WORLD, device=device,
+                             on_step=on_step, log_path=cfg.log)
+    finally:
+        dist.destroy_process_group()
+
+
 def launch(config, *, log=None, plot_path=None) -> int:
     """`bumblebee rl`: run the file `config` (`log`, `plot_path`: override the file's). Exit status 2
     for a config refused before running, 0 after the run."""
@@ -170,7 +207,7 @@ def launch(config, *, log=None, plot_path=None) -> int:
     cfg = dataclasses.replace(cfg, log=log or cfg.log,
                               plot=plot_path or (str(Path(log).with_suffix(".png")) if log else cfg.plot))
     log = run(cfg, on_step=lambda line: print(line, flush=True))
-    if cfg.plot:
+    if cfg.plot and int(os.environ.get("RANK", 0)) == 0:  # mode colocated under torchrun: rank 0 plots
         print(plot(log, cfg.plot))
     return 0
 
