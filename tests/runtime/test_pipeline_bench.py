@@ -79,6 +79,8 @@ def test_rl_pipeline_bench_smoke_with_the_colocated_anchor(tmp_path):
     assert all("speedup_to_threshold_vs_colocated" in r for r in result["rows"] if r not in anchor)
     assert result["colocated"]["seeds"] == 1 and result["colocated"]["s_per_step_median"]["median"] > 0
     assert [s["seeds"] for s in result["summary"]] == [1, 1]  # the anchor is not an eta's row
+    eta2 = result["summary"][1]  # nothing reached: no ratio, so no verdict either way
+    assert eta2["speedup_to_threshold_vs_colocated"] is None and eta2["target_verdict_vs_colocated"] is None
 
 
 @pytest.mark.parametrize("flags", [[], ["--mode", "ray", "--gpus", "1"]])
