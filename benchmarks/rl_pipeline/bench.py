@@ -58,8 +58,8 @@ below 6 seeds), "missed" when its high end stays under it, else "not shown". See
 (two pipelines on one host's GPU pairs, `CUDA_VISIBLE_DEVICES`, each its own local Ray) join with
 `--merge` (same commit and settings, disjoint seeds; summaries recomputed). Reported per eta and seed:
 wall seconds and steps to the threshold (None if not reached) and to each level, median seconds a step,
-the trainer's mean idle fraction, the producers' final (cumulative) idle fraction, mean staleness and behave_kl, the reward curve and
-each step's seconds (`step_s`); and the speedup of each eta over eta = 0 in wall time to the
+the trainer's mean idle fraction, the producers' final (cumulative) idle fraction, mean staleness and
+behave_kl, the reward curve and each step's seconds (`step_s`); and the speedup of each eta over eta = 0 in wall time to the
 threshold and per step, and (`levels`) to each level over the seeds. `--weights p2p` (ray mode; a
 whole GPU per actor or none) publishes
 through the weight-transfer primitive (NCCL between the actors' GPUs) instead of Ray's object store.
