@@ -1,4 +1,4 @@
-"""How a spawned test rank ends once its results are on disk.
+"""How a spawned test rank starts (a free port for its group) and ends once its results are on disk.
 
 A gloo rank that returns normally tears its transport down during interpreter exit, where a C++
 thread still joinable aborts the process now and then under load ("terminate called without an
@@ -9,6 +9,7 @@ that failed destroys its group and raises as before.
 from __future__ import annotations
 
 import os
+import socket
 import sys
 
 import torch.distributed as dist
@@ -21,3 +22,10 @@ def leave_group() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def free_port() -> int:
+    """A port free on this host now, for the spawned ranks' rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -83,7 +83,9 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # benchmarks/: stamp
+sys.path.insert(0, str(HERE))  # the colocated anchor's driver beside this script
 
+from colocated_loop import reached, run_colocated  # noqa: E402
 from stamp import stamp  # noqa: E402
 from timing import Stopwatch  # noqa: E402
 
@@ -157,28 +159,23 @@ def _train_ray(cfg, args, task, model, devices, on_step, until):
 
 
 def run_eta(eta, args, task, model, devices, quiet) -> dict:
-    def reached(log):
-        return len(log) >= args.window and statistics.mean(m["reward"] for m in log[-args.window:]) >= args.threshold
-
     def until(log):
-        return reached(log) or (args.max_seconds is not None and log[-1]["wall_s"] >= args.max_seconds)
+        return reached(log, args.window, args.threshold) or (args.max_seconds is not None and log[-1]["wall_s"] >= args.max_seconds)
 
     on_step = None if quiet else (lambda line: print(f"eta {eta} {line}", flush=True))
     gpus_each = 0.0 if args.mode == "local" or args.cpu_smoke else {1: 0.5, 2: 1.0}[args.gpus]  # Ray's share
     train = _train_ray if args.mode == "ray" else _train_local
     log = train(pipeline_config(eta, args, gpus_each), args, task, model, devices, on_step, until)
-    return row_of(log, eta, args, reached(log))
+    return row_of(log, eta, args, reached(log, args.window, args.threshold))
 
 
 def run_colocated_anchor(args, task, model) -> dict:
     """The colocated synchronous loop on the bench's GPUs (`--gpus` ranks, one GPU each; the CPU smoke:
     two CPU ranks), at the pipeline's settings, stopped as the pipeline runs stop."""
-    from colocated_loop import run_colocated
     log = run_colocated(pipeline_config(0, args), model, task, ranks=2 if args.cpu_smoke else args.gpus,
                         device_type="cpu" if args.cpu_smoke else "cuda", window=args.window,
                         threshold=args.threshold, max_seconds=args.max_seconds)
-    hit = len(log) >= args.window and statistics.mean(m["reward"] for m in log[-args.window:]) >= args.threshold
-    return {"loop": "colocated", **row_of(log, 0, args, hit)}
+    return {"loop": "colocated", **row_of(log, 0, args, reached(log, args.window, args.threshold))}
 
 
 def row_of(log, eta, args, hit: bool) -> dict:

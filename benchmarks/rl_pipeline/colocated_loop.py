@@ -3,7 +3,7 @@ processes of its own, one GPU each (or CPU ranks on gloo), stopping where the be
 (the threshold's window mean, or `--max-seconds` of its clock). Returns rank 0's per-step log."""
 from __future__ import annotations
 
-import datetime
+import dataclasses
 import json
 import os
 import socket
@@ -18,12 +18,18 @@ import torch.multiprocessing as mp
 
 from bumblebee.runtime.pipeline.colocated import colocated_run
 from bumblebee.runtime.pipeline.engine import TransformersEngine
+from bumblebee.runtime.pipeline.trainer import join_trainer_ranks
 
 
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def reached(log, window: int, threshold: float) -> bool:
+    """The bench's threshold: the mean reward of the last `window` steps reaches `threshold`."""
+    return len(log) >= window and statistics.mean(m["reward"] for m in log[-window:]) >= threshold
 
 
 def run_colocated(cfg, model_config: dict, task, *, ranks: int, device_type: str, window: int, threshold: float,
@@ -39,14 +45,11 @@ def _rank(rank, world, port, device_type, cfg, model_config, task, window, thres
     device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    # gloo beside NCCL on GPUs: the step's metrics are all-reduced as CPU tensors
-    dist.init_process_group("cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo",
-                            init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=cfg.trainer_timeout_s))
+    # the colocated ranks are the trainer's: gloo beside NCCL on GPUs (the step's metrics are CPU tensors)
+    join_trainer_ranks(dataclasses.replace(cfg, trainer_ranks=world), f"127.0.0.1:{port}", rank, device)
 
     def until(log):
-        reached = len(log) >= window and statistics.mean(m["reward"] for m in log[-window:]) >= threshold
-        return reached or (max_seconds is not None and log[-1]["wall_s"] >= max_seconds)
+        return reached(log, window, threshold) or (max_seconds is not None and log[-1]["wall_s"] >= max_seconds)
 
     try:
         engine = TransformersEngine(model_config, device=str(device), eos_token_id=task.eos_id,

@@ -84,13 +84,11 @@ def _run(cfg, model_config, task, engine, group, device, until, on_step, log_pat
             calls = _step_calls(adm, prompts, cfg, step)
             mine = [rollout(engine, task, leases, cfg) for c, leases in enumerate(calls) if c % world == rank]
             t1 = _sync(device)
+            every = [mine] if group is None else [None] * world
             if group is not None:
-                every = [None] * world
                 dist.all_gather_object(every, mine, group=group)
-                mine_of = {r: iter(calls_of) for r, calls_of in enumerate(every)}
-                groups = [g for c in range(len(calls)) for g in next(mine_of[c % world])]
-            else:
-                groups = [g for call in mine for g in call]
+            by_rank = [iter(calls_of) for calls_of in every]  # call c came from rank c % world, in order
+            groups = [g for c in range(len(calls)) for g in next(by_rank[c % world])]
             m = grpo_step(rt, groups, cfg.objective, version=step, pad_id=task.pad_id, ref=ref, rank=rank,
                           world=world, group=group)
             t2 = _sync(device)

@@ -7,7 +7,6 @@ two-rank case runs on two GPUs too (`gpu`, shard 5: NCCL beside gloo, as the ben
 from __future__ import annotations
 
 import json
-import socket
 from pathlib import Path
 
 import pytest
@@ -21,7 +20,7 @@ from bumblebee.runtime.pipeline.colocated import colocated_run
 from bumblebee.runtime.pipeline.engine import TransformersEngine
 from bumblebee.runtime.pipeline.trainer import synchronous_run
 from tests.limits import PROCESS_GROUP_TIMEOUT
-from tests.ranks import leave_group
+from tests.ranks import free_port, leave_group
 
 TASK = CopyDigits(length=2)
 CONFIG = {**models.NAMED["qwen3-tiny"], "vocab_size": 16, "bos_token_id": TASK.bos_id, "pad_token_id": TASK.pad_id,
@@ -66,12 +65,6 @@ def test_refuses_a_staleness_bound(one_process):
         colocated_run(_cfg(eta=2), CONFIG, TASK, _engine_on("cpu"))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _rank(rank: int, world: int, port: int, out: str, device_type: str = "cpu") -> None:
     torch.set_num_threads(1)
     device = f"cuda:{rank}" if device_type == "cuda" else "cpu"
@@ -95,7 +88,7 @@ def test_two_ranks_share_generation_and_train_the_gathered_groups(one_process, t
     """On two GPUs: NCCL beside gloo, as the bench's `--colocated` runs it."""
     if device_type == "cuda" and torch.cuda.device_count() < 2:
         pytest.skip("needs two CUDA devices")
-    mp.spawn(_rank, args=(2, _free_port(), str(tmp_path), device_type), nprocs=2, join=True)
+    mp.spawn(_rank, args=(2, free_port(), str(tmp_path), device_type), nprocs=2, join=True)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     one_device = "cuda:0" if device_type == "cuda" else "cpu"
     one = colocated_run(_cfg(steps=1), CONFIG, TASK, _engine_on(one_device), device=one_device)
