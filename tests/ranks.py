@@ -1,4 +1,5 @@
-"""How a spawned test rank starts (a free port for its group) and ends once its results are on disk.
+"""How a spawned test rank starts (a free port for its group), ends once its results are on disk, and
+fails with its stack when it outlives a deadline (`spawn_within`).
 
 A gloo rank that returns normally tears its transport down during interpreter exit, where a C++
 thread still joinable aborts the process now and then under load ("terminate called without an
@@ -8,11 +9,14 @@ that failed destroys its group and raises as before.
 """
 from __future__ import annotations
 
+import faulthandler
 import os
 import socket
 import sys
+import time
 
 import torch.distributed as dist
+import torch.multiprocessing as mp
 
 
 def leave_group() -> None:
@@ -29,3 +33,34 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _traced(index: int, fn, timeout_s: float, args: tuple) -> None:
+    # a rank still running at the deadline writes every thread's stack to its stderr, which the parent's
+    # test report carries: a stuck rank then says where it is stuck
+    faulthandler.dump_traceback_later(timeout_s, exit=False)
+    try:
+        fn(index, *args)
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+
+
+def spawn_within(fn, args: tuple, nprocs: int, timeout_s: float, grace_s: float = 5.0) -> None:
+    """`torch.multiprocessing.spawn(fn, args, nprocs)` with a deadline: a rank that raises fails the call
+    as in spawn; ranks still running `timeout_s` after the start write their stacks to stderr, are ended
+    `grace_s` later, and the call raises TimeoutError naming them. A stuck case fails on its own instead
+    of holding the rest of its shard until an outer limit kills the whole run without a report."""
+    if timeout_s <= 0 or nprocs < 1:
+        raise ValueError(f"timeout_s must be > 0 and nprocs >= 1, got timeout_s={timeout_s}, nprocs={nprocs}")
+    ctx = mp.start_processes(_traced, args=(fn, timeout_s, args), nprocs=nprocs, join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout_s + grace_s
+    while not ctx.join(timeout=max(0.05, min(1.0, deadline - time.monotonic()))):
+        if time.monotonic() < deadline:
+            continue
+        alive = [i for i, p in enumerate(ctx.processes) if p.is_alive()]
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+            p.join()
+        raise TimeoutError(f"rank(s) {alive} of {nprocs} still running {timeout_s:.0f} s after the start; "
+                           "their stacks were written to stderr at the deadline")
