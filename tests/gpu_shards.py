@@ -4,6 +4,7 @@
     python tests/gpu_shards.py 2              # runs shard 2: python -m pytest -m gpu -q <its files>
     python tests/gpu_shards.py 2 -- -x -ra    # pytest arguments after --
     python tests/gpu_shards.py all            # every shard in turn, one pytest process each
+    python tests/gpu_shards.py all --gpus 0,1 --limit 3000 --logs /tmp/shards   # one lane per GPU at once
 
 A shard groups the files that compile the same kernels, so each pays its compilations once: FA4's
 CuTe DSL kernels (seconds per configuration), fla's and Liger's autotuned Triton kernels (minutes on a
@@ -69,6 +70,7 @@ with a `gpu` mark is in exactly one shard.
 """
 from __future__ import annotations
 
+import argparse
 import re
 import subprocess
 import sys
@@ -152,12 +154,27 @@ def command(shard: int, extra: list[str]) -> list[str]:
 
 def main(argv: list[str]) -> int:
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
-    args = argv[:argv.index("--")] if "--" in argv else argv
-    if not args:
+    ap = argparse.ArgumentParser(prog="gpu_shards.py", description="The GPU suite in shards.")
+    ap.add_argument("shards", nargs="*", help="shard numbers, or 'all'; none: list the shards")
+    ap.add_argument("--gpus", default="", help="comma-separated GPUs: run the shards at once, one lane per GPU "
+                    "(tests/gpu_lanes.py), each shard's output in --logs")
+    ap.add_argument("--limit", type=float, default=3000.0, help="with --gpus: seconds for the whole run")
+    ap.add_argument("--logs", default="gpu-shard-logs", help="with --gpus: the folder for each shard's log")
+    args = ap.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
+    if not args.shards:
         for n, (what, files) in SHARDS.items():
             print(f"shard {n}: {what}\n  " + "\n  ".join(files))
         return 0
-    shards = list(SHARDS) if args[0] == "all" else [int(args[0])]
+    shards = list(SHARDS) if args.shards == ["all"] else [int(a) for a in args.shards]
+    for n in shards:
+        command(n, extra)  # an unknown shard is refused before anything runs
+    if args.gpus:
+        if str(ROOT) not in sys.path:  # run as a script: tests/ is on the path, the repository root is not
+            sys.path.insert(0, str(ROOT))
+        from tests.gpu_lanes import run_lanes
+        records = run_lanes(shards, args.gpus.split(","), lambda n: command(n, extra), args.limit,
+                            Path(args.logs), ROOT)
+        return 0 if all(r["status"] == "passed" for r in records) else 1
     status = 0
     for n in shards:
         print(f"== shard {n}: {SHARDS[n][0]}", flush=True)
