@@ -173,10 +173,10 @@ def two_ranks(mesh, out: Path):
 def test_two_ranks_share_the_lock_the_checksums_and_the_refusals(tmp_path):
     import torch.multiprocessing as mp
 
-    from tests.primitives.test_state_sharding import _free_port
+    from tests.ranks import free_port
     (tmp_path / "locked").mkdir()
     with files.writer_lock(tmp_path / "locked", "test"):  # another writer holds the folder
-        mp.spawn(_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+        mp.spawn(_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
     results = [torch.load(tmp_path / f"two_ranks-{r}.pt") for r in range(2)]
     for res in results:
         assert res["locked"].startswith("SaveInProgressError: checkpoint path") and "another save" in res["locked"]

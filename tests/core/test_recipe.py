@@ -13,7 +13,7 @@ import torch
 from bumblebee import models, registry
 from bumblebee.tools import memory, recipe
 from bumblebee.tools.cli import main
-from tests.primitives.context_parallel_ranks import _port
+from tests.ranks import free_port
 
 TINY = dict(gpu_memory_gib=1.0, headroom=0.0)
 
@@ -186,7 +186,7 @@ def test_the_emitted_snippet_trains_on_two_ranks_at_cp_and_ep_2(tmp_path):
     assert r.fits and (r.chosen.layout.cp, r.chosen.layout.ep) == (2, 2)
     hf_dir = tmp_path / "hf"
     models.build("qwen3-moe-tiny", seed=0).save_pretrained(hf_dir)
-    mp.spawn(_rank, args=(2, _port(), r.snippet(), str(hf_dir), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_rank, args=(2, free_port(), r.snippet(), str(hf_dir), str(tmp_path)), nprocs=2, join=True)
     losses = [torch.load(tmp_path / f"{k}.pt") for k in range(2)]
     assert losses[0] == losses[1]
     model = models.from_pretrained(hf_dir, r.impl(), dtype=torch.float32).train().set_recompute(True)

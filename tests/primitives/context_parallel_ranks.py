@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import importlib
 import os
-import socket
 from pathlib import Path
 
 import torch
@@ -13,16 +12,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from tests.limits import PROCESS_GROUP_TIMEOUT
-from tests.ranks import leave_group
+from tests.ranks import free_port, leave_group
 
 EPS32 = torch.finfo(torch.float32).eps
 EPS64 = torch.finfo(torch.float64).eps
 
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank, world, port, module, scenario, out):
@@ -39,7 +33,7 @@ def _worker(rank, world, port, module, scenario, out):
 
 
 def spawn(world: int, module: str, scenario: str, out: Path) -> list:
-    mp.spawn(_worker, args=(world, _port(), module, scenario, str(out)), nprocs=world, join=True)
+    mp.spawn(_worker, args=(world, free_port(), module, scenario, str(out)), nprocs=world, join=True)
     return [torch.load(out / f"{scenario}-{world}-{r}.pt", weights_only=False) for r in range(world)]
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import socket
 from pathlib import Path
 
 import pytest
@@ -28,7 +27,7 @@ from bumblebee.models.moe import GroupedExperts, MoEBlock, hf_to_ours_sources
 from bumblebee.parallelize import shard_experts
 from bumblebee.kernels.moe_dispatch_expert_gemm import WgradStore, swiglu_experts
 from tests.limits import PROCESS_GROUP_TIMEOUT
-from tests.ranks import leave_group
+from tests.ranks import free_port, leave_group
 
 TOL_TWIN = 1e-6
 TOL_LOCAL = 1e-5
@@ -322,11 +321,6 @@ def auto_under_recompute(group, config):
     return max(rel(a, b) for a, b in zip(run(True), run(False)))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @contextlib.contextmanager
 def process_group(backend, rank, world, port):
@@ -358,7 +352,7 @@ def _worker(rank, world, port, out_dir, with_model):
 
 
 def spawn(world, out_dir, with_model):
-    mp.spawn(_worker, args=(world, _free_port(), str(out_dir), with_model), nprocs=world, join=True)
+    mp.spawn(_worker, args=(world, free_port(), str(out_dir), with_model), nprocs=world, join=True)
     return [torch.load(Path(out_dir) / f"moe-{world}-{r}.pt", weights_only=False) for r in range(world)]
 
 
@@ -593,7 +587,7 @@ def _nccl_worker(rank, world, port, out_dir):
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_bf16_two_gpus_streams_match_twin(tmp_path):
     """EP = 2 over NCCL with the comm stream on: chunked vs twin (and twin vs local) in bf16."""
-    mp.spawn(_nccl_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_nccl_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
     for r in range(2):
         res = torch.load(tmp_path / f"nccl-{r}.pt")
         bad = {k: v for k, v in res.items() if v > 3e-2}

@@ -272,8 +272,8 @@ def fused_recompute_case(g, rank, world):
 
 
 def ep_case(out_dir):
-    from tests.primitives.test_moe_dispatch import _free_port
-    mp.spawn(_ep_worker, args=(2, _free_port(), str(out_dir)), nprocs=2, join=True)
+    from tests.ranks import free_port
+    mp.spawn(_ep_worker, args=(2, free_port(), str(out_dir)), nprocs=2, join=True)
     return [torch.load(Path(out_dir) / f"fused-ep-{r}.pt") for r in range(2)]
 
 

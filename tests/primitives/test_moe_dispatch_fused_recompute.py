@@ -19,8 +19,9 @@ from bumblebee import recompute, registry
 from bumblebee.primitives import moe_dispatch as chunked_mod
 from bumblebee.primitives.moe_dispatch_local import expert_groups
 from bumblebee.primitives.moe_dispatch_options import ChunkedDispatch, fused_recompute_phase
-from tests.primitives.test_moe_dispatch import (TOL_TWIN, D, I, _free_port, full_experts, local_shard, process_group,
-                                               rel, routes)
+from tests.primitives.test_moe_dispatch import (TOL_TWIN, D, I, full_experts, local_shard, process_group, rel,
+                                               routes)
+from tests.ranks import free_port
 
 CHUNKS = [1, 2, (1, 2)]
 CASES = [("random", 0), ("rank_gets_nothing", 0), ("zero_experts", 0), ("random", "empty odd ranks")]
@@ -103,7 +104,7 @@ def runs(tmp_path_factory):
     d = tmp_path_factory.mktemp("moe_fused_recompute")
     out = {}
     for world in (1, 2, 4):
-        mp.spawn(_worker, args=(world, _free_port(), str(d)), nprocs=world, join=True)
+        mp.spawn(_worker, args=(world, free_port(), str(d)), nprocs=world, join=True)
         out[world] = [torch.load(d / f"fused-{world}-{r}.pt", weights_only=False) for r in range(world)]
     return out
 
@@ -168,7 +169,7 @@ def test_expert_groups_cover_every_row_once():
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_bf16_two_gpus_fused_recompute(tmp_path):
     """EP = 2 over NCCL, streams on, bf16: fused recompute vs no recompute and vs the twin."""
-    mp.spawn(_nccl_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_nccl_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
     for r in range(2):
         errs, passes, _ = torch.load(tmp_path / f"nccl-{r}.pt", weights_only=False)
         bad = {k: v for k, v in errs.items() if not v < 2e-2}

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 from pathlib import Path
 
 import pytest
@@ -22,7 +21,7 @@ import torch.multiprocessing as mp
 
 from bumblebee import checkpoint, models, registry
 from tests.limits import PROCESS_GROUP_TIMEOUT
-from tests.ranks import leave_group
+from tests.ranks import free_port, leave_group
 
 CFG, MOE, TIED, Q35, ODD, DSV3 = ("qwen3-tiny", "qwen3-moe-tiny", "tied", "qwen3.5-moe-tiny", "odd-vocab",
                                   "deepseek-v3-mtp-tiny")
@@ -134,11 +133,6 @@ def _split_error(ref, split):
 
 # ---- multi-rank harness -------------------------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _worker(rank, world, port, scenario, out_dir, module, backend):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -160,7 +154,7 @@ def _worker(rank, world, port, scenario, out_dir, module, backend):
 
 def spawn(world: int, scenario: str, out_dir: Path, module: str = __name__, backend: str = "gloo") -> list:
     """Run `module.scenario(mesh, out_dir)` on `world` ranks; every rank's return value."""
-    mp.spawn(_worker, args=(world, _free_port(), scenario, str(out_dir), module, backend), nprocs=world, join=True)
+    mp.spawn(_worker, args=(world, free_port(), scenario, str(out_dir), module, backend), nprocs=world, join=True)
     return [torch.load(out_dir / f"{scenario}-{world}-{r}.pt", weights_only=False) for r in range(world)]
 
 

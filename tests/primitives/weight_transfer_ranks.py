@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import importlib
 import os
-import socket
 import sys
 import time
 from dataclasses import dataclass, field
@@ -24,6 +23,7 @@ import torch.multiprocessing as mp
 
 from bumblebee import models, registry
 from tests.primitives.weight_transfer_engines import HFReceiver, VllmStyleEngine
+from tests.ranks import free_port
 
 
 @dataclass
@@ -38,11 +38,6 @@ class Ctx:
     def is_trainer(self):
         return self.rank in self.trainers
 
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank, world, port, module, scenario, trainers, out, params):
@@ -79,7 +74,7 @@ def spawn(trainers: int, rollouts: int, module: str, scenario: str, out: Path, t
     from tests.limits import SUBPROCESS_TIMEOUT_S
     timeout_s = timeout_s or SUBPROCESS_TIMEOUT_S
     world = trainers + rollouts
-    ctx = mp.start_processes(_worker, args=(world, _port(), module, scenario, trainers, str(out), params),
+    ctx = mp.start_processes(_worker, args=(world, free_port(), module, scenario, trainers, str(out), params),
                              nprocs=world, join=False, start_method="spawn")
     deadline, crashed_at = time.time() + timeout_s, None
     while not ctx.join(timeout=1):

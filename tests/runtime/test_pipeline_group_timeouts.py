@@ -10,7 +10,6 @@ fails instead of hanging. Gloo ranks, no Ray."""
 from __future__ import annotations
 
 import datetime
-import socket
 import time
 
 import pytest
@@ -19,6 +18,7 @@ import torch.distributed as dist
 
 from bumblebee.runtime.pipeline import PipelineConfig
 from tests.primitives.test_state_sharding import spawn
+from tests.ranks import free_port
 from tests.runtime.test_pipeline_trainer_ranks import MOE
 
 CFG = PipelineConfig(steps=1, trainer_ranks=2, expert_parallel=2, take_timeout_s=0.5, call_timeout_s=0.25)
@@ -77,9 +77,7 @@ def test_the_trainer_ranks_group_and_a_one_rank_trainer_carry_the_limit():
     from tests.runtime.test_pipeline_trainer_ranks import CONFIG
     if dist.is_initialized():
         pytest.skip("this process already has a default group")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        address = f"127.0.0.1:{s.getsockname()[1]}"
+    address = f"127.0.0.1:{free_port()}"
     one = PipelineConfig(steps=1, take_timeout_s=3.0, call_timeout_s=2.0)
     try:  # the trainer ranks' own group (Trainer.attach on the object-store path), here of one rank
         join_trainer_ranks(one, address, 0, "cpu")

@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import os
-import socket
 import sys
 import traceback
 from pathlib import Path
@@ -23,6 +22,7 @@ import torch.multiprocessing as mp
 
 from bumblebee.runtime.pipeline import Objective, PipelineConfig
 from tests.limits import SUBPROCESS_TIMEOUT_S
+from tests.ranks import free_port
 from tests.runtime.test_pipeline_trainer_ranks import KEYS, MOE, _groups
 
 STEPS = ((0, 1), (1, 3), (2, 4))  # (step, informative groups): at step 0 rank 1 holds no kept group
@@ -95,9 +95,7 @@ def _worker(rank, trainers, address, sharding, out):
 
 def spawn(trainers: int, sharding: str, out: Path) -> list[dict]:
     """Trainer ranks 0..trainers-1 and the producer; a rank that fails ends the others (mp.spawn)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        address = f"127.0.0.1:{s.getsockname()[1]}"
+    address = f"127.0.0.1:{free_port()}"
     mp.spawn(_worker, args=(trainers, address, sharding, str(out)), nprocs=trainers + 1, join=True)
     return [torch.load(out / f"{r}.pt", weights_only=False) for r in range(trainers + 1)]
 
