@@ -5,6 +5,11 @@
     python tests/gpu_shards.py 2 -- -x -ra    # pytest arguments after --
     python tests/gpu_shards.py all            # every shard in turn, one pytest process each
     python tests/gpu_shards.py all --gpus 0,1 --limit 3000 --logs /tmp/shards   # one lane per GPU at once
+    python tests/gpu_shards.py 3 --save-tuning  # then keep its autotuning in tests/gpu_tuning.json
+    python tests/gpu_shards.py 3 --cold         # an empty Triton cache: a fresh machine's time
+
+The shards run with their own Triton cache, seeded with the autotuning results in tests/gpu_tuning.json
+when this GPU is the one they were tuned on (tests/gpu_tuning.py says why and how).
 
 A shard groups the files that compile the same kernels, so each pays its compilations once: FA4's
 CuTe DSL kernels (seconds per configuration), fla's and Liger's autotuned Triton kernels (minutes on a
@@ -71,9 +76,11 @@ with a `gpu` mark is in exactly one shard.
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -152,6 +159,19 @@ def command(shard: int, extra: list[str]) -> list[str]:
     return [sys.executable, "-m", "pytest", "-m", "gpu", *quiet, *SHARDS[shard][1], *extra]
 
 
+def _tuning_env(cold: bool) -> Path:
+    """The shards' own Triton cache (tests/gpu_tuning.py), seeded unless `cold`; set for every child."""
+    from tests import gpu_tuning
+    cache = Path(tempfile.mkdtemp(prefix="triton-cold-")) if cold else gpu_tuning.CACHE_DIR
+    os.environ.update(TRITON_CACHE_DIR=str(cache), TRITON_CACHE_AUTOTUNING="1")
+    if not cold:
+        gpu = gpu_tuning.this_gpu() or ""
+        n = gpu_tuning.seed(cache, gpu)
+        print(f"Triton cache {cache}: {n} autotuning results seeded from {gpu_tuning.TUNING_FILE.name}"
+              + ("" if n else f" (none new for {gpu or 'no GPU'})"), flush=True)
+    return cache
+
+
 def main(argv: list[str]) -> int:
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
     ap = argparse.ArgumentParser(prog="gpu_shards.py", description="The GPU suite in shards.")
@@ -160,25 +180,41 @@ def main(argv: list[str]) -> int:
                     "(tests/gpu_lanes.py), each shard's output in --logs")
     ap.add_argument("--limit", type=float, default=3000.0, help="with --gpus: seconds for the whole run")
     ap.add_argument("--logs", default="gpu-shard-logs", help="with --gpus: the folder for each shard's log")
+    ap.add_argument("--cold", action="store_true", help="an empty Triton cache and no seeded autotuning "
+                    "(tests/gpu_tuning.py): times a fresh machine")
+    ap.add_argument("--save-tuning", action="store_true", help="after the run (or alone), add the autotuning "
+                    "results in the shards' Triton cache to tests/gpu_tuning.json")
     args = ap.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
-    if not args.shards:
+    if str(ROOT) not in sys.path:  # run as a script: tests/ is on the path, the repository root is not
+        sys.path.insert(0, str(ROOT))
+    if not args.shards and not args.save_tuning:
         for n, (what, files) in SHARDS.items():
             print(f"shard {n}: {what}\n  " + "\n  ".join(files))
         return 0
     shards = list(SHARDS) if args.shards == ["all"] else [int(a) for a in args.shards]
     for n in shards:
         command(n, extra)  # an unknown shard is refused before anything runs
-    if args.gpus:
-        if str(ROOT) not in sys.path:  # run as a script: tests/ is on the path, the repository root is not
-            sys.path.insert(0, str(ROOT))
+    from tests import gpu_tuning
+    cache = _tuning_env(args.cold) if shards else gpu_tuning.CACHE_DIR
+    status = 0
+    if args.gpus and shards:
         from tests.gpu_lanes import run_lanes
         records = run_lanes(shards, args.gpus.split(","), lambda n: command(n, extra), args.limit,
                             Path(args.logs), ROOT)
-        return 0 if all(r["status"] == "passed" for r in records) else 1
-    status = 0
-    for n in shards:
-        print(f"== shard {n}: {SHARDS[n][0]}", flush=True)
-        status = subprocess.run(command(n, extra), cwd=ROOT).returncode or status
+        status = 0 if all(r["status"] == "passed" for r in records) else 1
+    else:
+        for n in shards:
+            print(f"== shard {n}: {SHARDS[n][0]}", flush=True)
+            status = subprocess.run(command(n, extra), cwd=ROOT).returncode or status
+    if args.save_tuning:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                                text=True).stdout.strip() or "unknown"
+        gpu = gpu_tuning.this_gpu()
+        if gpu is None:
+            raise SystemExit("--save-tuning needs the GPU the results were tuned on")
+        n = gpu_tuning.save(cache, gpu, f"autotuned by the GPU shards (last added at {commit}); Triton finds an "
+                            "entry only for the same kernel source, Triton build and GPU target")
+        print(f"{gpu_tuning.TUNING_FILE}: {n} autotuning results for {gpu}")
     return status
 
 

@@ -11,14 +11,13 @@ test_linear_attention.py's GPU cases, so fla's autotuning is shared with them.
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from tests.ranks import spawn_within
+from tests.ranks import free_port, spawn_within
 
 pytestmark = pytest.mark.gpu
 T, HIDDEN = 4096, 1024
@@ -114,11 +113,6 @@ def _scenario(group, packed: bool) -> tuple[dict, tuple]:
     return errors, parts
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _worker(rank, world, port, packed, out):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -139,7 +133,7 @@ def _spawn(world, packed, tmp_path):
         why = why_not_fla_cp(torch.empty(1, device="cuda", dtype=torch.bfloat16))
     if why is not None:
         pytest.skip(why)
-    spawn_within(_worker, (world, _port(), packed, str(tmp_path)), nprocs=world, timeout_s=CASE_LIMIT_S)
+    spawn_within(_worker, (world, free_port(), packed, str(tmp_path)), nprocs=world, timeout_s=CASE_LIMIT_S)
     return [torch.load(tmp_path / f"{r}.pt") for r in range(world)]
 
 
