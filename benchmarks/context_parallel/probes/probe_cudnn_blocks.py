@@ -1,6 +1,7 @@
 """Probe: can the cp ring's attention blocks run on SDPA's cuDNN kernel instead of its flash kernel?
 (They now do: `primitives/context_parallel/kernels.py`, whose block functions this probe calls under
-each SDPA backend; `results/probe_cudnn_blocks.json` was measured before that move, with the same calls.)
+each SDPA backend; its result at 6330dda, measured before that move with the same calls, is a line of
+`results/history.jsonl`.)
 
 The ring (`primitives/context_parallel/flash.py`) ran each (query piece, key chunk) block on
 `aten._scaled_dot_product_flash_attention` for its output and log-sum-exp, merges the blocks in fp32,
