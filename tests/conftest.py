@@ -10,7 +10,7 @@ import torch
 # `pytest -m "not slow"` is the first check the README names; the full suite runs them all.
 # A case is slow when its own code or one of its fixtures' code starts such a process, or when its
 # file is listed in SLOW_FILES (processes started further down, through helpers).
-STARTS_PROCESSES = re.compile(r"\bspawn\(|run_under_interpreter\(|TRITON_INTERPRET|sys\.executable|ray\.init\(")
+STARTS_PROCESSES = re.compile(r"\bspawn(_within)?\(|run_under_interpreter\(|TRITON_INTERPRET|sys\.executable|ray\.init\(")
 SLOW_FILES = (
     "tests/core/test_bench_smokes.py",  # torchrun of the composed step, the state-sharding smoke
     "tests/models/test_training_step_vs_transformers.py",  # the training-step benchmark, 1 and 2 ranks

@@ -5,6 +5,7 @@ from collections import Counter
 import pytest
 
 from tests import gpu_shards
+from tests.limits import SUBPROCESS_TIMEOUT_S
 
 
 def test_every_gpu_file_in_exactly_one_shard():
@@ -70,7 +71,8 @@ def test_script_runs_a_shard_in_a_lane(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("with CUDA the shard would run its GPU cases (minutes); this checks the runner only")
     out = subprocess.run([sys.executable, str(gpu_shards.ROOT / "tests" / "gpu_shards.py"), "8", "--gpus", "0",
-                          "--limit", "600", "--logs", str(tmp_path)], capture_output=True, text=True, timeout=900)
+                          "--limit", "600", "--logs", str(tmp_path)], capture_output=True, text=True,
+                         timeout=SUBPROCESS_TIMEOUT_S)
     assert out.returncode == 0, (out.stdout, out.stderr)
     line = out.stdout.strip().splitlines()[-1]
     assert line.startswith("shard 8 (CUDA_VISIBLE_DEVICES=0): passed in ") and " skipped" in line, line

@@ -9,6 +9,10 @@ def _spawns(tmp_path):
     return spawn(2, "two_ranks", tmp_path)  # noqa: F821 (only its source is read)
 
 
+def _spawns_within():
+    return spawn_within(_plain, (), nprocs=2, timeout_s=SUBPROCESS_TIMEOUT_S)  # noqa: F821
+
+
 def _interprets():
     return run_under_interpreter(__file__)  # noqa: F821
 
@@ -32,6 +36,7 @@ def _item(fn, nodeid="tests/x/test_y.py::test_z", fixtures=()):
 
 def test_a_case_that_starts_processes_is_slow():
     assert conftest._starts_processes(_item(_spawns))
+    assert conftest._starts_processes(_item(_spawns_within))
     assert conftest._starts_processes(_item(_interprets))
     assert conftest._starts_processes(_item(_python_child))
     assert conftest._starts_processes(_item(_ray_cluster))
