@@ -78,6 +78,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -215,6 +216,8 @@ def main(argv: list[str]) -> int:
         n = gpu_tuning.save(cache, gpu, f"autotuned by the GPU shards (last added at {commit}); Triton finds an "
                             "entry only for the same kernel source, Triton build and GPU target")
         print(f"{gpu_tuning.TUNING_FILE}: {n} autotuning results for {gpu}")
+    if args.cold and shards:
+        shutil.rmtree(cache, ignore_errors=True)  # the cold run's own temporary cache
     return status
 
 
