@@ -192,6 +192,8 @@ def main(argv: list[str]) -> int:
         for n, (what, files) in SHARDS.items():
             print(f"shard {n}: {what}\n  " + "\n  ".join(files))
         return 0
+    if args.shards != ["all"] and not all(a.isdigit() for a in args.shards):
+        ap.error(f"shards must be shard numbers {sorted(SHARDS)} or 'all', got {args.shards}")
     shards = list(SHARDS) if args.shards == ["all"] else [int(a) for a in args.shards]
     for n in shards:
         command(n, extra)  # an unknown shard is refused before anything runs
