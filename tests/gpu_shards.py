@@ -70,6 +70,12 @@ refused Hopper kernel skipped), then in a later call (part of its autotuning kep
 shard 7 finished one case in 556 s and again in 369 s, with no report of where the next stood. Hence shard 8
 (shard 3's own-kernel files and the transition maps) and `tests.ranks.spawn_within` in the fla CP file: a case
 past 420 s writes its ranks' stacks and fails.
+At 32a0c52 on two fresh H200s, every shard passed, seeded from tests/gpu_tuning.json (72 results from 91504d0),
+two at a time, one per GPU (OMP_NUM_THREADS=8): shard 3 17 passed in 156 s, shard 7 4 passed in 169 s (its
+cases 27-72 s), shard 8 5 passed, 1 skipped (fla's refused Hopper kernel) in 102 s, shard 6 7 passed in 296 s,
+shard 4 61 passed in 220 s; in the next call (FA4 installed) shard 5 5 passed, 3 skipped (Ray, verl absent) in
+146 s, shard 1 19 passed in 99 s, shard 2 56 passed in 440 s (its two fla rule tests 157 + 154 s: their
+autotuning was not yet in the seed; 101 results since).
 `tests/core/test_gpu_shards.py` checks that every file
 with a `gpu` mark is in exactly one shard.
 """
