@@ -15,67 +15,7 @@ A shard groups the files that compile the same kernels, so each pays its compila
 CuTe DSL kernels (seconds per configuration), fla's and Liger's autotuned Triton kernels (minutes on a
 fresh machine), Inductor's compiled chains, spawned NCCL ranks. The minutes below are estimates from
 what each file compiles and launches, not timings: run a shard with `--durations=0` to time it, and
-move a file when a shard passes ten minutes. Timed at bcd08dd on a fresh H200 (torch 2.11, FA4
-installed), all five shards at once on the one GPU (sharing it and 16 cores, so each ran slower than
-alone): shard 1 81 s (19 passed), shard 2 71 s (18 passed), shard 3 516 s (21 passed, 1 skipped: fla's
-refused Hopper kernel; its first autotuning is most of the time), shard 4 84 s (49 passed, 2 skipped:
-two GPUs), shard 5 523 s (fla's autotuning for the Qwen3.5 step is 253 s of it; 1 skipped: verl absent).
-At e7087c0, five at once again: shard 2 102 s, shard 3 482 s, shard 4 111 s, shard 5 451 s; shard 1,
-then holding the context-parallel file, passed 30 tests and then spent the rest of 540 s in fla's first
-autotuning of a packed-row test while shard 3 autotuned beside it (alone, that test took 55 s). The
-file moved to shard 2, whose run is short. At f7d5021 on four H200s (Triton's cache kept between
-calls, OMP_NUM_THREADS=8 a shard): shard 4 53 passed (its NCCL test included) in 176 s beside shards
-3 and 5; shard 5 11 passed, 3 skipped (Ray, verl absent) in 514 s sharing a GPU with shard 3, which
-then stalled in fla's cold autotuning; each on its own GPU with the cache warm, shard 3 passed in 143 s and shard 1 in
-118 s. Shard 2 stalled in the cp rule's fla test (fla's cold autotuning at a new value width, over
-400 s; its width now matches the test before it); the rest of that file passed alone in 21 s.
-At 1a4190f on four H200s: shard 4 55 passed in 127 s (two GPUs, beside a benchmark); the context-parallel
-file alone 29 passed in 120 s, its fla rule test 96 s of it (fla's autotuning, the cache warm from an
-earlier call that ran out of time beside two benchmarks). At 81adfbb on two fresh H200s the fla CP
-file alone (`test_context_parallel_fla_gpu.py`, both GPUs visible) finished within neither 200 s nor,
-in the next call, 220 s: fla's first autotuning of its CP kernels. Run it inside shard 3, after the
-DeltaNet files, whose autotuning warms part of the cache. At 32b2c7d on four fresh H200s, shard 3 (two
-GPUs) beside a gated DeltaNet CP benchmark (the other two) ran out of 440 s; the next call, Triton's
-cache warm, passed 25 and skipped 1 in 310 s; shard 4 passed 55 in 144 s, shard 1 7 (12 skipped:
-flash-attn-4 absent) in 27 s. At 3c1f397 on four fresh H200s shard 3 (two GPUs) beside a CP benchmark ran out
-of 520 s; the next call passed 25 and skipped 1 in 229 s. At ebd7322 on four fresh H200s the same: out of 520 s,
-then (fla's autotune results kept from the first call) 25 passed, 1 skipped, 1 failed (the transition test's
-bound on fla's own map, since set from its measured error) in 367 s; `test_context_parallel_gpu.py` alone on
-two GPUs 30 passed in 325 s (its fla rule tests 264 s of it); shard 4 55 passed in 142 s; shard 1 7 passed,
-12 skipped (flash-attn-4 absent) in 21 s. At 752e24f on four fresh H200s (fla's autotune results restored):
-shard 4 57 passed in 153 s; shard 3 beside a profile probe ran out of 520 s (compiles), then 26 passed, 1 skipped
-in 147 s beside `test_context_parallel_gpu.py` (30 passed in 292 s); shard 5 alone ran out of 270 s after 3 tests.
-At e8c6d11 on two fresh H200s (fla's autotune results restored): `test_weight_transfer_nccl.py` 10 passed in 111 s;
-`test_context_parallel_gpu.py` 38 passed (its non-fla tests 45 s, its fla ones 38 s after shard 3); shard 3 ran out
-of 400 s (22 tests), then 26 passed, 1 skipped in 182 s; shard 5 alone ran out of 460 s after 9 tests, no failure.
-At 9cda0a1 on two fresh H200s (autotune results restored): shard 3 ran out of 480 s (22 tests), then 26 passed,
-1 skipped in 223 s; shard 5 4 passed, 3 skipped (Ray, verl absent) in 134 s; shard 6 ran out of 350 s after 3 tests
-(the SDPA backend-state test's fresh processes, 12 then; 9 since).
-At f38abbb on four fresh H200s (autotune results restored; shards 4, 5, 6 side by side, then 1, 2, 6, on the
-host's four GPUs): shard 4 61 passed in 202 s (GPUs 0, 1); shard 5 3 passed, 3 skipped (Ray, verl absent),
-1 failed in 137 s (GPUs 2, 3: the CUDA state-sharding run's final q_proj weight 1.0e-5 from the one-process
-reference, 8.7x that reference's own largest error against float64; the bound now takes float32's error over
-two orders, the second summing two row blocks and clipping by a divisor as fused AdamW does; not yet run on
-a GPU); shard 6 ran out of 330 s, then 230 s, after 3 and 4 tests:
-the SDPA backend-state test's Qwen3.5 case autotuned fla's kernels in each of its fresh processes (that case
-now runs the DeltaNet layers on the torch twin: they never call SDPA; not yet run on a GPU); shard 1 19 passed
-in 93 s, shard 2 56 passed in 116 s (GPUs 1, 2; FA4 installed). Shard 3 did not run (its cold autotuning
-takes more than one call). Its two context-parallel files then moved to shard 7: after shard 3 on the same machine
-it finds part of fla's autotuning done; beside it on other GPUs it does its own.
-At 91504d0 on two fresh H200s (nothing restored; two shards at a time, one per GPU, the two-GPU files'
-second rank on the other shard's GPU): shard 6 7 passed in 267 s; shard 4 61 passed in 206 s; shard 1 19 passed
-in 108 s and shard 2 56 passed in 446 s (its fla rule tests 171 + 152 s, fla's cold autotuning beside shard 7);
-shard 5 5 passed, 3 skipped (Ray, verl absent) in 153 s; shard 3 ran out of 571 s after 11 tests (10 passed, fla's
-refused Hopper kernel skipped), then in a later call (part of its autotuning kept) 21 passed, 1 skipped in 415 s;
-shard 7 finished one case in 556 s and again in 369 s, with no report of where the next stood. Hence shard 8
-(shard 3's own-kernel files and the transition maps) and `tests.ranks.spawn_within` in the fla CP file: a case
-past 420 s writes its ranks' stacks and fails.
-At 32a0c52 on two fresh H200s, every shard passed, seeded from tests/gpu_tuning.json (72 results from 91504d0),
-two at a time, one per GPU (OMP_NUM_THREADS=8): shard 3 17 passed in 156 s, shard 7 4 passed in 169 s (its
-cases 27-72 s), shard 8 5 passed, 1 skipped (fla's refused Hopper kernel) in 102 s, shard 6 7 passed in 296 s,
-shard 4 61 passed in 220 s; in the next call (FA4 installed) shard 5 5 passed, 3 skipped (Ray, verl absent) in
-146 s, shard 1 19 passed in 99 s, shard 2 56 passed in 440 s (its two fla rule tests 157 + 154 s: their
-autotuning was not yet in the seed; 101 results since).
+move a file when a shard passes ten minutes. The runs on H200s, their times and what each moved: tests/GPU_RUNS.md.
 `tests/core/test_gpu_shards.py` checks that every file
 with a `gpu` mark is in exactly one shard.
 """
