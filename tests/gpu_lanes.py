@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 # minutes a shard took on a fresh H200 with the seeded autotuning (tests/GPU_RUNS.md, 32a0c52):
-# only the order in which shards are handed to lanes
+# the order in which shards are handed to lanes, and what `gpu_shards.py` lists
 FRESH_MINUTES = {1: 2, 2: 7, 3: 3, 4: 4, 5: 3, 6: 5, 7: 3, 8: 2}
 MIN_START_S = 30  # a shard with less time left than this is not started
 

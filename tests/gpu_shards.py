@@ -13,9 +13,9 @@ when this GPU is the one they were tuned on (tests/gpu_tuning.py says why and ho
 
 A shard groups the files that compile the same kernels, so each pays its compilations once: FA4's
 CuTe DSL kernels (seconds per configuration), fla's and Liger's autotuned Triton kernels (minutes on a
-fresh machine), Inductor's compiled chains, spawned NCCL ranks. The minutes below are estimates from
-what each file compiles and launches, not timings: run a shard with `--durations=0` to time it, and
-move a file when a shard passes ten minutes. The runs on H200s, their times and what each moved: tests/GPU_RUNS.md.
+fresh machine), Inductor's compiled chains, spawned NCCL ranks. The listing gives each shard's minutes
+on a fresh H200 as last timed (`tests/gpu_lanes.py:FRESH_MINUTES`): run a shard with `--durations=0` to
+time it, and move a file when a shard passes ten minutes. The runs on H200s, their times and what each moved: tests/GPU_RUNS.md.
 `tests/core/test_gpu_shards.py` checks that every file
 with a `gpu` mark is in exactly one shard.
 """
@@ -33,24 +33,24 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 SHARDS = {
-    1: ("attention: FA4, varlen, kept output (FA4 JIT compiles; ~5 min)", (
+    1: ("attention: FA4, varlen, kept output (FA4 JIT compiles)", (
         "tests/primitives/test_attention_fa4.py",
         "tests/primitives/test_attention_packed.py",
         "tests/primitives/test_attention_recompute_kept.py",
         "tests/primitives/test_attention_varlen.py",
     )),
-    2: ("MLA and DeepSeek-V3 (FA4 at head dims 192/128, fused Q/K Triton kernels; ~5 min)", (
+    2: ("MLA and DeepSeek-V3 (FA4 at head dims 192/128, fused Q/K Triton kernels)", (
         "tests/primitives/test_mla.py",
         "tests/primitives/test_mla_rope_fused.py",
         "tests/models/test_deepseek_v3_hf_parity.py",
         "tests/primitives/test_context_parallel_gpu.py",  # cuDNN / flash blocks; fla's rule at small shapes
     )),
-    3: ("gated DeltaNet on fla's kernels and compiled chains (fla autotuning, Inductor; ~6 min fresh)", (
+    3: ("gated DeltaNet on fla's kernels and compiled chains (fla autotuning, Inductor)", (
         "tests/primitives/test_linear_attention.py",
         "tests/primitives/test_linear_attention_recompute_kept.py",
         "tests/models/test_fused_chains.py",
     )),
-    4: ("MoE dispatch, routers, loss, MTP (our Triton kernels, one- and two-GPU spawns; ~5 min)", (
+    4: ("MoE dispatch, routers, loss, MTP (our Triton kernels, one- and two-GPU spawns)", (
         "tests/primitives/test_moe_dispatch.py",
         "tests/primitives/test_moe_dispatch_fused_recompute.py",
         "tests/primitives/test_moe_dispatch_fused_permute.py",
@@ -62,7 +62,7 @@ SHARDS = {
         "tests/primitives/test_mtp.py",
         "tests/primitives/test_weight_transfer_nccl.py",  # two GPU ranks over NCCL, a trainer killed on purpose
     )),
-    5: ("processes: state sharding, offload, the RL pipeline, verl (NCCL spawns, Ray actors; ~4 min)", (
+    5: ("processes: state sharding, offload, the RL pipeline, verl (NCCL spawns, Ray actors)", (
         "tests/primitives/test_state_sharding.py",
         "tests/runtime/test_rl_gpu.py",
         "tests/runtime/test_pipeline_learning.py",
@@ -73,7 +73,7 @@ SHARDS = {
     )),
     # split from shard 5 at e8c6d11, which ran out of 460 s after these 9 tests: a step of every tiny model (the
     # Qwen3.5 one autotunes fla's kernels, ~250 s on a fresh machine) and Qwen3 against transformers in bf16
-    6: ("whole-model training steps in subprocesses, Qwen3 against transformers in bf16 (~6 min fresh)", (
+    6: ("whole-model training steps in subprocesses, Qwen3 against transformers in bf16", (
         "tests/primitives/test_attention_sdpa_backend_state.py",
         "tests/models/test_qwen3_gpu.py",
     )),
@@ -84,7 +84,7 @@ SHARDS = {
     )),
     # split from shards 3 and 7 after 91504d0: on a fresh two-H200 host shard 3 ran out of 571 s after 11 of
     # its 22 tests, in the gated backward's fla comparison; shard 7 did one case in each of two calls
-    8: ("our gated DeltaNet kernels: the chunked backward, the CP transition maps (Triton autotuning; ~4 min fresh)", (
+    8: ("our gated DeltaNet kernels: the chunked backward, the CP transition maps (Triton autotuning)", (
         "tests/primitives/test_linear_attention_gdn_backward.py",
         "tests/primitives/test_context_parallel_transition.py",  # our transition maps beside fla's at 16K tokens
     )),
@@ -135,8 +135,9 @@ def main(argv: list[str]) -> int:
     if str(ROOT) not in sys.path:  # run as a script: tests/ is on the path, the repository root is not
         sys.path.insert(0, str(ROOT))
     if not args.shards and not args.save_tuning:
+        from tests.gpu_lanes import FRESH_MINUTES
         for n, (what, files) in SHARDS.items():
-            print(f"shard {n}: {what}\n  " + "\n  ".join(files))
+            print(f"shard {n} (~{FRESH_MINUTES[n]} min on a fresh H200): {what}\n  " + "\n  ".join(files))
         return 0
     if args.shards != ["all"] and not all(a.isdigit() for a in args.shards):
         ap.error(f"shards must be shard numbers {sorted(SHARDS)} or 'all', got {args.shards}")
